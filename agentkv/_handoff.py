@@ -1,0 +1,432 @@
+"""Everything about ``kv_transfer_params``: the bodies of the two legs and the parsing of answers.
+
+Field names follow vLLM 0.32's NixlConnector (``nixl/pull_scheduler.py``, ``request_finished``)
+and its OpenAI server (``chat_completion/protocol.py``, ``renderers/online_renderer.py``):
+
+* P leg: ``max_tokens: 1``, ``stream: false`` and ``kv_transfer_params`` with
+  ``do_remote_decode: true`` plus either nulls or the decode node's turn-end handle, and the
+  prompt as ``prompt_token_ids`` (vLLM pops it from the params and skips templating).
+* D leg: prefill's returned params plus ``prompt_token_ids``, and ``return_token_ids: true`` so the
+  answer carries the generated ids.
+
+Raw parameter dicts are built and read here only; the rest of agentkv sees ``PrefillResult``,
+``DecodeResult`` and ``KVHandle``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, TypeGuard
+
+from agentkv._exceptions import InvalidMessageError, MalformedResponseError, ServerError
+from agentkv._json import dumps
+from agentkv._types import KVHandle, Message, ToolCall
+
+__all__ = [
+    "DecodeResult",
+    "PrefillResult",
+    "StreamAccumulator",
+    "TurnRequest",
+    "decode_body",
+    "parse_decode",
+    "parse_prefill",
+    "prefill_body",
+]
+
+_NO_HANDLE: Mapping[str, Any] = MappingProxyType(
+    {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+)
+_LOCATION_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TurnRequest:
+    """What a turn asks the model for, apart from the prompt tokens.
+
+    ``messages`` are the OpenAI dicts of the conversation (or a pre-serialized fragment of them):
+    vLLM validates them, and its tool parser reads the request, even though ``prompt_token_ids``
+    replaces their rendering.
+    """
+
+    model: str
+    messages: Any
+    num_messages: int
+    max_tokens: int
+    temperature: float | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+    tool_choice: Any = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def summary(self, leg: str) -> str:
+        return f"{leg} leg (chat.completions, {self.num_messages} messages)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefillResult:
+    """Prefill's answer: what it reused, and the params the decode leg must carry."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    _params: Mapping[str, Any] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecodeResult:
+    """Decode's answer: the assistant message, its exact token ids, and the turn-end handle."""
+
+    message: Message
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    prompt_tokens: int | None
+    handle: KVHandle | None
+
+
+def prefill_body(request: TurnRequest, *, prompt_ids: Any, handle: KVHandle | None) -> bytes:
+    """The P leg: prefill only (one discarded token), and pull ``handle``'s KV if given.
+
+    ``prompt_ids`` is the prompt's token list, or a pre-serialized fragment of it.
+    """
+    params = dict(handle._params) if handle is not None else dict(_NO_HANDLE)
+    # A decode handle comes back with do_remote_decode already true; make the intent explicit.
+    params["do_remote_decode"] = True
+    params["do_remote_prefill"] = False
+    params["prompt_token_ids"] = prompt_ids
+    return dumps(
+        {
+            "model": request.model,
+            "messages": request.messages,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": params,
+        }
+    )
+
+
+def decode_body(
+    request: TurnRequest, *, prompt_ids: Any, prefill: PrefillResult, stream: bool
+) -> bytes:
+    """The D leg: the real request, carrying prefill's params so decode pulls its blocks."""
+    params = dict(prefill._params)
+    params["prompt_token_ids"] = prompt_ids
+    body: dict[str, Any] = {
+        **request.extra,
+        "model": request.model,
+        "messages": request.messages,
+        "max_tokens": request.max_tokens,
+        "stream": stream,
+        "return_token_ids": True,
+        "kv_transfer_params": params,
+    }
+    if request.temperature is not None:
+        body["temperature"] = request.temperature
+    if request.tools:
+        body["tools"] = request.tools
+    if request.tool_choice is not None:
+        body["tool_choice"] = request.tool_choice
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return dumps(body)
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+
+def _bad(url: str, leg: str, detail: str) -> MalformedResponseError:
+    return MalformedResponseError(f"unexpected {leg} answer", url=url, detail=detail)
+
+
+def _int(value: object) -> TypeGuard[int]:
+    return type(value) is int  # bool is an int subclass; vLLM never sends bools here
+
+
+_INT_ONLY = frozenset({int})
+
+
+def _ints(values: list[Any]) -> bool:
+    """All exactly ``int`` (checked in C: token and block lists run to thousands)."""
+    return set(map(type, values)) <= _INT_ONLY
+
+
+def _kv_params(data: Mapping[str, Any], url: str, leg: str) -> Mapping[str, Any]:
+    params = data.get("kv_transfer_params")
+    if params is None:
+        hint = (
+            "is the NixlConnector configured (kv_role kv_producer/kv_both)?"
+            if leg == "prefill"
+            else "is bidirectional_kv_xfer on for decode (and, for streams, the agentkv plugin)?"
+        )
+        raise _bad(url, leg, f"no kv_transfer_params; {hint}")
+    if not isinstance(params, Mapping):
+        raise _bad(url, leg, f"kv_transfer_params is {type(params).__name__}, not an object")
+    return params
+
+
+def _block_ids(params: Mapping[str, Any], url: str, leg: str) -> tuple[tuple[int, ...], ...]:
+    raw = params.get("remote_block_ids")
+    if not isinstance(raw, list):
+        raise _bad(url, leg, "kv_transfer_params.remote_block_ids is missing or not a list")
+    # vLLM sends one list per KV cache group; accept a flat list (one group) too.
+    groups = raw if raw and isinstance(raw[0], list) else [raw]
+    out: list[tuple[int, ...]] = []
+    for group in groups:
+        if not isinstance(group, list) or not _ints(group):
+            raise _bad(url, leg, "kv_transfer_params.remote_block_ids holds non-integers")
+        out.append(tuple(group))
+    return tuple(out)
+
+
+def _check_location(params: Mapping[str, Any], url: str, leg: str) -> None:
+    for name in _LOCATION_FIELDS:
+        if not isinstance(params.get(name), str):
+            raise _bad(url, leg, f"kv_transfer_params.{name} is missing or not a string")
+    if not _int(params.get("remote_port")):
+        raise _bad(url, leg, "kv_transfer_params.remote_port is missing or not an integer")
+
+
+def _usage(data: Mapping[str, Any], url: str, leg: str) -> Mapping[str, Any]:
+    usage = data.get("usage")
+    if not isinstance(usage, Mapping):
+        raise _bad(url, leg, "no usage object")
+    return usage
+
+
+def parse_prefill(data: Any, *, url: str) -> PrefillResult:
+    """Parse the P leg's answer; ``MalformedResponseError`` unless it is what vLLM sends."""
+    leg = "prefill"
+    if not isinstance(data, Mapping):
+        raise _bad(url, leg, f"the body is {type(data).__name__}, not an object")
+    params = _kv_params(data, url, leg)
+    if params.get("do_remote_prefill") is not True:
+        raise _bad(url, leg, "kv_transfer_params.do_remote_prefill is not true")
+    _check_location(params, url, leg)
+    _block_ids(params, url, leg)
+    usage = _usage(data, url, leg)
+    prompt_tokens = usage.get("prompt_tokens")
+    if not _int(prompt_tokens):
+        raise _bad(url, leg, "usage.prompt_tokens is missing or not an integer")
+    # Reuse is prefill's own count. It needs --enable-prompt-tokens-details; without it vLLM
+    # still reports prefill's hits in the params it hands to decode.
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    if cached is None:
+        cached = params.get("remote_prefill_cached_tokens")
+    if cached is not None and not _int(cached):
+        raise _bad(url, leg, "cached_tokens is not an integer")
+    return PrefillResult(
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached or 0,
+        _params=MappingProxyType(dict(params)),
+    )
+
+
+def _handle(
+    params: Mapping[str, Any], *, url: str, pair: str, issued_at: float, deadline: float
+) -> KVHandle | None:
+    leg = "decode"
+    blocks = _block_ids(params, url, leg)
+    num_tokens = params.get("remote_num_tokens")
+    if not any(blocks) or not num_tokens:
+        return None  # decode kept nothing pinned (e.g. an aborted request)
+    if params.get("do_remote_decode") is not True:
+        raise _bad(url, leg, "kv_transfer_params.do_remote_decode is not true")
+    _check_location(params, url, leg)
+    if not _int(num_tokens):
+        raise _bad(url, leg, "kv_transfer_params.remote_num_tokens is not an integer")
+    expiry = params.get("remote_blocks_expiry_time")
+    if expiry is not None and not isinstance(expiry, int | float):
+        raise _bad(url, leg, "kv_transfer_params.remote_blocks_expiry_time is not a number")
+    return KVHandle(
+        pair=pair,
+        engine_id=params["remote_engine_id"],
+        request_id=params["remote_request_id"],
+        block_ids=blocks,
+        host=params["remote_host"],
+        port=params["remote_port"],
+        num_tokens=num_tokens,
+        issued_at=issued_at,
+        deadline=deadline,
+        server_expiry=float(expiry) if expiry is not None else None,
+        _params=MappingProxyType(dict(params)),
+    )
+
+
+def _token_ids(value: object, url: str, where: str) -> list[int]:
+    if not isinstance(value, list) or not _ints(value):
+        raise _bad(
+            url, "decode", f"{where} is missing or not a list of integers (return_token_ids)"
+        )
+    return value
+
+
+def _tool_calls(raw: object, url: str) -> tuple[ToolCall, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise _bad(url, "decode", "message.tool_calls is not a list")
+    try:
+        return tuple(ToolCall.from_openai(call) for call in raw)
+    except InvalidMessageError as exc:
+        raise _bad(url, "decode", f"bad tool call: {exc}") from exc
+
+
+def _assistant(content: object, tool_calls: tuple[ToolCall, ...], url: str) -> Message:
+    if content is not None and not isinstance(content, str):
+        raise _bad(url, "decode", "message.content is not a string")
+    if content is None and not tool_calls:
+        content = ""
+    return Message.assistant(content, tool_calls=tool_calls)
+
+
+def parse_decode(
+    data: Any, *, url: str, pair: str, issued_at: float, deadline: float
+) -> DecodeResult:
+    """Parse a non-streamed D leg answer into the assistant message, ids and turn-end handle."""
+    leg = "decode"
+    if not isinstance(data, Mapping):
+        raise _bad(url, leg, f"the body is {type(data).__name__}, not an object")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+        raise _bad(url, leg, "no choices")
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, Mapping):
+        raise _bad(url, leg, "choices[0].message is missing")
+    finish_reason = choice.get("finish_reason")
+    if not isinstance(finish_reason, str):
+        raise _bad(url, leg, "choices[0].finish_reason is missing")
+    token_ids = _token_ids(choice.get("token_ids"), url, "choices[0].token_ids")
+    params = _kv_params(data, url, leg)
+    usage = data.get("usage")
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, Mapping) else None
+    return DecodeResult(
+        message=_assistant(
+            message.get("content"), _tool_calls(message.get("tool_calls"), url), url
+        ),
+        token_ids=tuple(token_ids),
+        finish_reason=finish_reason,
+        prompt_tokens=prompt_tokens if _int(prompt_tokens) else None,
+        handle=_handle(params, url=url, pair=pair, issued_at=issued_at, deadline=deadline),
+    )
+
+
+class StreamAccumulator:
+    """Builds a ``DecodeResult`` from a streamed D leg, one parsed SSE chunk at a time.
+
+    ``feed`` returns the chunk's text delta ('' if none). Stock vLLM puts no
+    ``kv_transfer_params`` on streams; agentkv's plugin adds them (top level) to the last chunk.
+    """
+
+    __slots__ = (
+        "_calls",
+        "_finish",
+        "_params",
+        "_prompt_tokens",
+        "_text",
+        "_token_ids",
+        "_url",
+        "has_tokens",
+    )
+
+    def __init__(self, *, url: str) -> None:
+        self._url = url
+        self._text: list[str] = []
+        self._token_ids: list[int] = []
+        self._calls: dict[int, dict[str, str]] = {}
+        self._finish: str | None = None
+        self._params: Mapping[str, Any] | None = None
+        self._prompt_tokens: int | None = None
+        self.has_tokens = False
+
+    def feed(self, chunk: Any) -> str:
+        url = self._url
+        if not isinstance(chunk, Mapping):
+            raise _bad(url, "decode", "a stream chunk is not an object")
+        error = chunk.get("error")
+        if error is not None:
+            # vLLM reports failures inside a 200 stream as {"error": {...}}.
+            code = error.get("code") if isinstance(error, Mapping) else None
+            raise ServerError(
+                "decode failed mid-stream",
+                status_code=code if _int(code) else 500,
+                url=url,
+                request_summary="decode leg (stream)",
+                response_body=str(error),
+            )
+        if "kv_transfer_params" in chunk:
+            self._params = _kv_params(chunk, url, "decode")
+        usage = chunk.get("usage")
+        if isinstance(usage, Mapping) and _int(usage.get("prompt_tokens")):
+            self._prompt_tokens = usage["prompt_tokens"]
+        choices = chunk.get("choices")
+        if not choices:
+            return ""
+        if not isinstance(choices, list) or not isinstance(choices[0], Mapping):
+            raise _bad(url, "decode", "stream chunk choices are malformed")
+        choice = choices[0]
+        ids = choice.get("token_ids")
+        if ids is not None:
+            self._token_ids.extend(_token_ids(ids, url, "chunk token_ids"))
+            self.has_tokens = self.has_tokens or bool(ids)
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            if not isinstance(finish, str):
+                raise _bad(url, "decode", "finish_reason is not a string")
+            self._finish = finish
+        delta = choice.get("delta")
+        if not isinstance(delta, Mapping):
+            return ""
+        for call in delta.get("tool_calls") or ():
+            self._add_call(call)
+        text = delta.get("content")
+        if isinstance(text, str) and text:
+            self._text.append(text)
+            return text
+        return ""
+
+    def _add_call(self, call: object) -> None:
+        if not isinstance(call, Mapping) or not _int(call.get("index", 0)):
+            raise _bad(self._url, "decode", "a streamed tool call is malformed")
+        slot = self._calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": ""})
+        if isinstance(call.get("id"), str):
+            slot["id"] = call["id"]
+        function = call.get("function")
+        if isinstance(function, Mapping):
+            if isinstance(function.get("name"), str):
+                slot["name"] += function["name"]
+            if isinstance(function.get("arguments"), str):
+                slot["arguments"] += function["arguments"]
+
+    def result(self, *, pair: str, issued_at: float, deadline: float) -> DecodeResult:
+        url = self._url
+        if self._finish is None:
+            raise _bad(url, "decode", "the stream ended without a finish_reason")
+        if not self._token_ids:
+            raise _bad(url, "decode", "the stream carried no token_ids (return_token_ids)")
+        if self._params is None:
+            self._params = _kv_params({}, url, "decode")
+        try:
+            calls = tuple(
+                ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"])
+                for _, c in sorted(self._calls.items())
+            )
+        except InvalidMessageError as exc:
+            raise _bad(url, "decode", f"bad streamed tool call: {exc}") from exc
+        text = "".join(self._text)
+        return DecodeResult(
+            message=_assistant(text if text or not calls else None, calls, url),
+            token_ids=tuple(self._token_ids),
+            finish_reason=self._finish,
+            prompt_tokens=self._prompt_tokens,
+            handle=_handle(
+                self._params, url=url, pair=pair, issued_at=issued_at, deadline=deadline
+            ),
+        )

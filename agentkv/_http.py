@@ -1,0 +1,123 @@
+"""HTTP exchanges with the servers, and the mapping of httpx's errors onto agentkv's tree.
+
+Only this module catches ``httpx`` exceptions; everything above it sees ``agentkv`` errors.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
+
+import httpx
+
+from agentkv._exceptions import (
+    BadRequestError,
+    ConfigError,
+    ConnectError,
+    ConnectionLostError,
+    MalformedResponseError,
+    RequestTimeoutError,
+    ServerError,
+    TransportError,
+    UpstreamStatusError,
+)
+from agentkv._json import JSONDecodeError, loads
+
+__all__ = ["get_ok", "post_json", "raise_transport_error", "stream_events"]
+
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed(url: str) -> httpx.URL:
+    # httpx parses string URLs in pure Python on every request; a session talks to a handful of
+    # URLs, so parse each once (URL objects are immutable).
+    return httpx.URL(url)
+
+
+def raise_transport_error(exc: httpx.HTTPError, url: str) -> NoReturn:
+    """Re-raise an httpx error as the matching agentkv error."""
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        raise ConnectError(f"cannot connect to {url}: {exc}", url=url) from exc
+    if isinstance(exc, httpx.TimeoutException):
+        raise RequestTimeoutError(f"no answer from {url} in time: {exc!r}", url=url) from exc
+    if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
+        raise ConfigError(f"bad server URL {url!r}: {exc}") from exc
+    if isinstance(exc, httpx.TransportError):
+        raise ConnectionLostError(f"connection to {url} broke: {exc!r}", url=url) from exc
+    raise TransportError(f"request to {url} failed: {exc!r}", url=url) from exc
+
+
+def _raise_status(response: httpx.Response, url: str, summary: str) -> NoReturn:
+    status = response.status_code
+    body = response.text
+    cls: type[UpstreamStatusError]
+    if 400 <= status < 500:
+        cls = BadRequestError
+    elif status >= 500:
+        cls = ServerError
+    else:
+        cls = UpstreamStatusError
+    raise cls(
+        f"{summary} failed",
+        status_code=status,
+        url=url,
+        request_summary=summary,
+        response_body=body,
+    )
+
+
+def _parse(content: bytes, url: str, summary: str) -> Any:
+    try:
+        return loads(content)
+    except JSONDecodeError as exc:
+        raise MalformedResponseError(
+            f"{summary}: the answer is not JSON", url=url, detail=f"{exc}; starts {content[:80]!r}"
+        ) from exc
+
+
+async def post_json(client: httpx.AsyncClient, url: str, body: bytes, *, summary: str) -> Any:
+    """POST a JSON body and return the parsed JSON answer."""
+    try:
+        response = await client.post(_parsed(url), content=body, headers=_JSON_HEADERS)
+    except httpx.HTTPError as exc:
+        raise_transport_error(exc, url)
+    if response.status_code >= 300:
+        _raise_status(response, url, summary)
+    return _parse(response.content, url, summary)
+
+
+async def stream_events(
+    client: httpx.AsyncClient, url: str, body: bytes, *, summary: str
+) -> AsyncIterator[Any]:
+    """POST a JSON body and yield each server-sent event's parsed ``data`` until ``[DONE]``.
+
+    Closing the iterator early closes the connection (vLLM then aborts the request).
+    """
+    try:
+        async with client.stream(
+            "POST", _parsed(url), content=body, headers=_JSON_HEADERS
+        ) as response:
+            if response.status_code >= 300:
+                await response.aread()
+                _raise_status(response, url, summary)
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, "event:" lines
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                yield _parse(data.encode(), url, summary)
+    except httpx.HTTPError as exc:
+        raise_transport_error(exc, url)
+    raise MalformedResponseError(f"{summary}: the stream ended before [DONE]", url=url)
+
+
+async def get_ok(client: httpx.AsyncClient, url: str, *, timeout_s: float) -> bool:
+    """True when ``GET url`` answers 200 within ``timeout_s``; never raises for transport errors."""
+    try:
+        response = await client.get(url, timeout=timeout_s)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200

@@ -1,0 +1,357 @@
+"""Sessions: a conversation pinned to one prefill/decode pair, its KV threaded from turn to turn.
+
+``AsyncSession`` does the I/O; ``Session`` is its sync twin, driving the same core on the
+cluster's event-loop thread. Both share ``_SessionBase``, which does none.
+
+>>> with cluster.session() as s:  # doctest: +SKIP
+...     s.append(Message.system("You are terse."), Message.user("Capital of France?"))
+...     print(s.turn().text)                 # "Paris."
+...     print(s.send("And of Spain?").text)  # reuses turn 1's KV from the decode node
+...     print(s.stats.reuse_ratio)
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+
+import structlog
+
+from agentkv._exceptions import (
+    InvalidMessageError,
+    SessionBusyError,
+    SessionClosedError,
+)
+from agentkv._policy import CachePolicy
+from agentkv._state import SessionState
+from agentkv._transcript import Transcript, TranscriptView
+from agentkv._turn import SessionOptions, TurnRunner
+from agentkv._types import (
+    KVHandle,
+    Message,
+    MessageLike,
+    SessionStats,
+    TextDelta,
+    TurnResult,
+    TurnStats,
+)
+
+if TYPE_CHECKING:
+    from agentkv._cluster import AsyncCluster, Pair
+    from agentkv._portal import Portal
+
+__all__ = ["AsyncSession", "Session", "SessionOptions", "TurnOverrides"]
+
+logger = structlog.get_logger("agentkv")
+
+
+class TurnOverrides(TypedDict, total=False):
+    """Per-turn overrides of the session's defaults (all optional)."""
+
+    max_tokens: int
+    temperature: float | None
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: Any
+    extra_body: Mapping[str, Any]
+
+
+def _as_message(message: MessageLike) -> Message:
+    return Message.from_openai(message)
+
+
+def _merge(options: SessionOptions, overrides: TurnOverrides) -> SessionOptions:
+    if not overrides:
+        return options
+    unknown = set(overrides) - set(TurnOverrides.__annotations__)
+    if unknown:
+        raise TypeError(f"unexpected turn argument(s): {', '.join(sorted(unknown))}")
+    tools = overrides.get("tools", options.tools)
+    extra = overrides.get("extra_body", options.extra_body)
+    return SessionOptions(
+        max_tokens=overrides.get("max_tokens", options.max_tokens),
+        temperature=overrides.get("temperature", options.temperature),
+        tools=tuple(tools) if tools else None,
+        tool_choice=overrides.get("tool_choice", options.tool_choice),
+        extra_body=MappingProxyType(dict(extra)),
+    )
+
+
+class _SessionBase:
+    """What both twins share: state, reading, appending. No I/O."""
+
+    _state: SessionState
+
+    @property
+    def session_id(self) -> str:
+        return self._state.session_id
+
+    @property
+    def pair(self) -> Pair:
+        """The pair the session lives on (it moves only when that pair is unhealthy)."""
+        return self._state.pair
+
+    @property
+    def handle(self) -> KVHandle | None:
+        """The decode node's turn-end handle the next turn may pull from, if any."""
+        return self._state.handle
+
+    @property
+    def policy(self) -> CachePolicy:
+        return self._state.policy
+
+    @property
+    def closed(self) -> bool:
+        """True once the session (or its cluster) was closed."""
+        return self._state.closed or self._state.cluster.closed
+
+    @property
+    def transcript(self) -> TranscriptView:
+        """A read-only snapshot: messages, their exact token ids and spans, pending messages."""
+        return self._state.transcript.view()
+
+    @property
+    def turns(self) -> tuple[TurnStats, ...]:
+        """Stats of every committed turn, oldest first."""
+        return tuple(self._state.turns)
+
+    @property
+    def stats(self) -> SessionStats:
+        """Totals over the session's turns."""
+        return SessionStats.from_turns(self._state.turns)
+
+    def append(self, *messages: MessageLike) -> None:
+        """Queue messages (``Message`` values or OpenAI-style dicts) for the next turn.
+
+        All are validated first: on an ``InvalidMessageError`` none is appended.
+        """
+        self._check_open()
+        parsed = [_as_message(m) for m in messages]
+        self._state.transcript.append(*parsed)
+
+    def append_history(self, messages: Iterable[MessageLike]) -> int:
+        """Bring the session up to a full conversation history (as OpenAI clients send it).
+
+        ``messages`` must start with every message the session already holds; the rest are
+        appended. Returns how many were appended. An edited history raises
+        ``PrefixDivergedError`` (the stored handle is never sent with it): ``fork`` instead.
+        """
+        self._check_open()
+        parsed = [_as_message(m) for m in messages]
+        known = self._state.transcript.match_prefix(parsed)
+        self._state.transcript.append(*parsed[known:])
+        return len(parsed) - known
+
+    def _check_open(self) -> None:
+        state = self._state
+        if state.closed:
+            raise SessionClosedError(f"session {state.session_id} is closed")
+        if state.cluster.closed:
+            raise SessionClosedError(f"session {state.session_id}'s cluster is closed")
+
+    def _check_turnable(self) -> None:
+        self._check_open()
+        if self._state.busy:
+            raise SessionBusyError(f"session {self._state.session_id} is already running a turn")
+        if not self._state.transcript.pending:
+            raise InvalidMessageError("nothing to send: append a message before the turn")
+
+    def __repr__(self) -> str:
+        state = self._state
+        return (
+            f"<{type(self).__name__} {state.session_id} pair={state.pair.name} "
+            f"turns={len(state.turns)}{' closed' if state.closed else ''}>"
+        )
+
+
+class AsyncSession(_SessionBase):
+    """A conversation on one prefill/decode pair, async. Open with ``AsyncCluster.session()``.
+
+    >>> async with cluster.session(max_tokens=128) as s:  # doctest: +SKIP
+    ...     s.append(Message.user("Hi!"))
+    ...     r = await s.turn()
+    ...     s.append({"role": "user", "content": "Tell me more."})
+    ...     async for event in s.stream(max_tokens=64):
+    ...         if isinstance(event, TextDelta):
+    ...             print(event.text, end="")
+    """
+
+    def __init__(self, state: SessionState) -> None:
+        self._state = state
+
+    @classmethod
+    def _open(
+        cls,
+        cluster: AsyncCluster,
+        *,
+        session_id: str | None,
+        policy: CachePolicy,
+        options: SessionOptions,
+        transcript: Transcript | None = None,
+        near: Pair | None = None,
+    ) -> AsyncSession:
+        sid = session_id or uuid.uuid4().hex
+        pair = cluster._acquire(sid, near=near)
+        state = SessionState(
+            cluster,
+            session_id=sid,
+            pair=pair,
+            policy=policy,
+            options=options,
+            transcript=transcript or Transcript(),
+        )
+        return cls(state)
+
+    async def turn(self, **overrides: Unpack[TurnOverrides]) -> TurnResult:
+        """Send the pending messages and return the assistant's answer.
+
+        Keyword arguments override the session's defaults for this turn: ``max_tokens``,
+        ``temperature``, ``tools``, ``tool_choice``, ``extra_body``. A failed turn raises and
+        leaves the transcript (pending messages included) as it was.
+        """
+        options = _merge(self._state.options, overrides)
+        self._check_turnable()
+        self._state.busy = True
+        try:
+            async for event in TurnRunner(self._state, options, stream=False).events():
+                if isinstance(event, TurnResult):
+                    return event
+        finally:
+            self._state.busy = False
+        raise AssertionError("a turn ended without a result")  # pragma: no cover
+
+    async def send(
+        self, message: str | MessageLike, /, **overrides: Unpack[TurnOverrides]
+    ) -> TurnResult:
+        """Append ``message`` (text is a user message) and run a turn; on failure, un-append it."""
+        self._check_open()
+        keep = len(self._state.transcript.pending)
+        self.append(Message.user(message) if isinstance(message, str) else message)
+        try:
+            return await self.turn(**overrides)
+        except BaseException:
+            self._state.transcript.drop_pending(keep)
+            raise
+
+    def stream(self, **overrides: Unpack[TurnOverrides]) -> AsyncIterator[TextDelta | TurnResult]:
+        """Run a turn: ``TextDelta`` pieces as decode produces them, then the ``TurnResult``.
+
+        The turn-end handle is stored as for ``turn()``. Leaving the loop early abandons the turn
+        (nothing is committed). A stream is not retried once text was yielded.
+        """
+        options = _merge(self._state.options, overrides)
+        self._check_turnable()
+        return self._stream(options)
+
+    async def _stream(self, options: SessionOptions) -> AsyncIterator[TextDelta | TurnResult]:
+        self._check_turnable()
+        self._state.busy = True
+        try:
+            async for event in TurnRunner(self._state, options, stream=True).events():
+                yield event
+        finally:
+            self._state.busy = False
+
+    def fork(
+        self,
+        *,
+        keep: int | None = None,
+        messages: Iterable[MessageLike] | None = None,
+        session_id: str | None = None,
+    ) -> AsyncSession:
+        """A new session from the first ``keep`` messages, or from ``messages``; no handle.
+
+        The child lives on this session's pair when it is healthy (its prefill may still cache
+        the shared prefix). When the kept messages end with an assistant message, the child keeps
+        their exact tokens; otherwise its first turn renders them afresh.
+        """
+        self._check_open()
+        state = self._state
+        parsed = None if messages is None else [_as_message(m) for m in messages]
+        transcript = state.transcript.fork(keep=keep, messages=parsed)
+        child = AsyncSession._open(
+            state.cluster,
+            session_id=session_id,
+            policy=state.policy,
+            options=state.options,
+            transcript=transcript,
+            near=state.pair,
+        )
+        if not transcript.is_fresh:
+            child._state.tools_key = state.tools_key
+        return child
+
+    async def aclose(self) -> None:
+        """Close the session: forget its handle and free its place on the pair."""
+        state = self._state
+        if state.closed:
+            return
+        state.closed = True
+        state.handle = None
+        state.cluster._release(state.pair)
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class Session(_SessionBase):
+    """The sync twin of ``AsyncSession``. Open with ``Cluster.session()``; not thread-safe.
+
+    >>> with cluster.session() as s:  # doctest: +SKIP
+    ...     s.append(Message.user("Tell me a story."))
+    ...     for event in s.stream():
+    ...         if isinstance(event, TextDelta):
+    ...             print(event.text, end="")
+    """
+
+    def __init__(self, inner: AsyncSession, *, portal: Portal) -> None:
+        self._inner = inner
+        self._state = inner._state
+        self._portal = portal
+
+    def turn(self, **overrides: Unpack[TurnOverrides]) -> TurnResult:
+        """Send the pending messages and return the answer (see ``AsyncSession.turn``)."""
+        self._check_open()
+        return self._portal.call(self._inner.turn(**overrides))
+
+    def send(self, message: str | MessageLike, /, **overrides: Unpack[TurnOverrides]) -> TurnResult:
+        """Append ``message`` and run a turn (see ``AsyncSession.send``)."""
+        self._check_open()
+        return self._portal.call(self._inner.send(message, **overrides))
+
+    def stream(self, **overrides: Unpack[TurnOverrides]) -> Iterator[TextDelta | TurnResult]:
+        """Run a turn: text deltas, then the ``TurnResult`` (see ``AsyncSession.stream``)."""
+        return self._portal.iterate(self._inner.stream(**overrides))
+
+    def fork(
+        self,
+        *,
+        keep: int | None = None,
+        messages: Iterable[MessageLike] | None = None,
+        session_id: str | None = None,
+    ) -> Session:
+        """A new session without a handle (see ``AsyncSession.fork``)."""
+
+        async def _fork() -> AsyncSession:
+            return self._inner.fork(keep=keep, messages=messages, session_id=session_id)
+
+        self._check_open()
+        return Session(self._portal.call(_fork()), portal=self._portal)
+
+    def close(self) -> None:
+        """Close the session: forget its handle and free its place on the pair."""
+        if self._state.cluster.closed:
+            self._state.closed = True  # the loop thread is gone; so is everything it held
+            self._state.handle = None
+        elif not self._state.closed:
+            self._portal.call(self._inner.aclose())
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,317 @@
+"""The token-exact, append-only transcript of a session.
+
+A decode node's turn-end KV covers exactly the previous prompt plus the generated tokens. vLLM's
+pull is positional and unchecked, so the next prompt must start with exactly those tokens: the
+transcript keeps them (``token_ids``), and only ever extends them with the template's closing of
+the last assistant message and the tokens of newly appended messages. Each committed message
+knows the span of tokens it occupies, so a later caller can line echoed messages up with tokens.
+
+>>> t = Transcript()
+>>> t.append(Message.user("hi"))
+>>> prompt = t.prompt_for_turn(Delta(token_ids=(1, 2, 3), offsets=(0,), generation_start=2))
+>>> t.commit_turn(prompt, generated_ids=(7, 9), message=Message.assistant("yo"),
+...               finish_reason="stop")
+>>> t.token_ids, [s.end for s in t.spans]
+((1, 2, 3, 7, 9), [2, 5])
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from agentkv._exceptions import InvalidMessageError, PrefixDivergedError
+from agentkv._types import Message
+
+__all__ = ["Delta", "Span", "Transcript", "TranscriptView", "TurnPrompt"]
+
+# Token ids are stored as C ints: 4 bytes a token instead of ~36 for a list of Python ints, which is
+# most of an idle session's memory.
+_TOKEN_TYPECODE = "i"  # noqa: S105 - an array typecode, not a secret
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Tokens ``[start, end)`` of the transcript that render one message.
+
+    Messages the template renders as one unit (it changed the earlier one's tokens when the next
+    was added) share the span of that unit.
+    """
+
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Delta:
+    """The rendered tokens of newly appended messages (or of the whole first prompt).
+
+    ``offsets`` holds each message's start within ``token_ids``; ``generation_start`` is where the
+    assistant header (the template's generation prompt) begins.
+    """
+
+    token_ids: tuple[int, ...]
+    offsets: tuple[int, ...]
+    generation_start: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TurnPrompt:
+    """A prompt built from a transcript, to be committed (or dropped) once the turn ends."""
+
+    token_ids: array[int]
+    base_version: int
+    base_len: int
+    closing_len: int
+    messages: tuple[Message, ...]
+    spans: tuple[Span, ...]
+    generation_start: int
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def tolist(self) -> list[int]:
+        return self.token_ids.tolist()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TranscriptView:
+    """A read-only snapshot of a transcript (``session.transcript``)."""
+
+    messages: tuple[Message, ...]
+    token_ids: tuple[int, ...]
+    spans: tuple[Span, ...]
+    pending: tuple[Message, ...]
+
+
+class Transcript:
+    """Committed messages and their exact token ids, plus messages appended but not yet sent.
+
+    Every method either succeeds or raises with the transcript unchanged.
+    """
+
+    __slots__ = (
+        "_finish_reason",
+        "_messages",
+        "_pending",
+        "_spans",
+        "_tail_open",
+        "_tokens",
+        "_version",
+    )
+
+    def __init__(self, messages: Iterable[Message] = ()) -> None:
+        self._tokens: array[int] = array(_TOKEN_TYPECODE)
+        self._messages: list[Message] = []
+        self._spans: list[Span] = []
+        self._pending: list[Message] = []
+        # True while the last committed message is a generated assistant message whose template
+        # closing (e.g. ChatML's "<|im_end|>\n", minus what the model generated) is not yet added.
+        self._tail_open = False
+        self._finish_reason: str | None = None
+        self._version = 0
+        self.append(*messages)
+
+    # --- reading -------------------------------------------------------------------------------
+
+    @property
+    def messages(self) -> tuple[Message, ...]:
+        return tuple(self._messages)
+
+    @property
+    def pending(self) -> tuple[Message, ...]:
+        return tuple(self._pending)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    @property
+    def spans(self) -> tuple[Span, ...]:
+        return tuple(self._spans)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def version(self) -> int:
+        """How many turns were committed; a prompt is valid only for the version it was built on."""
+        return self._version
+
+    @property
+    def is_fresh(self) -> bool:
+        """True before the first committed turn: the next prompt is a full render."""
+        return not self._tokens
+
+    @property
+    def last_message(self) -> Message | None:
+        return self._messages[-1] if self._messages else None
+
+    def view(self) -> TranscriptView:
+        return TranscriptView(
+            messages=self.messages,
+            token_ids=self.token_ids,
+            spans=self.spans,
+            pending=self.pending,
+        )
+
+    # --- growing -------------------------------------------------------------------------------
+
+    def append(self, *messages: Message) -> None:
+        """Queue messages for the next turn."""
+        for message in messages:
+            if not isinstance(message, Message):
+                raise InvalidMessageError(
+                    f"expected a Message, got {type(message).__name__}; use Message.from_openai"
+                )
+        self._pending.extend(messages)
+
+    def drop_pending(self, keep: int) -> None:
+        """Forget pending messages after the first ``keep`` (undoes an append)."""
+        del self._pending[keep:]
+
+    def closing_suffix(self, closing: Sequence[int]) -> tuple[int, ...]:
+        """The closing tokens still to add after the last generated assistant message.
+
+        The model usually generated the first of them itself (ChatML's ``<|im_end|>``): only the
+        rest is added. A generation cut by ``max_tokens`` gets the full closing.
+        """
+        if not self._tail_open:
+            return ()
+        if self._finish_reason == "length":
+            return tuple(closing)
+        tokens = self._tokens
+        for overlap in range(min(len(closing), len(tokens)), 0, -1):
+            if tokens[len(tokens) - overlap :].tolist() == list(closing[:overlap]):
+                return tuple(closing[overlap:])
+        return tuple(closing)
+
+    def prompt_for_turn(self, delta: Delta, *, closing: Sequence[int] = ()) -> TurnPrompt:
+        """The next prompt: committed tokens + closing suffix + the pending messages' delta."""
+        if not self._pending:
+            raise InvalidMessageError("nothing to send: append a message before the turn")
+        if len(delta.offsets) != len(self._pending):
+            raise ValueError("delta offsets must match the pending messages")
+        suffix = self.closing_suffix(closing)
+        base = len(self._tokens) + len(suffix)
+        ids = array(_TOKEN_TYPECODE, self._tokens)
+        ids.extend(suffix)
+        ids.extend(delta.token_ids)
+        ends = [*delta.offsets[1:], delta.generation_start]
+        spans = [
+            Span(base + start, base + max(start, end))
+            for start, end in zip(delta.offsets, ends, strict=True)
+        ]
+        # Messages the template could not split share the span of their unit.
+        for i in range(len(spans) - 1, 0, -1):
+            if delta.offsets[i] == delta.offsets[i - 1]:
+                spans[i - 1] = spans[i] = Span(spans[i - 1].start, spans[i].end)
+        return TurnPrompt(
+            token_ids=ids,
+            base_version=self._version,
+            base_len=len(self._tokens),
+            closing_len=len(suffix),
+            messages=tuple(self._pending),
+            spans=tuple(spans),
+            generation_start=base + delta.generation_start,
+        )
+
+    def commit_turn(
+        self,
+        prompt: TurnPrompt,
+        *,
+        generated_ids: Sequence[int],
+        message: Message,
+        finish_reason: str,
+    ) -> None:
+        """Record a finished turn: its prompt, generated ids and assistant message.
+
+        Raises ``PrefixDivergedError`` (and changes nothing) unless the prompt extends the committed
+        tokens and was built on this transcript's current version.
+        """
+        if prompt.base_version != self._version:
+            raise PrefixDivergedError(
+                f"the prompt was built on transcript version {prompt.base_version}, "
+                f"but the transcript is at version {self._version}"
+            )
+        n = len(self._tokens)
+        if prompt.base_len != n or prompt.token_ids[:n] != self._tokens:
+            raise PrefixDivergedError("the prompt does not start with the committed tokens")
+        if tuple(self._pending[: len(prompt.messages)]) != prompt.messages:
+            raise PrefixDivergedError("the prompt renders messages that are no longer pending")
+        if message.role != "assistant":
+            raise InvalidMessageError("a turn commits an assistant message")
+        generated = array(_TOKEN_TYPECODE, generated_ids)
+        # Validation done: from here on nothing raises, so a commit is all or nothing.
+        if self._tail_open and self._spans:
+            last = self._spans[-1]
+            self._spans[-1] = Span(last.start, last.end + prompt.closing_len)
+        self._tokens = array(_TOKEN_TYPECODE, prompt.token_ids)
+        self._tokens.extend(generated)
+        self._messages.extend(prompt.messages)
+        self._spans.extend(prompt.spans)
+        self._messages.append(message)
+        self._spans.append(Span(prompt.generation_start, len(self._tokens)))
+        del self._pending[: len(prompt.messages)]
+        self._tail_open = True
+        self._finish_reason = finish_reason
+        self._version += 1
+
+    # --- branching -----------------------------------------------------------------------------
+
+    def fork(
+        self, *, keep: int | None = None, messages: Iterable[Message] | None = None
+    ) -> Transcript:
+        """A new transcript from the first ``keep`` committed messages, or from ``messages``.
+
+        When the kept messages end with an assistant message at a clean token boundary, the new
+        transcript keeps their exact tokens (so a prefill's local prefix cache still matches them);
+        otherwise the kept messages are queued and the first turn renders them afresh. Pending
+        messages are not carried over.
+        """
+        if (keep is None) == (messages is None):
+            raise ValueError("fork takes exactly one of keep= or messages=")
+        if messages is not None:
+            return Transcript(messages)
+        assert keep is not None
+        if not 0 <= keep <= len(self._messages):
+            raise ValueError(f"keep must be between 0 and {len(self._messages)}, got {keep}")
+        kept = self._messages[:keep]
+        if not kept or kept[-1].role != "assistant" or not self._clean_cut(keep):
+            return Transcript(kept)
+        child = Transcript()
+        end = self._spans[keep - 1].end
+        child._tokens = self._tokens[:end]
+        child._messages = list(kept)
+        child._spans = list(self._spans[:keep])
+        if keep == len(self._messages):
+            child._tail_open = self._tail_open
+            child._finish_reason = self._finish_reason
+        return child
+
+    def _clean_cut(self, keep: int) -> bool:
+        """True when message ``keep - 1`` ends where message ``keep`` starts (not one unit)."""
+        return keep == len(self._spans) or self._spans[keep].start >= self._spans[keep - 1].end
+
+    def match_prefix(self, messages: Sequence[Message]) -> int:
+        """Check that ``messages`` starts with this transcript's messages (committed, then pending);
+        return how many those are.
+
+        Raises ``PrefixDivergedError`` when the history was edited, so that the stored handle can
+        never be sent with it.
+        """
+        known = [*self._messages, *self._pending]
+        if len(messages) < len(known):
+            raise PrefixDivergedError(
+                f"the conversation has {len(messages)} messages but the session holds "
+                f"{len(known)}; fork the session to drop history"
+            )
+        for index, (mine, theirs) in enumerate(zip(known, messages, strict=False)):
+            if mine != theirs:
+                raise PrefixDivergedError(
+                    f"message {index} ({theirs.role}) differs from the session's; the history was "
+                    "edited, fork the session instead of reusing its KV"
+                )
+        return len(known)

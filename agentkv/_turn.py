@@ -1,0 +1,232 @@
+"""One turn: prompt tokens, the attach decision, the P leg, the D leg, the commit; with retries.
+
+Retry rules (each attempt is a whole P leg + D leg, so a decode failure re-runs the prefill):
+
+* Transport errors and 5xx answers are retried with backoff (``RetryPolicy``); 4xx, malformed
+  answers and template errors are not.
+* A handle is single use: it is taken off the session when a P leg carries it. Only when the P leg
+  never reached the server (connection refused) is it put back; after any other failure the server
+  may have read, and so freed, its blocks, and re-sending it could pull wrong KV.
+* A connection refused marks the pair unhealthy; the next attempt moves the session to a healthy
+  pair (transcript kept, KV recomputed there).
+* A streamed turn is not retried once text was yielded: the caller has seen it.
+* Nothing is committed until the D leg's answer is parsed, so a failed turn changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
+from tenacity.wait import wait_exponential, wait_random
+
+from agentkv._exceptions import ConnectError, ServerError, TransportError
+from agentkv._handoff import (
+    DecodeResult,
+    PrefillResult,
+    StreamAccumulator,
+    TurnRequest,
+    decode_body,
+    parse_decode,
+    parse_prefill,
+    prefill_body,
+)
+from agentkv._http import post_json, stream_events
+from agentkv._json import fragment
+from agentkv._transcript import TurnPrompt
+from agentkv._types import HandleState, KVHandle, TextDelta, TurnResult
+
+if TYPE_CHECKING:
+    from agentkv._cluster import Pair
+    from agentkv._state import SessionState
+
+__all__ = ["SessionOptions", "TurnRunner"]
+
+logger = structlog.get_logger("agentkv")
+
+_CHAT_PATH = "/v1/chat/completions"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SessionOptions:
+    """Per-turn request settings: session defaults, overridden field by field per turn."""
+
+    max_tokens: int = 256
+    temperature: float | None = 0.0
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    tool_choice: Any = None
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
+
+
+class TurnRunner:
+    """Runs one turn of a session; ``events()`` yields text deltas (streaming) then the result."""
+
+    def __init__(self, state: SessionState, options: SessionOptions, *, stream: bool) -> None:
+        self._state = state
+        self._options = options
+        self._stream = stream
+        self._started = time.perf_counter()
+        self._attempts = 0
+        self._yielded = False
+        self._prompt: TurnPrompt | None = None
+        self._request: TurnRequest | None = None
+
+    async def events(self) -> AsyncIterator[TextDelta | TurnResult]:
+        # The first attempt runs outside tenacity: setting up its machinery costs more than the
+        # rest of a turn's client-side work, and most turns succeed the first time.
+        try:
+            async for event in self._attempt():
+                yield event
+        except Exception as exc:
+            if self._state.cluster.retry.max_attempts == 1 or not self._retryable(exc):
+                raise
+            first_failure: Exception | None = exc
+        else:
+            return
+        retry = self._state.cluster.retry
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(retry.max_attempts),
+            wait=wait_exponential(multiplier=retry.initial_backoff_s, max=retry.max_backoff_s)
+            + wait_random(0, retry.jitter_s),
+            retry=retry_if_exception(self._retryable),
+            before_sleep=self._log_retry,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                if first_failure is not None:
+                    # Replay the first attempt's failure so tenacity counts it and waits.
+                    failure, first_failure = first_failure, None
+                    raise failure
+                async for event in self._attempt():
+                    yield event
+
+    def _retryable(self, exc: BaseException) -> bool:
+        return not self._yielded and isinstance(exc, TransportError | ServerError)
+
+    def _log_retry(self, retry_state: RetryCallState) -> None:
+        outcome = retry_state.outcome
+        exc = outcome.exception() if outcome is not None else None
+        logger.warning(
+            "agentkv.retry",
+            session_id=self._state.session_id,
+            turn=self._state.transcript.version + 1,
+            pair=self._state.pair.name,
+            attempt=retry_state.attempt_number,
+            error=type(exc).__name__,
+            detail=str(exc),
+        )
+
+    async def _attempt(self) -> AsyncIterator[TextDelta | TurnResult]:
+        state = self._state
+        cluster = state.cluster
+        self._attempts += 1
+        pair = await cluster._pair_for(state.session_id, state.pair)
+        if pair is not state.pair:
+            state.move_to(pair)
+        try:
+            async for event in self._legs(pair):
+                yield event
+        except ConnectError as exc:
+            cluster._mark_down(pair, reason=str(exc))
+            # A server that refused a connection may come back restarted, its block ids reused
+            # by other requests: a handle into it is never safe again.
+            state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} was unreachable")
+            raise
+
+    async def _prompt_for(self, pair: Pair) -> TurnPrompt:
+        # Built once per turn: every pair serves the same model, so the tokens hold on any of them.
+        if self._prompt is None:
+            self._prompt = await self._state.build_prompt(pair, self._options.tools)
+        return self._prompt
+
+    async def _legs(self, pair: Pair) -> AsyncIterator[TextDelta | TurnResult]:
+        state = self._state
+        prompt = await self._prompt_for(pair)
+        request = self._request or state.turn_request(prompt, self._options)
+        self._request = request
+        sent, handle_state, reason = self._take_handle(len(prompt))
+        ids = fragment(prompt.tolist())
+
+        t_prefill = time.perf_counter()
+        prefill = await self._prefill(pair, request, ids, sent)
+        t_decode = time.perf_counter()
+
+        decode_url = pair.decode + _CHAT_PATH
+        issued_at = state.cluster.clock()
+        deadline = state.policy.deadline(issued_at)
+        body = decode_body(request, prompt_ids=ids, prefill=prefill, stream=self._stream)
+        summary = request.summary("decode")
+        client = state.cluster.http_client
+        ttft: float | None = None
+        result: DecodeResult
+        if self._stream:
+            acc = StreamAccumulator(url=decode_url)
+            async for chunk in stream_events(client, decode_url, body, summary=summary):
+                text = acc.feed(chunk)
+                if ttft is None and (text or acc.has_tokens):
+                    ttft = time.perf_counter() - t_prefill
+                if text:
+                    self._yielded = True
+                    yield TextDelta(text=text)
+            result = acc.result(pair=pair.name, issued_at=issued_at, deadline=deadline)
+        else:
+            data = await post_json(client, decode_url, body, summary=summary)
+            result = parse_decode(
+                data, url=decode_url, pair=pair.name, issued_at=issued_at, deadline=deadline
+            )
+        t_end = time.perf_counter()
+        stats = state.commit(
+            prompt,
+            result,
+            pair=pair,
+            prefill=prefill,
+            attached=sent,
+            handle_state=handle_state,
+            handle_reason=reason,
+            ttft_s=ttft if ttft is not None else t_end - t_prefill,
+            prefill_s=t_decode - t_prefill,
+            decode_s=t_end - t_decode,
+            total_s=t_end - self._started,
+            retries=self._attempts - 1,
+            tools=self._options.tools,
+        )
+        yield TurnResult(
+            message=result.message,
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason,
+            stats=stats,
+        )
+
+    def _take_handle(self, prompt_len: int) -> tuple[KVHandle | None, HandleState, str]:
+        """Take the stored handle off the session; return it if it is to be sent, and why."""
+        state = self._state
+        handle = state.handle
+        decision = state.policy.decide_attach(
+            handle, prompt_len=prompt_len, now=state.cluster.clock()
+        )
+        handle_state, reason = decision.state, decision.reason
+        if handle is None and state.lost is not None:
+            handle_state, reason = state.lost
+        elif decision.attach:
+            # Single use: once a prefill may have read it, it is gone whatever happens next.
+            state.drop_handle(HandleState.CONSUMED, "a failed turn may have read the handle")
+        else:
+            state.drop_handle(decision.state, decision.reason)
+        return (handle if decision.attach else None), handle_state, reason
+
+    async def _prefill(
+        self, pair: Pair, request: TurnRequest, ids: object, sent: KVHandle | None
+    ) -> PrefillResult:
+        url = pair.prefill + _CHAT_PATH
+        data = await post_json(
+            self._state.cluster.http_client,
+            url,
+            prefill_body(request, prompt_ids=ids, handle=sent),
+            summary=request.summary("prefill"),
+        )
+        return parse_prefill(data, url=url)

@@ -1,0 +1,196 @@
+"""``agentkv bench``: the command-line edge of the benchmark (flags, logging, files, exit code).
+
+Wired into ``agentkv.cli`` with ``add_parser(subparsers)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+
+from agentkv._exceptions import ConfigError
+from agentkv.bench._config import DEFAULT_MODES, BenchConfig, parse_modes
+from agentkv.bench._modes import ClusterTarget
+from agentkv.bench._progress import ProgressBar
+from agentkv.bench._report import speedups
+from agentkv.bench._run import run_bench
+
+__all__ = ["add_parser", "cmd_bench"]
+
+_DEFAULTS = BenchConfig(run_id="0")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``bench`` on the ``agentkv`` command's subparsers."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "bench",
+        help="multi-turn agent benchmark: modes side by side, TTFT and reuse per turn",
+        description="Run the same synthetic agent sessions in several serving modes, interleaved, "
+        "and report TTFT, prefill reuse and throughput per mode and turn (docs/benchmarks.md).",
+    )
+    p.add_argument("--cluster-file", help="cluster file (default $AGENTKV_CLUSTER or "
+                   ".agentkv/cluster.json)")
+    p.add_argument("--modes", default=",".join(m.value for m in DEFAULT_MODES),
+                   help="comma-separated: disagg, affinity, agentkv, aggregated "
+                   "(default %(default)s)")
+    p.add_argument("--sessions", type=int, default=_DEFAULTS.sessions,
+                   help="sessions per mode (default %(default)s)")
+    p.add_argument("--turns", type=int, default=_DEFAULTS.turns,
+                   help="turns per session (default %(default)s)")
+    p.add_argument("--context-tokens", type=int, default=_DEFAULTS.context_tokens,
+                   help="system prompt with tool schemas, in tokens (default %(default)s)")
+    p.add_argument("--tool-tokens", type=int, default=_DEFAULTS.tool_tokens,
+                   help="tool result per turn, in tokens (default %(default)s)")
+    p.add_argument("--output-tokens", type=int, default=_DEFAULTS.output_tokens,
+                   help="median model output per turn, in tokens (default %(default)s)")
+    p.add_argument("--think-time", type=float, default=_DEFAULTS.think_time_s,
+                   help="mean pause between a session's turns, seconds (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=_DEFAULTS.concurrency,
+                   help="turns in flight at once (default %(default)s)")
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed,
+                   help="workload seed (default %(default)s)")
+    p.add_argument("--json", required=True, metavar="OUT", help="write the report here")
+    p.add_argument("--plot", metavar="PNG", help="also write the TTFT-by-turn plot here")
+    p.add_argument("--no-stream", action="store_true",
+                   help="time whole non-streamed turns (not true TTFT); for servers without "
+                   "agentkv's streamed-handle plugin")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--log-level", default="warning",
+                   choices=("debug", "info", "warning", "error"),
+                   help="structlog events on stderr at or above this level (default %(default)s)")
+    p.set_defaults(func=cmd_bench)
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        modes=parse_modes(args.modes),
+        sessions=args.sessions,
+        turns=args.turns,
+        context_tokens=args.context_tokens,
+        tool_tokens=args.tool_tokens,
+        output_tokens=args.output_tokens,
+        think_time_s=args.think_time,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        stream=not args.no_stream,
+    )
+
+
+def _cluster_file(args: argparse.Namespace) -> Path:
+    if args.cluster_file:
+        return Path(args.cluster_file)
+    from agentkv.local._config import default_cluster_file
+
+    return default_cluster_file()
+
+
+def _read_spec(path: Path) -> dict[str, Any]:
+    try:
+        spec = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no cluster file at {path}; start one with `agentkv up`") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cluster file {path} is unreadable: {exc}") from exc
+    if not isinstance(spec, dict) or not spec.get("pairs") or not spec.get("model"):
+        raise ConfigError(f"cluster file {path} has no 'model' and 'pairs'")
+    return spec
+
+
+def command_line(config: BenchConfig, *, cluster_file: Path, json_out: str,
+                 plot: str | None) -> str:
+    """The command that reruns ``config`` (recorded in the report)."""
+    argv = [
+        "agentkv", "bench", "--cluster-file", str(cluster_file),
+        "--modes", ",".join(m.value for m in config.modes),
+        "--sessions", str(config.sessions), "--turns", str(config.turns),
+        "--context-tokens", str(config.context_tokens), "--tool-tokens", str(config.tool_tokens),
+        "--output-tokens", str(config.output_tokens), "--think-time", f"{config.think_time_s:g}",
+        "--concurrency", str(config.concurrency), "--seed", str(config.seed), "--json", json_out,
+    ]
+    if plot:
+        argv += ["--plot", plot]
+    if not config.stream:
+        argv.append("--no-stream")
+    return shlex.join(argv)
+
+
+def _configure_logging(level: str) -> None:
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[
+            level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+def _fmt(value: float | None, unit: str = "") -> str:
+    return "-" if value is None else f"{value:,.1f}{unit}"
+
+
+def summary_table(report: Mapping[str, Any]) -> str:
+    """A plain-text table of each mode's summary and speedup over disagg."""
+    ratio = speedups(report)
+    lines = ["mode        TTFT p50 (ms)  TTFT p90 (ms)  reuse/ideal  tokens/s  vs disagg"]
+    for mode, block in report["modes"].items():
+        s = block["summary"]
+        reuse = s["reuse_vs_ideal"]
+        lines.append(
+            f"{mode:<10}  {_fmt(s['ttft_p50_ms_after_first_turn']):>13}  "
+            f"{_fmt(s['ttft_p90_ms_after_first_turn']):>13}  "
+            f"{'-' if reuse is None else f'{100 * reuse:.1f}%':>11}  "
+            f"{_fmt(s['throughput_tokens_per_s']):>8}  "
+            f"{_fmt(ratio.get(mode), 'x'):>9}"
+        )
+    return "\n".join(lines)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark; 0 when every turn succeeded, 1 when some failed (report written)."""
+    config = _config(args)
+    cluster_file = _cluster_file(args)
+    spec = _read_spec(cluster_file)
+    _configure_logging(args.log_level)
+    progress = None if args.no_progress else ProgressBar(config.total_turns)
+
+    async def main() -> dict[str, Any]:
+        transport = httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        )
+        try:
+            return await run_bench(config, target=ClusterTarget(spec=spec, transport=transport),
+                                   on_turn=progress.update if progress else None)
+        finally:
+            await transport.aclose()
+
+    if progress:
+        progress.start()
+    try:
+        report = asyncio.run(main())
+    finally:
+        if progress:
+            progress.close()
+    report["config"]["command"] = command_line(config, cluster_file=cluster_file,
+                                               json_out=args.json, plot=args.plot)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        from agentkv.bench._plot import plot_ttft
+
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot_ttft(report, args.plot)
+    print(summary_table(report))
+    errors = report.get("errors", [])
+    if errors:
+        print(f"{len(errors)} turn(s) failed; first: {errors[0]['error']}", file=sys.stderr)
+        return 1
+    return 0

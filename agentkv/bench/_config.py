@@ -1,0 +1,118 @@
+"""The benchmark's configuration: one typed object, defaults in one place, checked on construction.
+
+>>> config = BenchConfig(modes=parse_modes("agentkv,disagg"), sessions=2, turns=3)
+>>> [mode.value for mode in config.modes]
+['disagg', 'agentkv']
+>>> config.total_turns
+12
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agentkv._exceptions import ConfigError
+
+__all__ = ["DEFAULT_MODES", "BenchConfig", "Mode", "parse_modes"]
+
+
+class Mode(enum.StrEnum):
+    """How a session's turns are served; every mode runs the same workload in the same run."""
+
+    DISAGG = "disagg"
+    """Standard disaggregated serving: P→D every turn, no handle, P's cache cold for the session."""
+    AFFINITY = "affinity"
+    """A pinned pair: P keeps its own prefix cache between turns, nothing is pulled from decode."""
+    AGENTKV = "agentkv"
+    """The agentkv SDK: token-exact transcript, decode's turn-end KV pulled back, cache policy."""
+    AGGREGATED = "aggregated"
+    """Reference: one server (the prefill server) prefills and decodes, with its prefix cache."""
+
+
+# Order of the modes in results and plots (the order of the enum, baseline first).
+_ORDER = {mode: index for index, mode in enumerate(Mode)}
+DEFAULT_MODES = (Mode.DISAGG, Mode.AFFINITY, Mode.AGENTKV)
+
+
+def parse_modes(text: str) -> tuple[Mode, ...]:
+    """``"disagg,agentkv"`` -> modes in canonical order; unknown or repeated names raise."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ConfigError("--modes needs at least one mode")
+    modes: list[Mode] = []
+    for name in names:
+        try:
+            mode = Mode(name)
+        except ValueError:
+            known = ", ".join(m.value for m in Mode)
+            raise ConfigError(f"unknown mode {name!r}; expected some of {known}") from None
+        if mode in modes:
+            raise ConfigError(f"mode {name!r} is given twice")
+        modes.append(mode)
+    return tuple(sorted(modes, key=_ORDER.__getitem__))
+
+
+def _run_id() -> str:
+    return secrets.token_hex(4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """One benchmark run.
+
+    Attributes:
+        modes: the modes to compare, run side by side on the same workload.
+        sessions: agent sessions per mode (each mode runs its own copy of every session).
+        turns: turns per session.
+        context_tokens: size of the shared system prompt (instructions and tool schemas).
+        tool_tokens: size of the tool result each turn after the first carries.
+        output_tokens: median model output per turn; each turn generates exactly its planned
+            length (``min_tokens = max_tokens``), so every mode's prompts have the same lengths.
+        think_time_s: mean pause between a session's turns (the tool running), 0 for none.
+        concurrency: turns in flight at once, across all sessions and modes.
+        seed: the workload's seed; the same seed and tokenizer give the same workload.
+        stream: stream decode and time the first token (true TTFT); ``False`` times whole
+            non-streamed turns, for servers without agentkv's streamed-handle plugin.
+        run_id: makes this run's cache salts unique, so no run reuses another's cache.
+    """
+
+    modes: tuple[Mode, ...] = DEFAULT_MODES
+    sessions: int = 2
+    turns: int = 8
+    context_tokens: int = 2048
+    tool_tokens: int = 256
+    output_tokens: int = 64
+    think_time_s: float = 0.0
+    concurrency: int = 1
+    seed: int = 0
+    stream: bool = True
+    run_id: str = field(default_factory=_run_id)
+
+    def __post_init__(self) -> None:
+        if not self.modes:
+            raise ConfigError("at least one mode is needed")
+        if len(set(self.modes)) != len(self.modes):
+            raise ConfigError("modes must be distinct")
+        object.__setattr__(self, "modes", tuple(sorted(self.modes, key=_ORDER.__getitem__)))
+        for name, low in (("sessions", 1), ("turns", 1), ("concurrency", 1),
+                          ("context_tokens", 64), ("tool_tokens", 16), ("output_tokens", 8)):
+            value = getattr(self, name)
+            if type(value) is not int or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not 0.0 <= self.think_time_s <= 3600.0:
+            raise ConfigError(f"think_time_s must be in [0, 3600], got {self.think_time_s}")
+        if not self.run_id.isalnum() or len(self.run_id) > 32:
+            # It goes into vLLM cache salts, which refuse '/', '@', '\\' and long values.
+            raise ConfigError(f"run_id must be 1-32 letters or digits, got {self.run_id!r}")
+
+    @property
+    def total_turns(self) -> int:
+        return len(self.modes) * self.sessions * self.turns
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["modes"] = [mode.value for mode in self.modes]
+        return data

@@ -1,0 +1,249 @@
+"""How each mode serves a session's turns: the SDK for the P/D modes, plain requests for aggregated.
+
+``disagg``, ``affinity`` and ``agentkv`` all run on the SDK (the same transcript, template and
+request code), so they differ only in what the benchmark means to compare:
+
+=========  ==========================  ==================  =====================
+mode       handle sent to prefill      prefill cache_salt  decode keeps turn KV
+=========  ==========================  ==================  =====================
+disagg     never                       fresh every turn    no
+affinity   never                       one per session     no
+agentkv    when the policy says so     one per session     yes (pinned handle)
+=========  ==========================  ==================  =====================
+
+``aggregated`` sends ordinary streamed chat completions (the server renders the messages) to the
+prefill server alone, with one salt per session.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from agentkv._cluster import AsyncCluster
+from agentkv._http import stream_events
+from agentkv._json import dumps
+from agentkv._policy import CachePolicy
+from agentkv._session import AsyncSession
+from agentkv._types import Message, TurnResult
+from agentkv.bench._config import Mode
+from agentkv.bench._legs import LegRewriter
+from agentkv.bench._samples import TurnSample
+from agentkv.bench._workload import TurnScript
+
+__all__ = [
+    "NEVER_ATTACH",
+    "AggregatedRunner",
+    "ClusterTarget",
+    "NotOwned",
+    "SdkRunner",
+    "SessionRunner",
+    "open_runner",
+]
+
+# Never attach a handle: a policy whose reuse floor no handle reaches.
+NEVER_ATTACH = CachePolicy(min_reuse_tokens=2**62)
+
+
+class SessionRunner(Protocol):
+    """Runs one session's turns in one mode."""
+
+    async def turn(self, script: TurnScript) -> TurnSample: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterTarget:
+    """The cluster under test: its spec (cluster-file shape) and the transport that reaches it."""
+
+    spec: Mapping[str, Any]
+    transport: httpx.AsyncBaseTransport
+
+    @property
+    def model(self) -> str:
+        return str(self.spec["model"])
+
+    def urls(self, role: str) -> list[str]:
+        return [str(pair[role]) for pair in self.spec["pairs"]]
+
+
+def _salt(run_id: str, mode: Mode, session: int) -> str:
+    # vLLM refuses salts over 128 characters or with '/', '@', '\\'.
+    return f"akvb-{run_id}-{mode.value}-s{session}"
+
+
+class SdkRunner:
+    """A session on the SDK: ``disagg``, ``affinity`` or ``agentkv``."""
+
+    def __init__(
+        self,
+        *,
+        mode: Mode,
+        index: int,
+        cluster: AsyncCluster,
+        session: AsyncSession,
+        system: str,
+        decode_salt: str,
+        stream: bool,
+    ) -> None:
+        self._mode = mode
+        self._index = index
+        self._cluster = cluster
+        self._session = session
+        self._system: str | None = system
+        self._decode_salt = decode_salt
+        self._stream = stream
+
+    async def turn(self, script: TurnScript) -> TurnSample:
+        session = self._session
+        if self._system is not None:
+            session.append(Message.system(self._system))
+            self._system = None
+        session.append(Message.user(script.user))
+        extra = {"min_tokens": script.output_tokens, "cache_salt": self._decode_salt}
+        result: TurnResult | None = None
+        if self._stream:
+            async for event in session.stream(max_tokens=script.output_tokens, extra_body=extra):
+                if isinstance(event, TurnResult):
+                    result = event
+        else:
+            result = await session.turn(max_tokens=script.output_tokens, extra_body=extra)
+        assert result is not None  # a stream that ends without a result raises instead
+        stats = result.stats
+        # The SDK times its first token from the P leg's start; add what came before it
+        # (rendering the new messages' tokens), which the agent waits for too.
+        before_prefill = max(0.0, stats.total_s - stats.prefill_s - stats.decode_s)
+        return TurnSample(
+            mode=self._mode,
+            session=self._index,
+            turn=script.turn,
+            ttft_s=before_prefill + stats.ttft_s,
+            total_s=stats.total_s,
+            prompt_tokens=stats.prompt_tokens,
+            reused_tokens=stats.reused_tokens,
+            ideal_reused_tokens=stats.ideal_reused_tokens,
+            generated_tokens=stats.generated_tokens,
+            handle_state=stats.handle_state.value,
+        )
+
+    async def aclose(self) -> None:
+        await self._session.aclose()
+        await self._cluster.aclose()
+
+
+class AggregatedRunner:
+    """A session on one server doing prefill and decode, with its prefix cache (a reference)."""
+
+    def __init__(
+        self, *, index: int, client: httpx.AsyncClient, url: str, model: str, system: str,
+        salt: str,
+    ) -> None:
+        self._index = index
+        self._client = client
+        self._url = url.rstrip("/") + "/v1/chat/completions"
+        self._model = model
+        self._messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        self._salt = salt
+        self._ideal = 0
+
+    async def turn(self, script: TurnScript) -> TurnSample:
+        messages = [*self._messages, {"role": "user", "content": script.user}]
+        body = dumps({
+            "model": self._model,
+            "messages": messages,
+            "max_tokens": script.output_tokens,
+            "min_tokens": script.output_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "cache_salt": self._salt,
+        })
+        started = time.perf_counter()
+        first: float | None = None
+        text: list[str] = []
+        usage: Mapping[str, Any] = {}
+        async for chunk in stream_events(self._client, self._url, body, summary="aggregated"):
+            choices = chunk.get("choices") or []
+            delta = choices[0].get("delta") or {} if choices else {}
+            piece = delta.get("content") or ""
+            if first is None and piece:
+                first = time.perf_counter()
+            text.append(piece)
+            if isinstance(chunk.get("usage"), Mapping):
+                usage = chunk["usage"]
+        end = time.perf_counter()
+        prompt = int(usage.get("prompt_tokens", 0))
+        generated = int(usage.get("completion_tokens", 0))
+        details = usage.get("prompt_tokens_details") or {}
+        ideal, self._ideal = self._ideal, prompt + generated - 1
+        self._messages = [*messages, {"role": "assistant", "content": "".join(text)}]
+        return TurnSample(
+            mode=Mode.AGGREGATED,
+            session=self._index,
+            turn=script.turn,
+            ttft_s=(first if first is not None else end) - started,
+            total_s=end - started,
+            prompt_tokens=prompt,
+            reused_tokens=int(details.get("cached_tokens") or 0),
+            ideal_reused_tokens=min(ideal, max(0, prompt - 1)),
+            generated_tokens=generated,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class NotOwned(httpx.AsyncBaseTransport):
+    """Lends a shared transport to a client that will try to close it."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        """The owner closes the shared transport."""
+
+
+def open_runner(
+    mode: Mode, index: int, *, target: ClusterTarget, system: str, run_id: str, stream: bool
+) -> SessionRunner:
+    """A runner for session ``index`` in ``mode``, with its own salts and HTTP client."""
+    salt = _salt(run_id, mode, index)
+    if mode is Mode.AGGREGATED:
+        client = httpx.AsyncClient(transport=NotOwned(target.transport), timeout=600.0)
+        return AggregatedRunner(
+            index=index, client=client, url=target.urls("prefill")[0], model=target.model,
+            system=system, salt=salt,
+        )
+    if mode is Mode.DISAGG:
+        counter = itertools.count(1)
+
+        def prefill_salt() -> str:
+            return f"{salt}-p{next(counter)}"
+    else:
+
+        def prefill_salt() -> str:
+            return salt
+
+    transport = LegRewriter(
+        target.transport,
+        prefill=target.urls("prefill"),
+        decode=target.urls("decode"),
+        prefill_salt=prefill_salt,
+        pin_on_decode=mode is Mode.AGENTKV,
+    )
+    policy = CachePolicy() if mode is Mode.AGENTKV else NEVER_ATTACH
+    cluster = AsyncCluster.from_dict(target.spec, transport=transport, policy=policy)
+    session = cluster.session(session_id=f"{mode.value}-s{index}")
+    return SdkRunner(
+        mode=mode, index=index, cluster=cluster, session=session, system=system,
+        decode_salt=salt, stream=stream,
+    )

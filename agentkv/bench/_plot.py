@@ -1,0 +1,63 @@
+"""The PNG: TTFT by turn, one line per mode (median over sessions, band from min to max).
+
+matplotlib is imported here only (the ``bench`` extra), with the non-interactive Agg backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from agentkv._exceptions import ConfigError
+from agentkv.bench._report import median_by_turn
+
+__all__ = ["plot_ttft"]
+
+_COLORS = {
+    "disagg": "#c0392b",
+    "affinity": "#e67e22",
+    "agentkv": "#2471a3",
+    "aggregated": "#7f8c8d",
+}
+
+
+def plot_ttft(report: Mapping[str, Any], path: str | Path, *, title: str | None = None) -> Path:
+    """Write the TTFT-by-turn plot of ``report`` to ``path`` (PNG); returns the path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - the bench extra installs it
+        raise ConfigError("plotting needs matplotlib: pip install 'agentkv[bench]'") from exc
+
+    config = report["config"]
+    figure, axes = plt.subplots(figsize=(8.0, 4.8), dpi=120)
+    for mode, block in report["modes"].items():
+        turns = [row["turn"] for row in block["turns"]]
+        medians = median_by_turn(block)
+        lows, highs = [], []
+        for row in block["turns"]:
+            values = [v for v in row["ttft_ms"] if v is not None]
+            lows.append(min(values) / 1000.0 if values else float("nan"))
+            highs.append(max(values) / 1000.0 if values else float("nan"))
+        ys = [m / 1000.0 if m is not None else float("nan") for m in medians]
+        color = _COLORS.get(mode)
+        axes.plot(turns, ys, marker="o", label=mode, color=color)
+        axes.fill_between(turns, lows, highs, alpha=0.15, color=color)
+    axes.set_yscale("log")
+    axes.set_xlabel("turn")
+    axes.set_ylabel("time to first token (s, log scale)")
+    axes.set_xticks(range(1, int(config["turns"]) + 1))
+    axes.grid(visible=True, which="both", alpha=0.3)
+    axes.legend()
+    axes.set_title(title or (
+        f"TTFT by turn: {config['sessions']} sessions, {config['context_tokens']}-token context, "
+        f"{config['tool_tokens']}-token tool results"
+    ), fontsize=10)
+    figure.tight_layout()
+    out = Path(path)
+    figure.savefig(out)
+    plt.close(figure)
+    return out

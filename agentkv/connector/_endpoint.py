@@ -1,0 +1,173 @@
+"""agentkv's vLLM endpoint plugin: lease routes and streamed handles, in the API server process.
+
+Loaded by vLLM (entry point ``vllm.endpoint_plugins:agentkv``) only when ``VLLM_PLUGINS`` names
+``agentkv``; ``agentkv up`` sets it. Two jobs:
+
+* Routes (under ``/v1`` so ``--api-key`` guards them): ``GET /v1/agentkv/info``,
+  ``POST /v1/agentkv/leases/release`` and ``POST /v1/agentkv/leases/extend``. Each forwards to
+  the EngineCore's ``agentkv_leases`` utility (``_engine_rpc``), which asks the connector. One
+  decode server serves any number of sessions: a call names its handle by the handle's own
+  capability (``_leases``), never by a session id the server would have to trust.
+* At start, it patches this server's chat serving object so streams end with the handle
+  (``_stream``); a vLLM that lacks the patch point fails the start.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from agentkv._hints import (
+    EXTEND_PATH,
+    INFO_PATH,
+    INVALID_REQUEST,
+    LEASE_EXPIRED,
+    LEASES_UNAVAILABLE,
+    RELEASE_PATH,
+    UNKNOWN_LEASE,
+    ExtendRequest,
+    ExtendResult,
+    HintError,
+    LeaseRef,
+    ServerInfo,
+)
+from agentkv.connector import _stream
+from agentkv.connector._engine_rpc import METHOD
+
+_ERRORS = {
+    "unknown": (404, UNKNOWN_LEASE, "no such lease, or not yours"),
+    "expired": (410, LEASE_EXPIRED, "the lease has expired; its blocks are being freed"),
+    "invalid": (400, INVALID_REQUEST, "not a lease request"),
+    "unavailable": (501, LEASES_UNAVAILABLE,
+                    "this server's KV connector is not AgentKVConnector; hints are ignored"),
+}
+
+
+def _error(status: str, message: str | None = None) -> JSONResponse:
+    code, name, default = _ERRORS.get(status, (500, "internal", f"lease call answered {status}"))
+    return JSONResponse({"error": {"code": name, "message": message or default}}, status_code=code)
+
+
+class _EngineLink:
+    """Calls ``agentkv_leases`` on the engine(s) behind this API server."""
+
+    def __init__(self, engine_client: Any) -> None:
+        core = getattr(engine_client, "engine_core", None)
+        if core is None or not hasattr(core, "call_utility_async"):
+            raise RuntimeError(
+                "agentkv: vLLM's engine client has no engine_core.call_utility_async; this vLLM "
+                "version is not supported by agentkv's lease routes"
+            )
+        self._core = core
+
+    async def call(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
+        try:
+            # With data parallelism the handle's request lives on one engine: ask all, keep the
+            # answer of the engine that knows it.
+            call_all = getattr(self._core, "call_utility_all_async", None)
+            if call_all is not None:
+                answers = await call_all(METHOD, op, payload)
+            else:
+                answers = [await self._core.call_utility_async(METHOD, op, payload)]
+        except Exception as exc:
+            # vLLM reports engine-side failures as plain exceptions carrying the message; the
+            # method is missing where the general plugin did not run in the engine process.
+            if "has no attribute" in str(exc) and METHOD in str(exc):
+                return {"status": "unavailable"}
+            raise
+        return _merge(answers)
+
+
+def _merge(answers: list[Any]) -> dict[str, Any]:
+    ranked = ["ok", "expired", "invalid", "unknown", "unavailable"]
+    good = [a for a in answers if isinstance(a, dict) and a.get("status") in ranked]
+    if not good:
+        return {"status": "unavailable"}
+    return min(good, key=lambda a: ranked.index(a["status"]))
+
+
+def _link(request: Request) -> _EngineLink | None:
+    link = getattr(request.app.state, "agentkv_engine", None)
+    return link if isinstance(link, _EngineLink) else None
+
+
+async def _body(request: Request) -> object:
+    try:
+        return await request.json()
+    except ValueError:
+        return None
+
+
+router = APIRouter()
+
+
+@router.get(INFO_PATH)
+async def info(request: Request) -> JSONResponse:
+    link = _link(request)
+    answer = await link.call("info", {}) if link is not None else {"status": "unavailable"}
+    ok = answer.get("status") == "ok"
+    default, cap = answer.get("default_ttl_s"), answer.get("max_ttl_s")
+    return JSONResponse(
+        ServerInfo(
+            leases=ok,
+            stream_handles=bool(getattr(request.app.state, "agentkv_stream_handles", False)),
+            default_ttl_s=float(default) if ok and default is not None else None,
+            max_ttl_s=float(cap) if ok and cap is not None else None,
+        ).to_wire()
+    )
+
+
+@router.post(RELEASE_PATH)
+async def release(request: Request) -> JSONResponse:
+    try:
+        ref = LeaseRef.from_wire(await _body(request))
+    except HintError as exc:
+        return _error("invalid", str(exc))
+    link = _link(request)
+    if link is None:
+        return _error("unavailable")
+    answer = await link.call("release", ref.to_wire())
+    if answer.get("status") != "ok":
+        return _error(str(answer.get("status")), answer.get("message"))
+    return JSONResponse({"released": True})
+
+
+@router.post(EXTEND_PATH)
+async def extend(request: Request) -> JSONResponse:
+    try:
+        extend = ExtendRequest.from_wire(await _body(request))
+    except HintError as exc:
+        return _error("invalid", str(exc))
+    link = _link(request)
+    if link is None:
+        return _error("unavailable")
+    answer = await link.call("extend", extend.to_wire())
+    if answer.get("status") != "ok":
+        return _error(str(answer.get("status")), answer.get("message"))
+    try:
+        result = ExtendResult.from_wire(answer)
+    except HintError as exc:
+        return _error("internal", f"the engine answered a malformed extend: {exc}")
+    return JSONResponse(result.to_wire())
+
+
+class AgentKVEndpointPlugin:
+    """The ``vllm.endpoint_plugins`` entry point (vLLM's ``EndpointPlugin`` protocol)."""
+
+    name = "agentkv"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(router)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        if engine_client is None:  # vLLM's CPU-only render server: no engine, no pins
+            return
+        state.agentkv_engine = _EngineLink(engine_client)
+        serving = getattr(state, "openai_serving_chat", None)
+        if serving is not None:
+            _stream.install(serving)
+            state.agentkv_stream_handles = True

@@ -1,0 +1,268 @@
+"""Start and stop local vLLM CPU prefill/decode pairs (``agentkv up`` / ``agentkv down``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentkv._exceptions import ConfigError
+from agentkv.local._config import ClusterRecord, LocalClusterConfig, PairRecord, ServerRecord
+from agentkv.local._model import prepare_model
+from agentkv.local._procs import pid_alive, stop_group
+from agentkv.local._quiet import quiet_env
+
+Progress = Callable[[str], None]
+
+# Measured: one server with a 1 GiB KV cache peaks near 2.5 GiB resident while compiling.
+_SERVER_MEMORY_GIB = 2.5
+
+
+class StartupError(ConfigError):
+    """A server of the local cluster could not be started; the message names the cause and log."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerPlan:
+    """Everything needed to start one server: the command, its environment and its log."""
+
+    role: str  # "prefill" or "decode"
+    pair: str
+    port: int
+    side_channel_port: int
+    core: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def kv_transfer_config(*, role: str, config: LocalClusterConfig) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of a server: vLLM's NixlConnector, bidirectional, on DRAM."""
+    extra: dict[str, Any] = {
+        "bidirectional_kv_xfer": True,
+        "decoder_kv_blocks_ttl": config.decoder_kv_blocks_ttl,
+        "kv_recompute_threshold": config.kv_recompute_threshold,
+    }
+    transfer: dict[str, Any] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+        # A pull that fails (the handle expired or was released) recomputes those tokens instead
+        # of failing the request with a 500 (vLLM's default, "fail").
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+    if config.agentkv_connector:
+        transfer["kv_connector"] = "AgentKVConnector"
+        transfer["kv_connector_module_path"] = "agentkv.connector"
+    return transfer
+
+
+def plan_servers(config: LocalClusterConfig, *, model_path: Path) -> list[ServerPlan]:
+    """Ports, cores, commands and environments for every server of the cluster."""
+    cores = os.cpu_count() or 1
+    plans = []
+    for index in range(config.pairs):
+        name = f"pair-{index}"
+        ports = config.server_ports(index)
+        channels = config.side_channel_ports(index)
+        for offset, role in enumerate(("prefill", "decode")):
+            core = (2 * index + offset) % cores
+            argv = (
+                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(model_path),
+                "--served-model-name", config.model,
+                "--host", config.host,
+                "--port", str(ports[offset]),
+                "--max-model-len", str(config.max_model_len),
+                "--dtype", "bfloat16",
+                "--enable-prefix-caching",
+                "--enable-prompt-tokens-details",
+                "--kv-transfer-config", json.dumps(kv_transfer_config(role=role, config=config)),
+                *config.extra_args,
+            )
+            env = dict(os.environ)
+            env.update(
+                HF_HUB_OFFLINE="1",
+                VLLM_CPU_KVCACHE_SPACE=str(config.kv_cache_gib),
+                VLLM_CPU_OMP_THREADS_BIND=str(core),
+                VLLM_NIXL_SIDE_CHANNEL_PORT=str(channels[offset]),
+                VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            )
+            if config.quiet:
+                env.update(quiet_env())
+            plans.append(
+                ServerPlan(
+                    role=role, pair=name, port=ports[offset], side_channel_port=channels[offset],
+                    core=core, argv=argv, env=env, log=config.log_dir / f"{name}-{role}.log",
+                )
+            )
+    return plans
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _available_memory_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / (1 << 20)
+    return float("inf")
+
+
+def check_preconditions(plans: list[ServerPlan], config: LocalClusterConfig) -> None:
+    """Fail before starting anything: busy ports and too little memory get one clear line."""
+    for plan in plans:
+        for port, what in ((plan.port, "HTTP"), (plan.side_channel_port, "NIXL side-channel")):
+            if not _port_free(config.host, port):
+                raise StartupError(
+                    f"{what} port {port} for {plan.pair} {plan.role} is already in use; "
+                    "stop what holds it or pass --base-port / --base-side-channel-port"
+                )
+    needed = len(plans) * (_SERVER_MEMORY_GIB + config.kv_cache_gib)
+    available = _available_memory_gib()
+    if available < needed:
+        raise StartupError(
+            f"too little memory: {len(plans)} servers need about {needed:.1f} GiB, "
+            f"{available:.1f} GiB available; start fewer pairs (--pairs) or lower --kv-cache-gib"
+        )
+
+
+def _healthy(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:  # noqa: S310
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _log_tail(path: Path, lines: int = 1) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line.strip()[:160] for line in text[-lines:])
+
+
+def existing_cluster(config: LocalClusterConfig) -> ClusterRecord | None:
+    """The cluster of an earlier ``up`` if all its servers are alive and healthy."""
+    if not config.cluster_file.exists():
+        return None
+    try:
+        record = ClusterRecord.read(config.cluster_file)
+    except ConfigError:
+        return None
+    servers = [s for pair in record.pairs for s in (pair.prefill, pair.decode)]
+    if servers and all(pid_alive(s.pid) and _healthy(s.url) for s in servers):
+        return record
+    return None
+
+
+def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = None) -> ClusterRecord:
+    """Start every server, wait until all answer, write the cluster file. Reuses a live cluster.
+
+    On any failure every process started here is stopped before the error is raised.
+    """
+    say = progress or (lambda _msg: None)
+    live = existing_cluster(config)
+    if live is not None:
+        say(f"reusing the running cluster in {config.cluster_file} ({len(live.pairs)} pairs)")
+        return live
+    model_path = prepare_model(config.model, cache_dir=config.model_cache_dir, progress=say)
+    plans = plan_servers(config, model_path=model_path)
+    check_preconditions(plans, config)
+    config.log_dir.mkdir(parents=True, exist_ok=True)
+    started: list[tuple[ServerPlan, subprocess.Popen[bytes]]] = []
+    try:
+        for plan in plans:
+            with plan.log.open("wb") as log:
+                process = subprocess.Popen(
+                    plan.argv, env=plan.env, stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+            started.append((plan, process))
+            say(f"started {plan.pair} {plan.role} pid {process.pid} on {plan.url} "
+                f"(core {plan.core}, log {plan.log})")
+        _wait_ready(started, config.startup_timeout_s, say)
+    except BaseException:
+        for _, process in started:
+            stop_group(process.pid)
+        raise
+    record = ClusterRecord(
+        model=config.model,
+        pairs=tuple(
+            PairRecord(
+                name=prefill.pair,
+                prefill=ServerRecord(url=prefill.url, pid=p_proc.pid, log=str(prefill.log)),
+                decode=ServerRecord(url=decode.url, pid=d_proc.pid, log=str(decode.log)),
+            )
+            for (prefill, p_proc), (decode, d_proc) in zip(started[::2], started[1::2], strict=True)
+        ),
+    )
+    record.write(config.cluster_file)
+    return record
+
+
+def _wait_ready(
+    started: list[tuple[ServerPlan, subprocess.Popen[bytes]]], timeout_s: float, say: Progress
+) -> None:
+    begin = time.monotonic()
+    pending = list(started)
+    last_report = 0.0
+    while pending:
+        elapsed = time.monotonic() - begin
+        for plan, process in list(pending):
+            if process.poll() is not None:
+                raise StartupError(
+                    f"{plan.pair} {plan.role} exited with code {process.returncode} while "
+                    f"starting; see {plan.log}: {_log_tail(plan.log, 3)}"
+                )
+            if _healthy(plan.url, timeout_s=1.0):
+                say(f"{plan.pair} {plan.role} ready after {elapsed:.0f} s")
+                pending.remove((plan, process))
+        if elapsed > timeout_s:
+            names = ", ".join(f"{p.pair} {p.role} ({p.log})" for p, _ in pending)
+            raise StartupError(f"servers not ready after {timeout_s:.0f} s: {names}")
+        if pending and elapsed - last_report >= 15:
+            last_report = elapsed
+            plan = pending[0][0]
+            say(f"waiting for {len(pending)} server(s), {elapsed:.0f} s: {_log_tail(plan.log)}")
+        time.sleep(1.0)
+
+
+def stop_cluster(config: LocalClusterConfig, *, progress: Progress | None = None) -> int:
+    """Stop exactly the processes the cluster file names (by pid); return how many were alive."""
+    say = progress or (lambda _msg: None)
+    if not config.cluster_file.exists():
+        say(f"no cluster file at {config.cluster_file}: nothing to stop")
+        return 0
+    record = ClusterRecord.read(config.cluster_file)
+    stopped = 0
+    for pair in record.pairs:
+        for role, server in (("prefill", pair.prefill), ("decode", pair.decode)):
+            if pid_alive(server.pid):
+                stopped += 1
+                ok = stop_group(server.pid)
+                say(f"stopped {pair.name} {role} pid {server.pid}" + ("" if ok else " (KILLED)"))
+    config.cluster_file.unlink(missing_ok=True)
+    return stopped

@@ -1,0 +1,311 @@
+"""The ASGI app: routes, authentication, body limits, error answers, the idle-session sweeper.
+
+>>> from agentkv import AsyncCluster
+>>> from agentkv.testing import FakeCluster
+>>> fake = FakeCluster(pairs=1)
+>>> cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
+>>> app = create_app(cluster, ProxyConfig())
+>>> sorted(route.path for route in app.routes)  # doctest: +NORMALIZE_WHITESPACE
+['/healthz', '/metrics', '/v1/chat/completions', '/v1/models', '/v1/sessions/{session_id:path}']
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from agentkv._cluster import AsyncCluster
+from agentkv._json import JSONDecodeError, loads
+from agentkv.proxy._chat import ChatService, json_response
+from agentkv.proxy._config import ProxyConfig, key_digest
+from agentkv.proxy._errors import ProxyError
+from agentkv.proxy._metrics import CONTENT_TYPE, ProxyMetrics
+from agentkv.proxy._registry import SessionEntry, SessionRegistry
+from agentkv.proxy._shape import turn_stats_json
+
+__all__ = ["create_app"]
+
+logger = structlog.get_logger("agentkv")
+
+Handler = Callable[[Request], Awaitable[Response]]
+_ANONYMOUS = "anonymous"
+
+
+def _principal(request: Request, config: ProxyConfig) -> str:
+    """Who is asking: the API key's owner. Without configured keys, the presented key's digest.
+
+    Sessions are scoped by this, with or without ``--api-keys``: two clients that present
+    different keys never share a session id by accident.
+    """
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else ""
+    keys = config.api_keys
+    if keys is None:
+        return f"key-{key_digest(token)}" if token else _ANONYMOUS
+    principal = keys.principal(token) if token else None
+    if principal is None:
+        raise ProxyError(
+            401,
+            "a valid API key is required (Authorization: Bearer KEY)"
+            if not token
+            else "invalid API key",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return principal
+
+
+async def _read_json(request: Request, limit: int) -> object:
+    """The body as JSON; 413 past ``limit`` bytes (checked before and while reading)."""
+    too_large = ProxyError(413, f"the request body is larger than {limit} bytes", code="too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    try:
+        return loads(b"".join(parts))
+    except (JSONDecodeError, ValueError):
+        raise ProxyError(400, "the request body is not valid JSON", code="invalid_json") from None
+
+
+class _Proxy:
+    """The app's state and handlers (one instance per app, no globals)."""
+
+    def __init__(
+        self, cluster: AsyncCluster, config: ProxyConfig, *, clock: Callable[[], float]
+    ) -> None:
+        self.cluster = cluster
+        self.config = config
+        self.clock = clock
+        self.metrics = ProxyMetrics()
+        self.registry = SessionRegistry(
+            cluster,
+            max_sessions=config.max_sessions,
+            idle_timeout_s=config.session_idle_timeout_s,
+            metrics=self.metrics,
+            clock=clock,
+        )
+        self.metrics.bind(sessions=lambda: len(self.registry), pair_sessions=cluster.loads)
+        self.chat = ChatService(cluster, self.registry, config=config, metrics=self.metrics)
+
+    def endpoint(self, name: str, handler: Handler) -> Handler:
+        """Wrap ``handler``: every exception becomes an OpenAI-style error with its status."""
+
+        async def wrapped(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except Exception as exc:
+                error = ProxyError.from_exception(exc)
+                if error.status >= 500:
+                    logger.error(
+                        "agentkv.proxy.request_failed",
+                        endpoint=name,
+                        status=error.status,
+                        error=type(exc).__name__,
+                        detail=str(exc),
+                        exc_info=not isinstance(exc, ProxyError) and error.status == 500,
+                    )
+                else:
+                    logger.info(
+                        "agentkv.proxy.request_refused",
+                        endpoint=name,
+                        status=error.status,
+                        code=error.code,
+                        detail=error.message,
+                    )
+                response = json_response(error.body(), status=error.status, headers=error.headers)
+            self.metrics.requests.inc(name, str(response.status_code))
+            return response
+
+        return wrapped
+
+    async def chat_completions(self, request: Request) -> Response:
+        started = time.perf_counter()
+        principal = _principal(request, self.config)
+        body = await _read_json(request, self.config.max_body_bytes)
+        return await self.chat.complete(
+            body,
+            principal=principal,
+            session_header=request.headers.get("x-session-id"),
+            started=started,
+        )
+
+    async def models(self, request: Request) -> Response:
+        _principal(request, self.config)
+        return json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.cluster.model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "agentkv",
+                    }
+                ],
+            }
+        )
+
+    async def healthz(self, request: Request) -> Response:
+        del request
+        pairs = {pair.name: self.cluster.is_healthy(pair.name) for pair in self.cluster.pairs}
+        ok = any(pairs.values())
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "pairs": pairs,
+            "sessions": len(self.registry),
+        }
+        return json_response(body, status=200 if ok else 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        del request
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def _entry(self, request: Request) -> tuple[str, str, SessionEntry]:
+        principal = _principal(request, self.config)
+        session_id = request.path_params["session_id"]
+        entry = await self.registry.lookup(principal, session_id)
+        if entry is None:
+            raise ProxyError(404, f"no session '{session_id}'", code="session_not_found")
+        return principal, session_id, entry
+
+    async def get_session(self, request: Request) -> Response:
+        *_, entry = await self._entry(request)
+        return json_response(self._session_json(entry))
+
+    async def delete_session(self, request: Request) -> Response:
+        principal, session_id, _ = await self._entry(request)
+        await self.registry.delete(principal, session_id)
+        return json_response(
+            {"id": session_id, "object": "agentkv.session.deleted", "deleted": True}
+        )
+
+    async def session(self, request: Request) -> Response:
+        if request.method == "DELETE":
+            return await self.delete_session(request)
+        return await self.get_session(request)
+
+    def _session_json(self, entry: SessionEntry) -> dict[str, Any]:
+        session = entry.session
+        handle = session.handle
+        turns = session.turns
+        stats = session.stats
+        return {
+            "id": entry.session_id,
+            "object": "agentkv.session",
+            "created": int(entry.created_at),
+            "pair": session.pair.name,
+            "busy": entry.users > 0,
+            "idle_s": round(self.registry.idle_s(entry), 3),
+            "forks": entry.forks,
+            "messages": len(session.transcript.messages),
+            "handle": None
+            if handle is None
+            else {
+                "num_tokens": handle.num_tokens,
+                "expires_in_s": round(handle.remaining_s(self.cluster.clock()), 3),
+            },
+            "totals": {
+                "turns": stats.turns,
+                "prompt_tokens": stats.prompt_tokens,
+                "reused_tokens": stats.reused_tokens,
+                "ideal_reused_tokens": stats.ideal_reused_tokens,
+                "generated_tokens": stats.generated_tokens,
+                "reuse_ratio": stats.reuse_ratio,
+                "median_ttft_s": stats.median_ttft_s,
+                "median_warm_ttft_s": stats.median_warm_ttft_s,
+            },
+            "turns": [turn_stats_json(t) for t in turns],
+        }
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            try:
+                closed = await self.registry.sweep()
+            except Exception:  # never let one bad close stop the sweeper
+                logger.exception("agentkv.proxy.sweep_failed")
+                continue
+            if closed:
+                logger.info("agentkv.proxy.swept", closed=closed, open=len(self.registry))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        del app
+        sweeper = asyncio.create_task(self.sweep_forever(), name="agentkv-proxy-sweeper")
+        logger.info(
+            "agentkv.proxy.started",
+            model=self.cluster.model,
+            pairs=[pair.name for pair in self.cluster.pairs],
+            auth=self.config.api_keys is not None,
+        )
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await self.registry.close_all()
+            logger.info("agentkv.proxy.stopped")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (unknown path, wrong method) in the OpenAI error shape."""
+    del request
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else None
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    error = ProxyError(status, str(detail), code="not_found" if status == 404 else None)
+    return json_response(error.body(), status=status, headers=headers)
+
+
+def create_app(
+    cluster: AsyncCluster,
+    config: ProxyConfig | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> Starlette:
+    """The proxy as an ASGI app serving ``cluster``; run it with any ASGI server.
+
+    The app does not own the cluster: close it after the app stops. ``clock`` (monotonic seconds)
+    drives idle expiry; tests pass a manual one. ``app.state.registry`` holds the open sessions.
+    """
+    proxy = _Proxy(cluster, config or ProxyConfig(), clock=clock)
+    routes = [
+        Route(
+            "/v1/chat/completions", proxy.endpoint("chat", proxy.chat_completions), methods=["POST"]
+        ),
+        Route("/v1/models", proxy.endpoint("models", proxy.models), methods=["GET"]),
+        Route(
+            "/v1/sessions/{session_id:path}",
+            proxy.endpoint("sessions", proxy.session),
+            methods=["GET", "DELETE"],
+        ),
+        Route("/healthz", proxy.endpoint("healthz", proxy.healthz), methods=["GET"]),
+        Route("/metrics", proxy.endpoint("metrics", proxy.metrics_text), methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=proxy.lifespan,
+        exception_handlers={HTTPException: _http_error},
+    )
+    app.state.registry = proxy.registry
+    app.state.metrics = proxy.metrics
+    return app

@@ -1,0 +1,318 @@
+"""``POST /v1/chat/completions``: map the request onto a session, run one turn, answer.
+
+The turn itself is the SDK's (``AsyncSession.turn`` / ``stream``): the proxy adds only the
+mapping from an OpenAI request to a session and the OpenAI shape of the answer.
+
+Streams: the first event is awaited before any byte of the response is sent. By then the P leg
+has run and decode has started answering, so every validation, routing, prefill or decode
+failure still gets its own status and JSON body. A failure after that cannot change the status;
+the connection is then cut without ``data: [DONE]``, so the client sees a broken stream, never a
+200 that quietly carries an error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import structlog
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from agentkv._cluster import AsyncCluster
+from agentkv._json import dumps
+from agentkv._session import AsyncSession, TurnOverrides
+from agentkv._template import tools_key
+from agentkv._types import HandleState, TextDelta, TurnResult
+from agentkv.proxy._config import ProxyConfig
+from agentkv.proxy._mapping import HistoryPlan, plan_history
+from agentkv.proxy._metrics import ProxyMetrics
+from agentkv.proxy._registry import SessionEntry, SessionRegistry
+from agentkv.proxy._request import ChatRequest, parse_chat_request, session_id_from
+from agentkv.proxy._shape import (
+    HEADER_FORKED,
+    HEADER_HANDLE,
+    HEADER_PAIR,
+    HEADER_SESSION,
+    Completion,
+)
+
+__all__ = ["ChatService", "json_response"]
+
+logger = structlog.get_logger("agentkv")
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def json_response(
+    data: Any, *, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(dumps(data), status_code=status, headers=headers, media_type="application/json")
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + dumps(data) + b"\n\n"
+
+
+def _discard_pending(session: AsyncSession) -> None:
+    """Forget messages appended for a turn that failed or was abandoned.
+
+    A failed ``turn()`` leaves its messages pending so an SDK caller can retry; the proxy's next
+    request re-sends the whole history instead, so they must go.
+    """
+    # The SDK has no public call for this yet (``send`` does it internally); see docs/proxy.md.
+    session._state.transcript.drop_pending(0)
+
+
+async def _aclose(events: AsyncIterator[object]) -> None:
+    """Close an SDK stream: an abandoned turn commits nothing and frees its session."""
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()
+
+
+class _Lease:
+    """The session one request runs its turn on, and how to give it back."""
+
+    __slots__ = ("entry", "forked", "new", "plan", "registry", "session")
+
+    def __init__(
+        self,
+        session: AsyncSession,
+        *,
+        entry: SessionEntry | None = None,
+        registry: SessionRegistry | None = None,
+        plan: HistoryPlan | None = None,
+    ) -> None:
+        self.session = session
+        self.entry = entry
+        self.registry = registry
+        self.plan = plan
+        self.forked = plan is not None and plan.forked
+
+    def committed(self, result: TurnResult, request: ChatRequest) -> None:
+        """Note what the finished turn added: the index of the generated message, the tools."""
+        if self.entry is None or self.plan is None:
+            return
+        self.entry.generated.add(self.plan.keep + len(self.plan.new))
+        self.entry.tools_key = tools_key(request.tools)
+        del result
+
+    async def release(self, *, failed: bool) -> None:
+        if failed and not self.session.closed:
+            _discard_pending(self.session)
+        if self.entry is None:
+            await self.session.aclose()  # one-shot: keep no handle
+        else:
+            assert self.registry is not None
+            await self.registry.checkin(self.entry)
+
+    def headers(self, *, pair: str, handle: HandleState) -> dict[str, str]:
+        headers = {HEADER_PAIR: pair, HEADER_HANDLE: handle.value}
+        if self.entry is not None:
+            headers[HEADER_SESSION] = self.entry.session_id
+        if self.forked:
+            headers[HEADER_FORKED] = "1"
+        return headers
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream that always runs ``cleanup``, also when the client leaves before the first byte."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        headers: dict[str, str],
+        cleanup: Callable[[], Coroutine[Any, Any, None]],
+    ) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:
+            # The client left mid-stream: nothing to answer. Cleanup abandons the turn.
+            logger.info("agentkv.proxy.client_disconnected", path=scope.get("path"))
+        finally:
+            await self._cleanup()
+
+
+class ChatService:
+    """Serves chat completions for one app: parsing, session mapping, turns, answers."""
+
+    def __init__(
+        self,
+        cluster: AsyncCluster,
+        registry: SessionRegistry,
+        *,
+        config: ProxyConfig,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self._cluster = cluster
+        self._registry = registry
+        self._config = config
+        self._metrics = metrics
+
+    async def complete(
+        self, body: object, *, principal: str, session_header: str | None, started: float
+    ) -> Response:
+        """Answer one chat completion request (``ProxyError`` or agentkv errors on failure).
+
+        ``started`` is when the request arrived (``time.perf_counter()``): a plain answer says in
+        ``Server-Timing`` how long the SDK's turn took and how long the proxy added around it.
+        """
+        request = parse_chat_request(
+            body, model=self._cluster.model, default_max_tokens=self._config.default_max_tokens
+        )
+        session_id = session_id_from(session_header, request)
+        if session_id is None:
+            lease = _Lease(self._cluster.session())
+            lease.session.append(*request.messages)
+        else:
+            lease = await self._map(principal, session_id, request)
+        overrides: TurnOverrides = {
+            "max_tokens": request.max_tokens,
+            "temperature": request.temperature,
+            "tools": request.tools,
+            "tool_choice": request.tool_choice,
+            "extra_body": request.extra,
+        }
+        if request.stream:
+            return await self._stream(lease, request, overrides, started)
+        turn_started = time.perf_counter()
+        try:
+            result = await lease.session.turn(**overrides)
+        except BaseException:
+            await lease.release(failed=True)
+            raise
+        turn_s = time.perf_counter() - turn_started
+        lease.committed(result, request)
+        await lease.release(failed=False)
+        headers = lease.headers(pair=result.stats.pair, handle=result.stats.handle_state)
+        response = json_response(
+            Completion(model=self._cluster.model).body(result), headers=headers
+        )
+        total_s = time.perf_counter() - started
+        response.headers["Server-Timing"] = (
+            f"turn;dur={turn_s * 1e3:.3f}, proxy;dur={(total_s - turn_s) * 1e3:.3f}"
+        )
+        self._metrics.overhead_seconds.observe(total_s - turn_s)
+        self._record(result, stream=False, seconds=total_s)
+        return response
+
+    async def _map(self, principal: str, session_id: str, request: ChatRequest) -> _Lease:
+        """Check the session out and bring it to the request's history (append, or fork)."""
+        registry = self._registry
+        entry = await registry.checkout(principal, session_id)
+        try:
+            session = entry.session
+            if session.transcript.pending:
+                _discard_pending(session)
+            if entry.tools_key is not None and tools_key(request.tools) != entry.tools_key:
+                # Templates render tools into the prefix: new tools mean a new rendering.
+                plan = HistoryPlan(keep=0, new=request.messages, forked=True)
+                reason = "tools changed"
+            else:
+                plan = plan_history(
+                    session.transcript.messages, request.messages, generated=entry.generated
+                )
+                reason = "history does not extend the session"
+            if plan.echoes:
+                self._metrics.echoes.inc(amount=plan.echoes)
+            if plan.forked:
+                child = session.fork(keep=plan.keep, session_id=session.session_id)
+                await registry.replace(entry, child, keep=plan.keep)
+                self._metrics.forks.inc()
+                logger.info(
+                    "agentkv.proxy.session_forked",
+                    session_id=session_id,
+                    principal=principal,
+                    kept_messages=plan.keep,
+                    reason=reason,
+                )
+            entry.session.append(*plan.new)
+        except BaseException:
+            await registry.checkin(entry)
+            raise
+        return _Lease(entry.session, entry=entry, registry=registry, plan=plan)
+
+    def _predicted_handle(self, session: AsyncSession) -> HandleState:
+        """Whether the coming turn sends the stored handle, decided as the SDK will decide it.
+
+        A stream's headers go out before its stats exist; the prompt is at least one token longer
+        than the handle (the request extends the session), which is all the policy needs.
+        """
+        handle = session.handle
+        if handle is None:
+            return HandleState.NONE
+        decision = session.policy.decide_attach(
+            handle, prompt_len=handle.num_tokens + 1, now=self._cluster.clock()
+        )
+        return decision.state
+
+    async def _stream(
+        self, lease: _Lease, request: ChatRequest, overrides: TurnOverrides, started: float
+    ) -> Response:
+        session = lease.session
+        handle = self._predicted_handle(session)
+        events = session.stream(**overrides)
+        try:
+            first = await anext(events)
+        except BaseException:
+            await _aclose(events)
+            await lease.release(failed=True)
+            raise
+        completion = Completion(model=self._cluster.model)
+        state: dict[str, TurnResult] = {}
+
+        async def chunks() -> AsyncGenerator[bytes, None]:
+            yield _sse(completion.chunk({"role": "assistant", "content": ""}))
+            event: TextDelta | TurnResult = first
+            try:
+                while isinstance(event, TextDelta):
+                    yield _sse(completion.chunk({"content": event.text}))
+                    event = await anext(events)
+            except Exception as exc:
+                # Too late for a status: the connection is cut without [DONE] (module docstring).
+                logger.warning(
+                    "agentkv.proxy.stream_failed",
+                    session_id=lease.entry.session_id if lease.entry else None,
+                    pair=session.pair.name,
+                    error=type(exc).__name__,
+                    detail=str(exc),
+                )
+                raise
+            state["result"] = event
+            lease.committed(event, request)
+            for chunk in completion.final_chunks(event, include_usage=request.include_usage):
+                yield _sse(chunk)
+            yield _DONE
+
+        body = chunks()
+
+        async def cleanup() -> None:
+            await body.aclose()
+            await _aclose(events)
+            result = state.get("result")
+            await lease.release(failed=result is None)
+            if result is not None:
+                self._record(result, stream=True, seconds=time.perf_counter() - started)
+
+        headers = lease.headers(pair=session.pair.name, handle=handle)
+        headers["Cache-Control"] = "no-cache"
+        return _SSEResponse(body, headers=headers, cleanup=cleanup)
+
+    def _record(self, result: TurnResult, *, stream: bool, seconds: float) -> None:
+        stats = result.stats
+        metrics = self._metrics
+        metrics.request_seconds.observe(seconds, "true" if stream else "false")
+        metrics.ttft_seconds.observe(stats.ttft_s)
+        metrics.turns.inc(stats.handle_state.value)
+        metrics.prompt_tokens.inc(amount=stats.prompt_tokens)
+        metrics.reused_tokens.inc(amount=stats.reused_tokens)
+        metrics.ideal_reused_tokens.inc(amount=stats.ideal_reused_tokens)
+        metrics.generated_tokens.inc(amount=stats.generated_tokens)

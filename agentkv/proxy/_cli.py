@@ -1,0 +1,98 @@
+"""The ``agentkv proxy`` subcommand: flags mapped onto ``ProxyConfig``, then ``serve``.
+
+Wired into ``agentkv.cli.build_parser`` with ``add_parser(sub)``. The cluster file defaults to
+``$AGENTKV_CLUSTER`` or ``.agentkv/cluster.json``, as for the other subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from agentkv.local._config import default_cluster_file
+from agentkv.proxy._config import ApiKeys, ProxyConfig
+
+__all__ = ["add_parser", "cmd_proxy", "config_from_args"]
+
+_DEFAULTS = ProxyConfig()
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``proxy`` on the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "proxy",
+        help="serve an OpenAI-compatible, session-aware proxy in front of the cluster",
+        description="OpenAI-compatible chat completions with KV reuse per X-Session-ID "
+        "(or prompt_cache_key). See docs/proxy.md.",
+    )
+    parser.add_argument(
+        "--cluster-file",
+        help="cluster file (default $AGENTKV_CLUSTER or .agentkv/cluster.json)",
+    )
+    parser.add_argument("--host", default=_DEFAULTS.host, help=f"default {_DEFAULTS.host}")
+    parser.add_argument(
+        "--port", type=int, default=_DEFAULTS.port, help=f"default {_DEFAULTS.port}"
+    )
+    parser.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="accepted API keys, one a line ('KEY' or 'NAME KEY'); without it any key is "
+        "accepted (sessions are still scoped by the key presented)",
+    )
+    parser.add_argument(
+        "--session-idle-timeout",
+        type=float,
+        default=_DEFAULTS.session_idle_timeout_s,
+        metavar="SECONDS",
+        help=f"close sessions unused this long (default {_DEFAULTS.session_idle_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=_DEFAULTS.max_sessions,
+        help=f"open sessions at most; the one idle longest is closed first "
+        f"(default {_DEFAULTS.max_sessions})",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=_DEFAULTS.max_body_bytes,
+        help=f"larger request bodies get 413 (default {_DEFAULTS.max_body_bytes})",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=_DEFAULTS.default_max_tokens,
+        help=f"generation limit of requests that set none (default {_DEFAULTS.default_max_tokens})",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default info)",
+    )
+    parser.set_defaults(func=cmd_proxy)
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """The ``ProxyConfig`` the flags describe (``ConfigError`` for bad values or key files)."""
+    return ProxyConfig(
+        host=args.host,
+        port=args.port,
+        api_keys=ApiKeys.from_file(args.api_keys) if args.api_keys else None,
+        session_idle_timeout_s=args.session_idle_timeout,
+        max_sessions=args.max_sessions,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
+    )
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    """Serve until interrupted (Ctrl-C exits with 130 through the CLI's handler)."""
+    from agentkv.proxy._server import serve
+
+    config = config_from_args(args)
+    cluster_file = Path(args.cluster_file) if args.cluster_file else default_cluster_file()
+    asyncio.run(serve(cluster_file, config, log_level=args.log_level))
+    return 0

@@ -1,0 +1,51 @@
+"""Test helpers shipped with agentkv: a protocol-faithful fake of vLLM prefill/decode pairs.
+
+:class:`FakeCluster` runs N pairs of fake vLLM 0.32 servers in-process (NixlConnector, pull
+mode, ``bidirectional_kv_xfer``), served through an httpx transport (``fake.transport``) or over
+real HTTP (``fake.serve()``). Use it to test agents and clients without a model.
+
+What is faithful (each module cites the vLLM code it follows):
+
+* HTTP/JSON: request validation, status codes, error bodies, response and chunk shapes,
+  ``kv_transfer_params`` key sets, ``prompt_token_ids`` forwarding, ``return_token_ids``,
+  ``/tokenize``, ``/detokenize``, ``/v1/models``, ``/health`` and ``/metrics`` names.
+* KV reuse: block-granular prefix caching, positional pulls of ``min(remote_num_tokens,
+  prompt_len) - local_hit`` tokens, ``kv_recompute_threshold``, single-use handles, TTLs, the
+  5 s expiry margin, load failures answered with 500, ``kv_cache_usage_perc`` from a block pool.
+* Wrong KV: the model's output is a function of the KV it holds, so a handle sent with a
+  history that is not its prefix changes the answer; ``wrong_reuse_events`` counts such pulls.
+
+What is simplified: greedy only (sampling parameters, ``stop``, ``logprobs`` and ``n > 1`` are
+ignored or refused), one KV cache group, whole responses computed at once (streams are replayed
+one chunk per token), a full KV cache answers 500 instead of queueing, and only the metrics
+listed in ``_fake_metrics`` are exposed.
+
+Example:
+    >>> import httpx
+    >>> from agentkv.testing import FakeCluster, ManualClock
+    >>> fake = FakeCluster(pairs=1, clock=ManualClock())
+    >>> async_client = httpx.AsyncClient(transport=fake.transport)
+    >>> fake.cluster_spec["pairs"][0]["decode"]
+    'http://fake-d0.test:8000'
+"""
+
+from agentkv.testing._fake_clock import ManualClock
+from agentkv.testing._fake_cluster import FakeCluster
+from agentkv.testing._fake_http import ServedCluster
+from agentkv.testing._fake_reply import FaultKind
+from agentkv.testing._fake_server import FakeServer
+from agentkv.testing._fake_template import ChatTemplate, render_chat
+from agentkv.testing._fake_tokenizer import FakeTokenizer
+from agentkv.testing._fake_transport import FakeTransport
+
+__all__ = [
+    "ChatTemplate",
+    "FakeCluster",
+    "FakeServer",
+    "FakeTokenizer",
+    "FakeTransport",
+    "FaultKind",
+    "ManualClock",
+    "ServedCluster",
+    "render_chat",
+]

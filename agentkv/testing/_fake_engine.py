@@ -1,0 +1,389 @@
+"""One fake vLLM engine with the NixlConnector (pull mode, bidirectional transfer).
+
+The connector decisions follow ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``
+``pull_scheduler.py`` and ``pull_worker.py`` (vLLM 0.32):
+
+* ``do_remote_prefill`` (a D leg): load ``prompt_len - local_hit`` tokens from the producer.
+* ``do_remote_decode`` with a full handle (a P leg after a turn): load
+  ``min(remote_num_tokens, prompt_len) - local_hit`` tokens, unless that is below
+  ``kv_recompute_threshold``; either way the producer is notified and frees its blocks.
+* The read is positional: the last ``n`` remote blocks fill the ``n`` blocks after the local
+  hit. Nothing compares tokens; wrong KV is only visible in what the model then generates.
+* A turn-2 read whose ``remote_blocks_expiry_time`` is within 5 s is declined; a failed load
+  fails the request (``kv_load_failure_policy="fail"``, vLLM's default) with a 500.
+* On finish, a request that carried ``kv_transfer_params`` keeps its blocks: for
+  ``kv_lease_duration`` (30 s) on a producer, for ``decoder_kv_blocks_ttl`` on a decoder.
+"""
+
+from __future__ import annotations
+
+import heapq
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Protocol
+
+from agentkv.testing._fake_kv import (
+    ROOT_HASH,
+    BlockContent,
+    BlockPool,
+    block_hashes,
+    chain,
+    is_true_content,
+    kv_state,
+    write_tokens,
+)
+from agentkv.testing._fake_metrics import EngineStats
+from agentkv.testing._fake_model import FakeModel, Generation, ToolSpec
+from agentkv.testing._fake_tokenizer import FakeTokenizer
+
+# pull_worker.py: slack subtracted from D's exported deadline on the turn-2 readback.
+EXPIRY_SAFETY_MARGIN_S: Final = 5.0
+# SmolLM2-135M in bf16: 30 layers x (K, V) x 3 KV heads x 64 dims x 2 bytes.
+BYTES_PER_TOKEN: Final = 30 * 2 * 3 * 64 * 2
+_GARBAGE: Final = -1
+_HANDLE_KEYS: Final = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+KVLoadFailurePolicy = Literal["fail", "recompute"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    block_size: int
+    num_blocks: int
+    decoder_kv_blocks_ttl: float
+    kv_recompute_threshold: int
+    kv_lease_duration: float = 30.0
+    bidirectional_kv_xfer: bool = True
+    kv_load_failure_policy: KVLoadFailurePolicy = "fail"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineRequest:
+    request_id: str
+    prompt: Sequence[int]
+    max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    tool: ToolSpec | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineResult:
+    token_ids: list[int]
+    finish_reason: str
+    num_cached_tokens: int
+    num_cache_creation_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+
+
+class EngineError(RuntimeError):
+    """The request finished with an error (vLLM answers 500 "Internal server error")."""
+
+
+class Fabric(Protocol):
+    """How engines reach each other's KV: the NIXL side channel, keyed by host and port."""
+
+    def lookup(self, host: Any, port: Any) -> FakeEngine | None: ...
+
+    def record_wrong_reuse(self, reader: FakeEngine) -> None: ...
+
+
+@dataclass(slots=True)
+class _Pin:
+    block_ids: list[int]
+    deadline: float
+    turn_end: bool
+
+
+@dataclass(slots=True)
+class _Load:
+    blocks: list[BlockContent] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class _KVLoadError(Exception):
+    pass
+
+
+class FakeEngine:
+    """The engine core behind one fake server: scheduler, KV pool, connector and model."""
+
+    def __init__(
+        self,
+        *,
+        config: EngineConfig,
+        tokenizer: FakeTokenizer,
+        model: FakeModel,
+        clock: Callable[[], float],
+        fabric: Fabric,
+        side_channel: tuple[str, int],
+    ) -> None:
+        self.config = config
+        self.engine_id = str(uuid.uuid4())
+        self.side_channel_host, self.side_channel_port = side_channel
+        self.stats = EngineStats()
+        self._tok = tokenizer
+        self._model = model
+        self._clock = clock
+        self._fabric = fabric
+        self._pool = BlockPool(config.num_blocks)
+        self._pins: dict[str, _Pin] = {}
+        self._deadlines: list[tuple[float, str]] = []
+
+    # ----------------------------------------------------------------- observation
+
+    @property
+    def kv_cache_usage(self) -> float:
+        self.expire()
+        return self._pool.usage
+
+    def pinned(self, *, turn_end: bool) -> int:
+        self.expire()
+        return sum(1 for pin in self._pins.values() if pin.turn_end == turn_end)
+
+    def expire(self) -> None:
+        """Release pins whose deadline passed (vLLM's worker does this every step)."""
+        now = self._clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, request_id = heapq.heappop(self._deadlines)
+            pin = self._pins.get(request_id)
+            if pin is not None and pin.deadline == deadline:
+                del self._pins[request_id]
+                self._pool.free(pin.block_ids)
+
+    def on_remote_read(self, request_id: Any) -> None:
+        """A consumer's "done reading" notification: free the blocks, or log a stale read."""
+        pin = self._pins.pop(request_id, None) if isinstance(request_id, str) else None
+        if pin is None:
+            self.stats.nixl_notifications_after_expiry += 1
+            return
+        self._pool.free(pin.block_ids)
+
+    def reject(self, params: dict[str, Any] | None) -> None:
+        """A D leg refused before scheduling still releases the prefill server's blocks."""
+        if params and params.get("do_remote_prefill"):
+            self._notify_only(params)
+
+    def read_block(self, block_id: Any) -> BlockContent:
+        if not isinstance(block_id, int) or isinstance(block_id, bool):
+            raise IndexError(f"bad block id {block_id!r}")
+        return self._pool.read(block_id)
+
+    # ------------------------------------------------------------------- requests
+
+    def run(self, request: EngineRequest) -> EngineResult:
+        self.expire()
+        bs = self.config.block_size
+        prompt = list(request.prompt)
+        n_prompt = len(prompt)
+        hashes = block_hashes(prompt, bs)
+        # vLLM never serves the whole prompt from cache: the last token must be computed.
+        local_ids = self._pool.lookup(hashes[: (n_prompt - 1) // bs])
+        local = len(local_ids) * bs
+        params = dict(request.kv_transfer_params) if request.kv_transfer_params else None
+
+        load = self._connector_load(params, prompt, hashes, local)
+        blocks = [self._pool.read(b) for b in local_ids] + load.blocks
+        start = local + load.num_tokens
+        write_tokens(blocks, prompt, min(start, n_prompt - 1), n_prompt, bs)
+
+        generation = self._model.generate(
+            kv_state(blocks),
+            max_tokens=request.max_tokens,
+            min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos,
+            tool=request.tool,
+        )
+        # The last sampled token is never fed back, so it has no KV.
+        seq = prompt + generation.token_ids[:-1]
+        write_tokens(blocks, seq, n_prompt, len(seq), bs)
+        block_ids = self._store(blocks, seq, hashes, local_ids)
+
+        num_cached = local + load.num_tokens
+        full_blocks_after_prefill = (n_prompt // bs) * bs
+        self._account(generation, n_prompt, local, load, params)
+        return EngineResult(
+            token_ids=generation.token_ids,
+            finish_reason=generation.finish_reason,
+            num_cached_tokens=num_cached,
+            num_cache_creation_tokens=max(0, full_blocks_after_prefill - num_cached),
+            kv_transfer_params=self._finish(request, params, block_ids, len(seq), num_cached),
+        )
+
+    def _connector_load(
+        self, params: dict[str, Any] | None, prompt: list[int], hashes: list[int], local: int
+    ) -> _Load:
+        """``get_num_new_matched_tokens`` + ``update_state_after_alloc`` + the worker's read."""
+        if not params:
+            return _Load()
+        n_prompt = len(prompt)
+        has_handle = bool(params.get("remote_block_ids")) and all(k in params for k in _HANDLE_KEYS)
+        if params.get("do_remote_prefill"):
+            count = n_prompt - local
+            if count > 0 and not has_handle:
+                # vLLM asserts here and the engine core dies; the fake only fails the request.
+                raise EngineError("do_remote_prefill without a complete remote handle")
+        elif params.get("do_remote_decode") and has_handle:
+            remote_num_tokens = params.get("remote_num_tokens") or 0
+            count = min(int(remote_num_tokens), n_prompt) - local
+            threshold = self.config.kv_recompute_threshold
+            if threshold > 0 and count < threshold:
+                count = 0
+        else:
+            return _Load()
+        if count <= 0:
+            self._notify_only(params)
+            return _Load()
+        try:
+            return self._pull(params, prompt, hashes, local, count)
+        except _KVLoadError as exc:
+            if self.config.kv_load_failure_policy == "fail":
+                raise EngineError("Internal server error") from exc
+            return _Load()
+
+    def _notify_only(self, params: dict[str, Any]) -> None:
+        """A full local hit (or a pull below threshold) still tells the producer to free."""
+        if not (params.get("remote_block_ids") and all(k in params for k in _HANDLE_KEYS)):
+            return
+        producer = self._handshake(params)
+        if producer is not None:
+            producer.on_remote_read(params["remote_request_id"])
+
+    def _handshake(self, params: dict[str, Any]) -> FakeEngine | None:
+        producer = self._fabric.lookup(params["remote_host"], params["remote_port"])
+        if producer is None or producer.engine_id != params["remote_engine_id"]:
+            self.stats.nixl_failed_transfers += 1
+            return None
+        return producer
+
+    def _pull(
+        self,
+        params: dict[str, Any],
+        prompt: list[int],
+        hashes: list[int],
+        local: int,
+        count: int,
+    ) -> _Load:
+        bs = self.config.block_size
+        producer = self._handshake(params)
+        if producer is None:
+            raise _KVLoadError("handshake failed")
+        expiry = params.get("remote_blocks_expiry_time")
+        if (
+            self.config.bidirectional_kv_xfer
+            and isinstance(expiry, int | float)
+            and self._clock() + EXPIRY_SAFETY_MARGIN_S >= expiry
+        ):
+            self.stats.nixl_kv_expired_reqs += 1
+            raise _KVLoadError("declining expired remote read")
+        groups = params["remote_block_ids"]
+        remote_ids = groups[0] if isinstance(groups, list) and isinstance(groups[0], list) else []
+        n_blocks = -(-(local + count) // bs) - local // bs
+        if len(remote_ids) < n_blocks:
+            raise EngineError("remote handle has fewer blocks than the tokens to load")
+        try:
+            contents = [producer.read_block(b) for b in remote_ids[len(remote_ids) - n_blocks :]]
+        except IndexError as exc:
+            self.stats.nixl_failed_transfers += 1
+            raise _KVLoadError(str(exc)) from exc
+        producer.on_remote_read(params["remote_request_id"])
+        self.stats.record_transfer(
+            num_bytes=n_blocks * bs * BYTES_PER_TOKEN, num_descriptors=n_blocks * 60
+        )
+        first = local // bs
+        used = local + count
+        for i, content in enumerate(contents):
+            need = min(bs, used - (first + i) * bs)
+            del content.tokens[need:]
+            # A block that holds fewer tokens than claimed is garbage KV for the rest.
+            content.tokens += [_GARBAGE] * (need - len(content.tokens))
+        if not all(
+            is_true_content(c, prompt, first + i, hashes, bs) for i, c in enumerate(contents)
+        ):
+            self._fabric.record_wrong_reuse(self)
+        return _Load(blocks=contents, num_tokens=count)
+
+    def _store(
+        self,
+        blocks: list[BlockContent],
+        seq: list[int],
+        prompt_hashes: list[int],
+        local_ids: list[int],
+    ) -> list[int]:
+        """Write the request's KV into pool blocks and register full blocks for prefix reuse."""
+        bs = self.config.block_size
+        n_blocks = -(-len(seq) // bs)
+        self._pool.touch(local_ids)
+        try:
+            new_ids = self._pool.allocate(n_blocks - len(local_ids))
+        except Exception:
+            self._pool.free(local_ids)
+            raise
+        block_ids = local_ids + new_ids
+        hashes = list(prompt_hashes)
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for start in range(len(hashes) * bs, len(seq) - bs + 1, bs):
+            parent = chain(parent, seq[start : start + bs])
+            hashes.append(parent)
+        for index in range(len(local_ids), n_blocks):
+            self._pool.write(block_ids[index], blocks[index])
+            if index < len(hashes):
+                self._pool.cache(block_ids[index], hashes[index])
+        return block_ids
+
+    def _finish(
+        self,
+        request: EngineRequest,
+        params: dict[str, Any] | None,
+        block_ids: list[int],
+        num_computed: int,
+        num_cached: int,
+    ) -> dict[str, Any] | None:
+        """``request_finished``: keep the blocks for a remote reader and describe them."""
+        is_producer = bool(params and params.get("do_remote_decode"))
+        if not params or (not is_producer and not self.config.bidirectional_kv_xfer):
+            self._pool.free(block_ids)
+            return None
+        ttl = self.config.kv_lease_duration if is_producer else self.config.decoder_kv_blocks_ttl
+        deadline = self._clock() + ttl
+        self._pins[request.request_id] = _Pin(block_ids, deadline, turn_end=not is_producer)
+        heapq.heappush(self._deadlines, (deadline, request.request_id))
+        out: dict[str, Any] = {
+            "do_remote_prefill": is_producer,
+            "do_remote_decode": not is_producer,
+            "remote_block_ids": [list(block_ids)],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.side_channel_host,
+            "remote_port": self.side_channel_port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": num_computed,
+            "remote_blocks_expiry_time": None if is_producer else deadline,
+            "transfer_mode": "pull",
+        }
+        if is_producer:
+            out["remote_prefill_cached_tokens"] = num_cached
+        return out
+
+    def _account(
+        self,
+        generation: Generation,
+        n_prompt: int,
+        local: int,
+        load: _Load,
+        params: dict[str, Any] | None,
+    ) -> None:
+        stats = self.stats
+        stats.prompt_tokens += n_prompt
+        stats.generation_tokens += len(generation.token_ids)
+        stats.prefix_cache_queries += n_prompt
+        stats.prefix_cache_hits += local
+        if params:
+            stats.external_prefix_cache_queries += n_prompt - local
+            stats.external_prefix_cache_hits += load.num_tokens
+        stats.prompt_tokens_cached += local + load.num_tokens
+        stats.record_finish(generation.finish_reason)

@@ -1,0 +1,346 @@
+"""Proxy overhead: a turn through ``agentkv proxy`` versus the same turn on the SDK directly.
+
+Three processes, as deployed: the fake P/D pair (two pairs, served over HTTP on 127.0.0.1 with
+SERVER_MS of simulated server time on every chat leg, so that sessions overlap the way real ones
+do), the proxy (uvicorn, ``agentkv.proxy.serve`` on a cluster file), and this one, which runs
+
+* direct: ``AsyncSession.send`` against the fake pair, and
+* proxy: an ``httpx`` client re-sending each session's whole history to the proxy, as OpenAI
+  clients do, with ``X-Session-ID``.
+
+Same conversations on both paths: a ~CONTEXT-token system prompt, then TURNS user turns, with
+CONCURRENCY sessions at a time. Columns:
+
+* direct / proxy: per-turn latency as the caller sees it (median, p99);
+* overhead: proxy minus direct (median, p99): the HTTP hop, uvicorn, and the proxy's own work;
+* in-proxy: the proxy's own work per request as its ``Server-Timing`` header reports it (request
+  arrival to answer, minus the SDK's turn): the part the proxy's code controls;
+* CPU/turn: CPU seconds per turn of the process running the SDK (this one for direct, the proxy
+  for proxy): their difference is the proxy's CPU cost, whatever else the machine is doing.
+
+    .venv/bin/python benchmarks/proxy_overhead.py [--concurrency 1,16,64] [--turns 6]
+        [--server-ms 100] [--context 1000] [--min-samples 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import structlog
+
+from agentkv import AsyncCluster, Message
+from agentkv.testing import FakeCluster, FakeServer
+
+Scope = MutableMapping[str, Any]
+
+
+def _silence_logs() -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _system_prompt(tokens: int) -> str:
+    tokenizer = FakeCluster(pairs=1).tokenizer
+    sentence = "agents reuse the decode node's cache so every later turn starts warm "
+    text = ""
+    while len(tokenizer.encode(text)) < tokens:
+        text += sentence
+    return text
+
+
+def _question(session: int, turn: int) -> str:
+    return f"Question {turn} of session {session}: what should the agent do next?"
+
+
+# --- child process: the fake pair over HTTP ------------------------------------------------------
+
+
+def _fake_app(server: FakeServer, delay_s: float) -> Callable[..., Awaitable[None]]:
+    async def app(scope: Scope, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = bool(message.get("more_body", False))
+        if scope["path"] == "/v1/chat/completions":
+            await asyncio.sleep(delay_s)  # what the GPU would take; costs no CPU here
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        reply = server.handle(scope["method"], scope["path"], headers, body)
+        data = reply.body()
+        out = [(b"content-length", str(len(data)).encode())]
+        if reply.content_type:
+            out.append((b"content-type", reply.content_type.encode()))
+        await send({"type": "http.response.start", "status": reply.status, "headers": out})
+        await send({"type": "http.response.body", "body": data})
+
+    return app
+
+
+async def _serve_fake(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from agentkv.testing._fake_protocol import parse_json_body
+
+    fake = FakeCluster(pairs=2)
+    ports: dict[str, int] = {}
+    servers = []
+    for server in fake.servers:
+        # The fake keeps a deep copy of every request for tests to read; a benchmark of
+        # thousands of turns has no reader for it, and copying a whole history costs ~1 ms.
+        server._record = lambda body, headers: parse_json_body(body, headers.get("content-type"))  # type: ignore[method-assign]
+        ports[server.name] = _free_port()
+        config = uvicorn.Config(
+            _fake_app(server, args.server_ms / 1000),
+            host="127.0.0.1",
+            port=ports[server.name],
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+        )
+        servers.append(uvicorn.Server(config))
+    spec = {
+        "model": fake.model,
+        "pairs": [
+            {
+                "name": f"pair-{i}",
+                "prefill": f"http://127.0.0.1:{ports[fake.prefill(i).name]}",
+                "decode": f"http://127.0.0.1:{ports[fake.decode(i).name]}",
+            }
+            for i in range(2)
+        ],
+    }
+    Path(args.cluster_file).write_text(json.dumps(spec))
+    await asyncio.gather(*(server.serve() for server in servers))
+
+
+async def _serve_proxy(args: argparse.Namespace) -> None:
+    from agentkv.proxy import ProxyConfig, serve
+
+    _silence_logs()
+    config = ProxyConfig(port=args.port, max_sessions=100_000)
+    await serve(args.cluster_file, config, log_level="warning")
+
+
+def _spawn(argv: list[str], ready: Callable[[], bool]) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen([sys.executable, __file__, *argv])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{argv[0]} exited with {process.returncode}")
+        if ready():
+            return process
+        time.sleep(0.2)
+    process.terminate()
+    raise RuntimeError(f"{argv[0]} did not start")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# --- the two paths ------------------------------------------------------------------------------
+
+
+class Samples:
+    def __init__(self) -> None:
+        self.latency: list[float] = []
+        self.in_proxy: list[float] = []
+        self.cpu = 0.0
+
+
+async def _waves(concurrency: int, sessions: int, run: Callable[[int], Awaitable[None]]) -> None:
+    for start in range(0, sessions, concurrency):
+        await asyncio.gather(*(run(i) for i in range(start, min(start + concurrency, sessions))))
+
+
+async def _direct(args: argparse.Namespace, system: str, level: int, sessions: int) -> Samples:
+    samples = Samples()
+    async with AsyncCluster.from_file(args.cluster_file) as cluster:
+
+        async def one(i: int) -> None:
+            async with cluster.session(max_tokens=args.max_tokens, temperature=None) as s:
+                s.append(Message.system(system))
+                for turn in range(args.turns):
+                    start = time.perf_counter()
+                    await s.send(_question(i, turn))
+                    samples.latency.append(time.perf_counter() - start)
+
+        cpu = time.process_time()
+        await _waves(level, sessions, one)
+        samples.cpu = time.process_time() - cpu
+    return samples
+
+
+def _in_proxy_s(header: str) -> float:
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if name == "proxy":
+            return float(dur) / 1000
+    raise ValueError(f"no proxy timing in {header!r}")
+
+
+async def _proxied(
+    args: argparse.Namespace, system: str, url: str, pid: int, level: int, sessions: int, tag: str
+) -> Samples:
+    samples = Samples()
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120.0) as client:
+
+        async def one(i: int) -> None:
+            messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+            headers = {
+                "X-Session-ID": f"{tag}-{i}",
+                "Authorization": "Bearer bench",
+                "Content-Type": "application/json",
+            }
+            for turn in range(args.turns):
+                messages.append({"role": "user", "content": _question(i, turn)})
+                body = orjson.dumps({"messages": messages, "max_tokens": args.max_tokens})
+                start = time.perf_counter()
+                response = await client.post("/v1/chat/completions", content=body, headers=headers)
+                data = orjson.loads(response.content)
+                samples.latency.append(time.perf_counter() - start)
+                if response.status_code != 200:
+                    raise RuntimeError(f"proxy answered {response.status_code}: {data}")
+                samples.in_proxy.append(_in_proxy_s(response.headers["server-timing"]))
+                messages.append(data["choices"][0]["message"])
+            await client.delete(f"/v1/sessions/{tag}-{i}", headers=headers)
+
+        cpu = _cpu_seconds(pid)
+        await _waves(level, sessions, one)
+        samples.cpu = _cpu_seconds(pid) - cpu
+    return samples
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def _ms(values: list[float]) -> tuple[float, float]:
+    return statistics.median(values) * 1e3, _p99(values) * 1e3
+
+
+def _run(args: argparse.Namespace) -> list[tuple[int, int, Samples, Samples]]:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    system = _system_prompt(args.context)
+    fake = _spawn(
+        ["--serve-fake", "--cluster-file", args.cluster_file, "--server-ms", str(args.server_ms)],
+        lambda: Path(args.cluster_file).exists(),
+    )
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proxy = _spawn(
+            ["--serve-proxy", "--cluster-file", args.cluster_file, "--port", str(port)],
+            lambda: _healthy(f"{url}/healthz"),
+        )
+        try:
+            # Warm both paths (imports, template anchors, connections) outside the numbers.
+            asyncio.run(_direct(args, system, 4, 4))
+            asyncio.run(_proxied(args, system, url, proxy.pid, 4, 4, "warm"))
+            rows = []
+            for level in levels:
+                sessions = max(level, math.ceil(args.min_samples / args.turns))
+                sessions = math.ceil(sessions / level) * level
+                direct = asyncio.run(_direct(args, system, level, sessions))
+                proxied = asyncio.run(
+                    _proxied(args, system, url, proxy.pid, level, sessions, f"c{level}")
+                )
+                rows.append((level, len(direct.latency), direct, proxied))
+            return rows
+        finally:
+            proxy.terminate()
+            proxy.wait(timeout=30)
+    finally:
+        fake.terminate()
+        fake.wait(timeout=30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--server-ms", type=float, default=100.0, help="per chat leg")
+    parser.add_argument("--context", type=int, default=1000, help="system prompt tokens")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--min-samples", type=int, default=120, help="turns per level, at least")
+    parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-proxy", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cluster-file", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_fake:
+        asyncio.run(_serve_fake(args))
+        return 0
+    if args.serve_proxy:
+        asyncio.run(_serve_proxy(args))
+        return 0
+
+    _silence_logs()
+    with tempfile.TemporaryDirectory() as tmp:
+        args.cluster_file = str(Path(tmp) / "cluster.json")
+        rows = _run(args)
+
+    print(
+        f"proxy overhead per turn: {args.turns} turns a session, ~{args.context}-token system "
+        f"prompt, fake P/D pair over HTTP with {args.server_ms:g} ms server time per chat leg; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    head = (
+        f"{'sessions':>8} {'turns':>5} | {'direct':>7} {'p99':>7} | {'proxy':>7} {'p99':>7} | "
+        f"{'overhead':>8} {'p99':>7} | {'in-proxy':>8} {'p99':>6} | {'CPU/turn':>8} {'proxy':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for level, n, direct, proxied in rows:
+        dm, dp = _ms(direct.latency)
+        pm, pp = _ms(proxied.latency)
+        im, ip = _ms(proxied.in_proxy)
+        print(
+            f"{level:>8} {n:>5} | {dm:>7.2f} {dp:>7.2f} | {pm:>7.2f} {pp:>7.2f} | "
+            f"{pm - dm:>8.2f} {pp - dp:>7.2f} | {im:>8.3f} {ip:>6.3f} | "
+            f"{direct.cpu / n * 1e3:>8.2f} {proxied.cpu / n * 1e3:>6.2f}"
+        )
+    print("(ms; CPU/turn: the SDK's process, this one for direct, the proxy's for proxy)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

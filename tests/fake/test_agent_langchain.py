@@ -1,0 +1,127 @@
+"""``ChatAgentKV`` on the fake pair: a LangChain tool loop keeps one session and reuses its KV."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("langchain_core")
+
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.tools import tool as lc_tool
+
+from agentkv import Cluster, HandleState, InvalidMessageError
+from agentkv._tool_calling import JsonToolCalling, NativeToolCalling
+from agentkv.integrations.langchain import ChatAgentKV
+from agentkv.testing import FakeCluster, ManualClock
+
+
+@lc_tool
+def add(a: int, b: int) -> int:
+    """Add two numbers."""
+    return a + b
+
+
+@pytest.fixture
+def fake() -> FakeCluster:
+    return FakeCluster(pairs=1, clock=ManualClock(), block_size=16, kv_recompute_threshold=0)
+
+
+@pytest.fixture
+def cluster(fake: FakeCluster) -> Iterator[Cluster]:
+    with Cluster.from_dict(fake.cluster_spec, transport=fake.transport, block_size=16) as c:
+        yield c
+
+
+def run_loop(llm: ChatAgentKV, steps: int) -> tuple[list[BaseMessage], AIMessage]:
+    """The usual LangChain loop: call the model, run its tool calls, repeat; then answer."""
+    messages: list[BaseMessage] = [SystemMessage("You add."), HumanMessage("Add some numbers.")]
+    calling = llm.bind_tools([add], tool_choice="add")
+    for _ in range(steps):
+        ai = calling.invoke(messages)
+        assert ai.tool_calls
+        messages.append(ai)
+        for call in ai.tool_calls:
+            messages.append(ToolMessage(str(add.invoke(call["args"])), tool_call_id=call["id"]))
+    final = llm.bind_tools([add], tool_choice="final").invoke(messages)
+    return messages, final
+
+
+def test_a_langchain_tool_loop_reuses_every_previous_turn(cluster, fake):
+    llm = ChatAgentKV(cluster=cluster, tool_calling=NativeToolCalling(tool_choice="required"))
+    messages, final = run_loop(llm, steps=3)
+    assert final.tool_calls == []
+    assert isinstance(final.content, str)
+    ais = [m for m in messages if isinstance(m, AIMessage)] + [final]
+    stats = [ai.response_metadata["agentkv"] for ai in ais]
+    assert len({s["session_id"] for s in stats}) == 1
+    for previous, current in itertools.pairwise(stats):
+        ideal = previous["prompt_tokens"] + previous["generated_tokens"] - 1
+        assert current["handle_state"] == HandleState.ATTACHED.value
+        assert current["reused_tokens"] == ideal
+    assert final.usage_metadata is not None
+    assert final.usage_metadata["input_token_details"]["cache_read"] == stats[-1]["reused_tokens"]
+    assert fake.wrong_reuse_events == 0
+    assert llm.session is not None
+    assert len(llm.session.turns) == 4
+    llm.close()
+
+
+def test_a_different_conversation_starts_a_new_session(cluster):
+    llm = ChatAgentKV(cluster=cluster)
+    first = llm.invoke([HumanMessage("Hello.")])
+    old = llm.session
+    assert old is not None
+    again = llm.invoke([HumanMessage("Hello."), first, HumanMessage("More.")])
+    assert llm.session is old
+    assert again.response_metadata["agentkv"]["handle_state"] == "attached"
+    llm.invoke([HumanMessage("Something else.")])
+    assert llm.session is not old
+    assert old.closed
+    llm.close()
+
+
+def test_unreadable_replies_are_retried_and_still_line_up_with_the_history(cluster, fake):
+    """The fake ignores structured outputs, so JSON replies are unreadable: the model is told,
+    twice, and the answer's id still maps to every message of those turns."""
+    llm = ChatAgentKV(cluster=cluster, tool_calling=JsonToolCalling())
+    history: list[BaseMessage] = [HumanMessage("Add.")]
+    ai = llm.bind_tools([add]).invoke(history)
+    assert ai.tool_calls == []
+    assert llm.session is not None
+    assert len(llm.session.turns) == 3
+    session = llm.session
+    more = llm.bind_tools([add]).invoke([*history, ai, HumanMessage("Again.")])
+    assert llm.session is session
+    assert more.response_metadata["agentkv"]["handle_state"] == "attached"
+    # The tool instructions went into a system message of their own.
+    system = session.transcript.messages[0]
+    assert system.role == "system"
+    assert "final_answer" in (system.content or "")
+    assert fake.wrong_reuse_events == 0
+
+
+def test_tool_errors_and_async_calls(cluster):
+    llm = ChatAgentKV(cluster=cluster, tool_calling=NativeToolCalling(tool_choice="required"))
+    calling = llm.bind_tools([add], tool_choice="add")
+    messages: list[BaseMessage] = [HumanMessage("Add.")]
+    ai = calling.invoke(messages)
+    messages += [ai, ToolMessage("it broke", tool_call_id=ai.tool_calls[0]["id"], status="error")]
+    second = asyncio.run(calling.ainvoke(messages))
+    assert second.tool_calls
+    assert llm.session is not None
+    assert len(llm.session.turns) == 2  # the same session went on
+    tool_message = llm.session.transcript.messages[-2]
+    assert (tool_message.role, tool_message.content) == ("tool", "it broke")
+    with pytest.raises(InvalidMessageError):
+        llm.invoke([HumanMessage("x"), ChatMessage(content="x", role="critic")])

@@ -1,0 +1,325 @@
+"""The agent loop on the fake pair: append-only turns that reuse the previous turn's KV, tool
+errors the model sees, max_steps, streaming events, handles that expire while tools run.
+
+The fake model answers ``tool_choice`` the way vLLM's structured outputs do (a schema-valid call),
+so these runs use ``NativeToolCalling``; a named choice makes the model's choice deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Annotated
+
+import pydantic
+import pytest
+
+from agentkv import AsyncCluster, Cluster, HandleState, Message
+from agentkv._agent import Agent
+from agentkv._agent_types import (
+    HandleExpiredEvent,
+    RunResult,
+    TextEvent,
+    ToolCallEvent,
+    ToolResultEvent,
+    TurnEvent,
+)
+from agentkv._tool_calling import ModelReply, NativeToolCalling
+from agentkv._tools import (
+    ToolArgumentsError,
+    ToolCallFormatError,
+    ToolExecutionError,
+    ToolSpec,
+    ToolTimeoutError,
+    tool,
+)
+from agentkv._toolset import ToolResult
+from agentkv._types import ToolCall, TurnResult
+from agentkv.testing import FakeCluster, ManualClock
+
+BLOCK = 16
+
+
+@tool
+def lookup(key: str) -> str:
+    """Look a key up."""
+    return f"value of {key}"
+
+
+@tool
+def boom(n: int) -> int:
+    """Always fails."""
+    raise RuntimeError(f"exploded on {n}")
+
+
+@tool
+def picky(n: Annotated[int, pydantic.Field(ge=1000)]) -> int:
+    """Wants big numbers (the fake model writes 0..100)."""
+    return n
+
+
+@tool(timeout_s=0.05)
+async def slow(n: int) -> int:
+    """Never answers in time."""
+    await asyncio.sleep(30)
+    return n
+
+
+def forced(name: str) -> NativeToolCalling:
+    """Every step calls ``name``; the last step must answer."""
+    return NativeToolCalling(tool_choice=name)
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def fake(clock: ManualClock) -> FakeCluster:
+    # Pulls of any size, so every later turn reuses exactly the previous prompt + output.
+    return FakeCluster(pairs=1, clock=clock, block_size=BLOCK, kv_recompute_threshold=0)
+
+
+@pytest.fixture
+def cluster(fake: FakeCluster, clock: ManualClock) -> Iterator[Cluster]:
+    with Cluster.from_dict(
+        fake.cluster_spec, transport=fake.transport, clock=clock, block_size=BLOCK
+    ) as cluster:
+        yield cluster
+
+
+def assert_every_later_turn_reuses_the_ideal(run: RunResult, fake: FakeCluster) -> None:
+    assert fake.wrong_reuse_events == 0
+    for previous, current in itertools.pairwise(run.turns):
+        ideal = previous.prompt_tokens + previous.generated_tokens - 1
+        assert current.ideal_reused_tokens == ideal
+        assert current.handle_state is HandleState.ATTACHED, current.handle_reason
+        assert current.reused_tokens == ideal, current
+
+
+def test_a_run_threads_kv_through_every_step_and_ends_with_the_answer(cluster, fake):
+    agent = Agent(
+        cluster,
+        tools=[lookup],
+        system="Look things up.",
+        max_steps=4,
+        tool_calling=forced("lookup"),
+    )
+    run = agent.run("Find the value of k.")
+    assert run.stop_reason == "answer"
+    assert isinstance(run.answer, str)
+    assert [len(s.results) for s in run.steps] == [1, 1, 1, 0]
+    assert all(r.ok and r.output.startswith("value of ") for r in run.tool_results)
+    assert_every_later_turn_reuses_the_ideal(run, fake)
+    # The transcript holds everything: system, task, each call and its result, the answer.
+    roles = [m.role for m in run.messages]
+    assert roles == ["system", "user", *["assistant", "tool"] * 3, "assistant"]
+    assert "Call final_answer" in (run.messages[0].content or "")
+    assert run.messages[-1].tool_calls[0].name == "final_answer"
+    for step, message in zip(run.steps[:3], run.messages[3:9:2], strict=True):
+        assert message.tool_call_id == step.tool_calls[0].id
+        assert message.content == step.results[0].output
+
+
+def test_tool_exceptions_become_messages_and_the_loop_goes_on(cluster):
+    run = Agent(cluster, tools=[boom], max_steps=3, tool_calling=forced("boom")).run("Go.")
+    failures = run.tool_results
+    assert len(failures) == 2
+    assert all(isinstance(r.error, ToolExecutionError) for r in failures)
+    assert isinstance(failures[0].error.__cause__, RuntimeError)
+    tool_messages = [m for m in run.messages if m.role == "tool"]
+    assert [m.content for m in tool_messages] == [r.output for r in failures]
+    assert all("raised RuntimeError: exploded on" in (m.content or "") for m in tool_messages)
+    assert run.stop_reason == "answer"
+
+
+def test_invalid_arguments_and_timeouts_are_reported_to_the_model(cluster):
+    run = Agent(cluster, tools=[picky], max_steps=2, tool_calling=forced("picky")).run("Go.")
+    (invalid,) = run.tool_results
+    assert isinstance(invalid.error, ToolArgumentsError)
+    assert "greater than or equal to 1000" in invalid.output
+
+    run = Agent(cluster, tools=[slow], max_steps=2, tool_calling=forced("slow")).run("Go.")
+    (late,) = run.tool_results
+    assert isinstance(late.error, ToolTimeoutError)
+    assert [m.content for m in run.messages if m.role == "tool"] == [late.output]
+
+
+def test_max_steps_without_a_forced_answer_stops_and_keeps_the_last_results(cluster):
+    agent = Agent(
+        cluster,
+        tools=[lookup],
+        max_steps=2,
+        tool_calling=forced("lookup"),
+        force_final_answer=False,
+    )
+    run = agent.run("Go.")
+    assert (run.stop_reason, run.answer) == ("max_steps", None)
+    assert len(run.steps) == 2
+    # The last results were never sent, but they are not lost.
+    assert run.messages[-1].role == "tool"
+    assert run.messages[-1].content == run.steps[-1].results[0].output
+
+
+def test_the_event_stream_reports_each_stage_in_order(cluster):
+    agent = Agent(cluster, tools=[lookup, boom], max_steps=3, tool_calling=forced("lookup"))
+    items = list(agent.stream("Go."))
+    assert isinstance(items[-1], RunResult)
+    kinds = [type(item).__name__ for item in items[:-1]]
+    assert kinds == ["TurnEvent", "ToolCallEvent", "ToolResultEvent"] * 2 + ["TurnEvent"]
+    turns = [i for i in items if isinstance(i, TurnEvent)]
+    assert [t.stats for t in turns] == list(items[-1].turns)
+    calls = [i.call for i in items if isinstance(i, ToolCallEvent)]
+    results = [i.result for i in items if isinstance(i, ToolResultEvent)]
+    assert [r.call for r in results] == calls
+
+
+def test_text_answers_stream_as_text_events(cluster):
+    """With ``tool_choice="auto"`` the fake model answers in text: the run ends on step 1."""
+    agent = Agent(cluster, tools=[lookup], tool_calling=NativeToolCalling())
+    items = list(agent.stream("Say something."))
+    text = "".join(i.text for i in items if isinstance(i, TextEvent))
+    run = items[-1]
+    assert isinstance(run, RunResult)
+    assert text
+    assert run.answer == text
+    assert run.stop_reason == "answer"
+
+
+def test_an_agent_on_a_session_continues_its_conversation(cluster, fake):
+    with cluster.session() as session:
+        agent = Agent(
+            session, tools=[lookup], system="S.", max_steps=2, tool_calling=forced("lookup")
+        )
+        first = agent.run("One.")
+        second = agent.run("Two.")
+        assert first.session_id == second.session_id == session.session_id
+        assert [m.role for m in second.messages].count("system") == 1
+        assert second.messages[: len(first.messages)] == first.messages
+        turns = session.turns
+    assert len(turns) == 4
+    assert turns[2].handle_state is HandleState.ATTACHED
+    assert turns[2].reused_tokens == turns[2].ideal_reused_tokens
+    assert fake.wrong_reuse_events == 0
+
+
+def test_tools_that_outlast_the_handle_are_reported_and_the_next_turn_drops_it(cluster, clock):
+    @tool
+    def wait_long() -> str:
+        """Takes longer than the handle lives."""
+        clock.advance(500.0)
+        return "done"
+
+    agent = Agent(cluster, tools=[wait_long], max_steps=2, tool_calling=forced("wait_long"))
+    items = list(agent.stream("Go."))
+    (expired,) = [i for i in items if isinstance(i, HandleExpiredEvent)]
+    assert expired.step == 1
+    assert expired.overdue_s == pytest.approx(500.0 - 450.0)
+    run = items[-1]
+    assert isinstance(run, RunResult)
+    assert run.handle_expiries == 1
+    assert run.steps[0].handle_expired
+    assert run.turns[1].handle_state is HandleState.EXPIRED
+
+
+def test_async_agents_run_on_async_clusters_and_sync_agents_await_too(fake, clock):
+    async def scenario() -> tuple[RunResult, RunResult, list[object]]:
+        async with AsyncCluster.from_dict(
+            fake.cluster_spec, transport=fake.transport, clock=clock
+        ) as cluster:
+            agent = Agent(cluster, tools=[lookup], max_steps=2, tool_calling=forced("lookup"))
+            run = await agent.arun("Go.")
+            events = [item async for item in agent.astream("Go.")]
+            with pytest.raises(TypeError, match="arun"):
+                agent.run("Go.")
+        with Cluster.from_dict(fake.cluster_spec, transport=fake.transport, clock=clock) as sync:
+            agent = Agent(sync, tools=[lookup], max_steps=2, tool_calling=forced("lookup"))
+            threaded = await agent.arun("Go.")
+            threaded_events = [item async for item in agent.astream("Go.")]
+        assert [type(e) for e in threaded_events] == [type(e) for e in events]
+        return run, threaded, events
+
+    run, threaded, events = asyncio.run(scenario())
+    assert run.answer == threaded.answer
+    assert isinstance(events[-1], RunResult)
+
+
+class TwoCalls:
+    """A test protocol: every reply asks for two ``meet`` calls, the second step answers."""
+
+    def __init__(self) -> None:
+        self.native = NativeToolCalling()
+
+    def instructions(self, tools: Sequence[ToolSpec]) -> str:
+        return ""
+
+    def turn_options(self, tools: Sequence[ToolSpec], *, choice: str):
+        return {}
+
+    def parse(self, result: TurnResult) -> ModelReply:
+        if result.stats.turn > 1:
+            return ModelReply(text=result.text, answer="met")
+        calls = tuple(
+            ToolCall(id=f"c{i}", name="meet", arguments=f'{{"me": "{me}", "other": "{other}"}}')
+            for i, (me, other) in enumerate((("a", "b"), ("b", "a")))
+        )
+        return ModelReply(text=result.text, calls=calls)
+
+    def result_message(self, result: ToolResult) -> Message:
+        return self.native.result_message(result)
+
+    def retry_message(self, error: ToolCallFormatError) -> Message:
+        return self.native.retry_message(error)
+
+
+def test_the_calls_of_one_reply_run_in_parallel(cluster):
+    """Each call waits for the other: sequential runs would time out."""
+    arrived: dict[str, asyncio.Event] = {}
+
+    @tool
+    async def meet(me: str, other: str) -> str:
+        """Waits for the other call."""
+        arrived.setdefault(me, asyncio.Event()).set()
+        await asyncio.wait_for(arrived.setdefault(other, asyncio.Event()).wait(), timeout=2)
+        return me
+
+    run = Agent(cluster, tools=[meet], tool_calling=TwoCalls()).run("Meet.")
+    assert [r.output for r in run.tool_results] == ["a", "b"]
+    assert [m.tool_call_id for m in run.messages if m.role == "tool"] == ["c0", "c1"]
+
+    arrived.clear()
+    sequential = Agent(
+        cluster,
+        tools=[meet],
+        tool_calling=TwoCalls(),
+        parallel_tool_calls=False,
+        tool_timeout_s=0.2,
+    ).run("Meet.")
+    first, second = sequential.tool_results
+    assert isinstance(first.error, ToolTimeoutError)  # waited for a call that had not started
+    assert second.ok
+
+
+class Garbled(TwoCalls):
+    """The first reply is unreadable, the second answers."""
+
+    def parse(self, result: TurnResult) -> ModelReply:
+        if result.stats.turn == 1:
+            return ModelReply(text=result.text, error=ToolCallFormatError("not a call"))
+        return ModelReply(text=result.text, answer="fine")
+
+
+def test_an_unreadable_reply_is_explained_to_the_model_and_retried(cluster):
+    run = Agent(cluster, tools=[lookup], tool_calling=Garbled()).run("Go.")
+    assert run.answer == "fine"
+    assert run.steps[0].error == "not a call"
+    assert run.messages[2] == Message.user("Your reply could not be read: not a call. Call a tool.")
+
+
+def test_bad_agent_arguments_fail_early(cluster):
+    with pytest.raises(TypeError, match="Session"):
+        Agent(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_steps"):
+        Agent(cluster, max_steps=0)

@@ -1,0 +1,99 @@
+"""The JSON report: the issue's exact shape, nulls for missing turns, honest summaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv.bench import BenchConfig, Mode
+from agentkv.bench._report import build_report, median_by_turn, percentile, speedups, summarize
+from agentkv.bench._samples import TurnSample
+
+
+def sample(mode=Mode.AGENTKV, session=0, turn=1, ttft=1.0, reused=0, ideal=0, error=None,
+           prompt=100, generated=10, total=2.0):
+    return TurnSample(mode=mode, session=session, turn=turn, ttft_s=ttft, total_s=total,
+                      prompt_tokens=prompt, reused_tokens=reused, ideal_reused_tokens=ideal,
+                      generated_tokens=generated, error=error)
+
+
+def test_percentile_interpolates_linearly_like_numpy():
+    assert percentile([5.0], 0.9) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0
+    assert percentile([10.0, 0.0], 0.25) == 2.5
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 0.5)
+
+
+def test_summary_counts_turns_two_and_later_only():
+    samples = [
+        sample(turn=1, ttft=100.0),  # turn 1 never counts: nothing to reuse yet
+        sample(turn=2, ttft=1.0, reused=90, ideal=100),
+        sample(turn=3, ttft=3.0, reused=190, ideal=200),
+    ]
+    summary = summarize(samples)
+    assert summary["ttft_p50_ms_after_first_turn"] == 2000.0
+    assert summary["ttft_p90_ms_after_first_turn"] == 2800.0
+    assert summary["reuse_vs_ideal"] == round(280 / 300, 5)
+    assert summary["throughput_tokens_per_s"] == 5.0  # 30 tokens over 3 turns of 2 s
+
+
+def test_failed_turns_are_left_out_of_the_summary():
+    samples = [sample(turn=2, ttft=1.0, reused=100, ideal=100), sample(turn=3, error="boom")]
+    assert summarize(samples)["ttft_p50_ms_after_first_turn"] == 1000.0
+    assert summarize([sample(turn=1)]) == {
+        "ttft_p50_ms_after_first_turn": None,
+        "ttft_p90_ms_after_first_turn": None,
+        "reuse_vs_ideal": None,
+        "throughput_tokens_per_s": 5.0,
+    }
+
+
+def test_the_report_has_exactly_the_issue_shape_with_one_value_per_session():
+    config = BenchConfig(modes=(Mode.DISAGG, Mode.AGENTKV), sessions=2, turns=2, run_id="r")
+    samples = [
+        sample(mode=mode, session=s, turn=t, ttft=0.5 * t, reused=10 * t, ideal=20 * (t - 1))
+        for mode in config.modes for s in range(2) for t in (1, 2)
+    ]
+    report = build_report(config, samples, environment={"cluster": {"model": "m"}})
+    assert set(report) == {"config", "modes"}
+    assert report["config"]["cluster"] == {"model": "m"}
+    assert report["config"]["sessions"] == 2
+    assert list(report["modes"]) == ["disagg", "agentkv"]
+    block = report["modes"]["agentkv"]
+    assert set(block) == {"turns", "summary"}
+    assert block["turns"][1] == {
+        "turn": 2,
+        "ttft_ms": [1000.0, 1000.0],
+        "prompt_tokens": [100, 100],
+        "reused_tokens": [20, 20],
+        "ideal_reused_tokens": [20, 20],
+    }
+    assert set(block["summary"]) == {
+        "ttft_p50_ms_after_first_turn",
+        "ttft_p90_ms_after_first_turn",
+        "reuse_vs_ideal",
+        "throughput_tokens_per_s",
+    }
+
+
+def test_missing_and_failed_turns_are_null_and_listed_under_errors():
+    config = BenchConfig(modes=(Mode.AGENTKV,), sessions=2, turns=2, run_id="r")
+    samples = [sample(session=0, turn=1), sample(session=1, turn=1, error="ServerError: 500")]
+    report = build_report(config, samples, environment={})
+    rows = report["modes"]["agentkv"]["turns"]
+    assert rows[0]["ttft_ms"] == [1000.0, None]
+    assert rows[1]["prompt_tokens"] == [None, None]
+    assert report["errors"] == [
+        {"mode": "agentkv", "session": 1, "turn": 1, "error": "ServerError: 500"}
+    ]
+
+
+def test_speedups_and_medians_read_the_report():
+    report = {"modes": {
+        "disagg": {"summary": {"ttft_p50_ms_after_first_turn": 1000.0},
+                   "turns": [{"ttft_ms": [1.0, 3.0, None]}, {"ttft_ms": [None]}]},
+        "agentkv": {"summary": {"ttft_p50_ms_after_first_turn": 125.0}, "turns": []},
+    }}
+    assert speedups(report) == {"disagg": 1.0, "agentkv": 8.0}
+    assert speedups({"modes": {"agentkv": report["modes"]["agentkv"]}}) == {}
+    assert median_by_turn(report["modes"]["disagg"]) == [2.0, None]

