@@ -20,9 +20,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeGuard
 
+import structlog
+
 from agentkv._exceptions import InvalidMessageError, MalformedResponseError, ServerError
 from agentkv._json import dumps
 from agentkv._types import KVHandle, Message, ToolCall
+
+_logger = structlog.get_logger("agentkv")
 
 __all__ = [
     "DecodeResult",
@@ -411,8 +415,6 @@ class StreamAccumulator:
             raise _bad(url, "decode", "the stream ended without a finish_reason")
         if not self._token_ids:
             raise _bad(url, "decode", "the stream carried no token_ids (return_token_ids)")
-        if self._params is None:
-            self._params = _kv_params({}, url, "decode")
         try:
             calls = tuple(
                 ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"])
@@ -426,7 +428,19 @@ class StreamAccumulator:
             token_ids=tuple(self._token_ids),
             finish_reason=self._finish,
             prompt_tokens=self._prompt_tokens,
-            handle=_handle(
-                self._params, url=url, pair=pair, issued_at=issued_at, deadline=deadline
-            ),
+            handle=self._stream_handle(pair=pair, issued_at=issued_at, deadline=deadline),
+        )
+
+    def _stream_handle(self, *, pair: str, issued_at: float, deadline: float) -> KVHandle | None:
+        if self._params is None:
+            # Stock vLLM streams carry no handle (vllm#40186). The text has already reached the
+            # caller, so failing the turn now would only lose it: fall back to no reuse.
+            _logger.warning(
+                "agentkv.stream_without_handle",
+                url=self._url,
+                hint="enable agentkv's vLLM plugin (AGENTKV_VLLM_PLUGIN=1) on decode servers",
+            )
+            return None
+        return _handle(
+            self._params, url=self._url, pair=pair, issued_at=issued_at, deadline=deadline
         )

@@ -4,11 +4,12 @@ Retry rules (each attempt is a whole P leg + D leg, so a decode failure re-runs 
 
 * Transport errors and 5xx answers are retried with backoff (``RetryPolicy``); 4xx, malformed
   answers and template errors are not.
-* A handle is single use: it is taken off the session when a P leg carries it. Only when the P leg
-  never reached the server (connection refused) is it put back; after any other failure the server
-  may have read, and so freed, its blocks, and re-sending it could pull wrong KV.
-* A connection refused marks the pair unhealthy; the next attempt moves the session to a healthy
-  pair (transcript kept, KV recomputed there).
+* A handle is single use: it is taken off the session as soon as a P leg carries it, and never put
+  back. After a failure the server may have read, and so freed, its blocks; re-sending it could
+  pull blocks that now hold another request's KV.
+* A connection refused marks the pair unhealthy and drops the handle (the server may come back
+  restarted, its block ids reused); the next attempt moves the session to a healthy pair
+  (transcript kept, KV recomputed there).
 * A streamed turn is not retried once text was yielded: the caller has seen it.
 * Nothing is committed until the D leg's answer is parsed, so a failed turn changes nothing.
 """

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+
+import structlog
 
 from agentkv._exceptions import AgentKVError
 from agentkv.local._config import ClusterRecord, LocalClusterConfig, default_cluster_file
@@ -98,6 +101,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every turn to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_cluster_file(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -140,8 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configure_logging(verbose: bool) -> None:
+    # The library only emits events; the CLI decides where they go: stderr, so that stdout
+    # carries just the command's output (tables, JSON).
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.INFO if verbose else logging.WARNING
+        ),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
     try:
         return int(args.func(args))
     except AgentKVError as exc:

@@ -335,12 +335,17 @@ def test_stream_accumulator_joins_tool_call_pieces():
     assert result.finish_reason == "tool_calls"
 
 
-def test_stream_without_handle_or_finish_is_malformed():
+def test_a_stream_without_handle_falls_back_to_no_reuse():
+    """Stock vLLM streams carry no handle: the streamed answer stands, the next turn recomputes."""
     acc = StreamAccumulator(url=URL)
     for chunk in list(_chunks())[:-1]:
         acc.feed(chunk)
-    with pytest.raises(MalformedResponseError, match="kv_transfer_params"):
-        acc.result(pair="p0", issued_at=0.0, deadline=1.0)
+    result = acc.result(pair="p0", issued_at=0.0, deadline=1.0)
+    assert result.handle is None
+    assert result.token_ids
+
+
+def test_a_stream_without_finish_is_malformed():
     acc = StreamAccumulator(url=URL)
     acc.feed(next(_chunks()))
     with pytest.raises(MalformedResponseError, match="finish_reason"):
