@@ -22,9 +22,9 @@ from typing import Any
 import structlog
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
-from agentkv._hints import HINTS_KEY, ExtendRequest, ExtendResult, HintError, LeaseAck, LeaseRef
+from agentkv._hints import HINTS_KEY, LeaseAck
 from agentkv.connector import _engine_rpc, _quiet
-from agentkv.connector._leases import LeaseBook, Outcome, decide_pin
+from agentkv.connector._leases import LeaseBook, LeaseService, decide_pin
 
 logger = structlog.get_logger("agentkv.connector")
 
@@ -74,6 +74,7 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
         super().__init__(*args, **kwargs)
         self._book: LeaseBook | None = None
         self._control: _PinControl | None = None
+        self._service: LeaseService | None = None
         if self.connector_scheduler is not None:
             # Scheduler role: this runs in the EngineCore process, where lease calls arrive.
             extra = self.kv_transfer_config
@@ -84,6 +85,12 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
                                                             DEFAULT_MAX_TTL_S)),
             )
             self._control = _PinControl(self.connector_scheduler)
+            self._service = LeaseService(
+                self._book,
+                set_deadline=self._control.set_deadline,
+                clock=time.perf_counter,
+                default_ttl_s=self._default_ttl_s,
+            )
             _engine_rpc.install()
 
     # --- scheduler side: one pull per prefill request --------------------------------------------
@@ -155,39 +162,8 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
 
     # --- scheduler side: lease calls (EngineCore utility, see _engine_rpc) -----------------------
 
-    def agentkv_lease_op(self, op: str, payload: object) -> dict[str, Any]:
+    def agentkv_lease_op(self, op: str, payload: object) -> dict[str, object]:
         """Serve one lease call; runs on the EngineCore thread, between engine steps."""
-        book, control = self._book, self._control
-        if book is None or control is None:
+        if self._service is None:
             return {"status": "unavailable"}
-        try:
-            if op == "info":
-                return {"status": "ok", "default_ttl_s": min(self._default_ttl_s, book.max_ttl_s),
-                        "max_ttl_s": book.max_ttl_s, "pins": len(book)}
-            if op == "release":
-                return self._release(book, control, LeaseRef.from_wire(payload))
-            if op == "extend":
-                return self._extend(book, control, ExtendRequest.from_wire(payload))
-        except HintError as exc:
-            return {"status": "invalid", "message": str(exc)}
-        return {"status": "invalid", "message": f"unknown lease operation {op!r}"}
-
-    @staticmethod
-    def _release(book: LeaseBook, control: _PinControl, ref: LeaseRef) -> dict[str, Any]:
-        outcome = book.release(ref)
-        if outcome is Outcome.OK:
-            # A deadline in the past: the worker frees the blocks at the next step.
-            control.set_deadline(ref.request_id, time.perf_counter() - 1.0)
-        logger.info("lease_release", request_id=ref.request_id, outcome=outcome.value)
-        return {"status": outcome.value}
-
-    @staticmethod
-    def _extend(book: LeaseBook, control: _PinControl, extend: ExtendRequest) -> dict[str, Any]:
-        outcome, lease = book.extend(extend.ref, ttl_s=extend.ttl_s)
-        logger.info("lease_extend", request_id=extend.ref.request_id, outcome=outcome.value,
-                    ttl_s=extend.ttl_s)
-        if outcome is not Outcome.OK or lease is None:
-            return {"status": outcome.value}
-        control.set_deadline(lease.request_id, lease.deadline)
-        granted = ExtendResult(expiry=lease.deadline, ttl_s=book.remaining_s(lease))
-        return {"status": "ok", **granted.to_wire()}
+        return self._service.handle(op, payload)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.engine.core import EngineCore
-
 METHOD = "agentkv_leases"
 
 
@@ -22,7 +20,7 @@ def agentkv_leases(engine: Any, op: str, payload: dict[str, Any]) -> dict[str, A
     """Forward a lease call to the engine's KV connector, if it is agentkv's."""
     connector = engine.scheduler.get_kv_connector()
     handler = getattr(connector, "agentkv_lease_op", None)
-    if handler is None:
+    if handler is None:  # stock NixlConnector (or none): hints are ignored there
         return {"status": "unavailable"}
     result: dict[str, Any] = handler(op, payload)
     return result
@@ -30,6 +28,9 @@ def agentkv_leases(engine: Any, op: str, payload: dict[str, Any]) -> dict[str, A
 
 def install() -> None:
     """Add the utility method to vLLM's EngineCore class (idempotent; adds, never replaces)."""
+    # Imported here so that the API server side (_endpoint) can name METHOD cheaply.
+    from vllm.v1.engine.core import EngineCore
+
     existing = getattr(EngineCore, METHOD, None)
     if existing is agentkv_leases:
         return

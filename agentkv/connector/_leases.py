@@ -1,4 +1,4 @@
-"""Decode's book of pinned turn-end handles: who may release or extend which, and until when.
+"""Decode's book of pinned turn-end handles: who may release or extend which, until when.
 
 Pure (no vLLM, clock and secrets injected) so that the policy is tested as plain functions; the
 connector applies its decisions to vLLM's scheduler state.
@@ -19,9 +19,22 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from agentkv._hints import HINTS_KEY, HintError, LeaseAck, LeaseRef, PersistHint
+import structlog
+
+from agentkv._hints import (
+    HINTS_KEY,
+    ExtendRequest,
+    ExtendResult,
+    HintError,
+    LeaseAck,
+    LeaseRef,
+    PersistHint,
+)
+
+logger = structlog.get_logger("agentkv.connector")
 
 Clock = Callable[[], float]
+SetDeadline = Callable[[str, float], None]
 
 
 def new_secret() -> str:
@@ -138,3 +151,59 @@ class LeaseBook:
         """vLLM freed these requests' blocks (read, expired or released)."""
         for request_id in request_ids:
             self._leases.pop(request_id, None)
+
+
+class LeaseService:
+    """Serves the lease calls (``info``, ``release``, ``extend``) against a book.
+
+    What a call decides reaches vLLM only through ``set_deadline(request_id, deadline)``: the
+    connector hands that deadline to its workers, which free the blocks once it has passed. A
+    release therefore sets a deadline in the past. Answers are plain dicts with a ``status`` of
+    ``ok``, ``unknown``, ``expired`` or ``invalid`` (the endpoint maps them to HTTP statuses).
+    """
+
+    def __init__(
+        self, book: LeaseBook, *, set_deadline: SetDeadline, clock: Clock, default_ttl_s: float
+    ) -> None:
+        self._book = book
+        self._set_deadline = set_deadline
+        self._clock = clock
+        self._default_ttl_s = default_ttl_s
+
+    def handle(self, op: str, payload: object) -> dict[str, object]:
+        try:
+            if op == "info":
+                return {
+                    "status": "ok",
+                    "pins": len(self._book),
+                    "max_ttl_s": self._book.max_ttl_s,
+                    "default_ttl_s": min(self._default_ttl_s, self._book.max_ttl_s),
+                }
+            if op == "release":
+                return self._release(LeaseRef.from_wire(payload))
+            if op == "extend":
+                return self._extend(ExtendRequest.from_wire(payload))
+        except HintError as exc:
+            return {"status": "invalid", "message": str(exc)}
+        return {"status": "invalid", "message": f"unknown lease operation {op!r}"}
+
+    def _release(self, ref: LeaseRef) -> dict[str, object]:
+        outcome = self._book.release(ref)
+        if outcome is Outcome.OK:
+            self._set_deadline(ref.request_id, self._clock() - 1.0)
+        logger.info("lease_release", request_id=ref.request_id, outcome=outcome.value)
+        return {"status": outcome.value}
+
+    def _extend(self, extend: ExtendRequest) -> dict[str, object]:
+        outcome, lease = self._book.extend(extend.ref, ttl_s=extend.ttl_s)
+        logger.info(
+            "lease_extend",
+            request_id=extend.ref.request_id,
+            outcome=outcome.value,
+            ttl_s=extend.ttl_s,
+        )
+        if outcome is not Outcome.OK or lease is None:
+            return {"status": outcome.value}
+        self._set_deadline(lease.request_id, lease.deadline)
+        granted = ExtendResult(expiry=lease.deadline, ttl_s=self._book.remaining_s(lease))
+        return {"status": "ok", **granted.to_wire()}

@@ -310,12 +310,18 @@ def test_a_short_ttl_expires_and_an_extended_one_survives(pair: Pair) -> None:
     floors = {convo.topic: (convo.turn_tokens, convo.local_floor) for convo in (short, kept)}
     for convo in (short, kept):
         convo.add_user("And parcel 4?")
-    _, short_cached = short.prefill(short_handle)
-    _, kept_cached = kept.prefill(kept_handle)
+    short_params, short_cached = short.prefill(short_handle)
+    kept_params, kept_cached = kept.prefill(kept_handle)
     # Expired: prefill declines the pull and recomputes (only its own cached prompt blocks count).
     assert short_cached <= floors["forge"][1]
     # Extended: the pull covers the whole previous turn, past prefill's own cache.
     assert kept_cached >= floors["kiln"][0] - 1 > floors["kiln"][1]
+    # The recomputed turn is correct: the same output as that prompt prefilled from scratch.
+    short.decode(short_params, PersistHint(persist=False))
+    kept.decode(kept_params, PersistHint(persist=False))
+    recomputed = short.generated
+    short.decode(short.prefill(None)[0], PersistHint(persist=False))
+    assert recomputed == short.generated
     # The expired lease cannot be released any more (it is being freed, or already is).
     assert _release(pair, short_handle).status_code in {404, 410}
 

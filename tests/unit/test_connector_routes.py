@@ -1,0 +1,187 @@
+"""The lease routes on decode: HTTP in, engine utility call, lease book, HTTP out (no vLLM needed).
+
+The engine side is the real code (``_engine_rpc.agentkv_leases`` and ``LeaseService``); only the
+transport between API server and EngineCore is a fake that calls it in-process.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from agentkv._hints import EXTEND_PATH, INFO_PATH, RELEASE_PATH, LeaseRef, ServerInfo
+from agentkv.connector._endpoint import AgentKVEndpointPlugin
+from agentkv.connector._engine_rpc import METHOD, agentkv_leases
+from agentkv.connector._leases import LeaseBook, LeaseService
+
+BLOCKS = ((7, 8),)
+
+
+class Clock:
+    now = 500.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Engine:
+    """One EngineCore: its connector serves lease calls, unless it is stock vLLM's."""
+
+    clock: Clock
+    stock: bool = False
+    deadlines: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.book = LeaseBook(clock=self.clock, max_ttl_s=600)
+        service = LeaseService(self.book, set_deadline=self.deadlines.__setitem__,
+                               clock=self.clock, default_ttl_s=480)
+        self.connector = object() if self.stock else type(
+            "Connector", (), {"agentkv_lease_op": staticmethod(service.handle)})()
+        self.scheduler = self
+
+    def get_kv_connector(self) -> object:
+        return self.connector
+
+    def pin(self, request_id: str) -> LeaseRef:
+        _, ack = self.book.grant(request_id, BLOCKS, ttl_s=60)
+        assert ack.lease is not None
+        return LeaseRef(request_id=request_id, block_ids=BLOCKS, lease=ack.lease)
+
+
+@dataclass
+class Core:
+    """The API server's engine client: one utility call per engine, as vLLM's DP client does."""
+
+    engines: list[Engine]
+    missing_method: bool = False
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return (await self.call_utility_all_async(method, *args))[0]
+
+    async def call_utility_all_async(self, method: str, op: str, payload: Any) -> list[Any]:
+        assert method == METHOD
+        if self.missing_method:
+            raise RuntimeError(f"Call to {METHOD} method failed: 'EngineCoreProc' object has no "
+                               f"attribute '{METHOD}'")
+        return [agentkv_leases(engine, op, payload) for engine in self.engines]
+
+
+@dataclass
+class EngineClient:
+    engine_core: Core
+
+
+async def _client(core: Core) -> AsyncIterator[httpx.AsyncClient]:
+    app = FastAPI()
+    plugin = AgentKVEndpointPlugin()
+    plugin.attach_router(app)
+    await plugin.init_state(EngineClient(core), app.state, Namespace())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as c:
+        yield c
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def engine(clock: Clock) -> Engine:
+    return Engine(clock)
+
+
+@pytest.fixture
+async def client(engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
+    async for c in _client(Core([engine])):
+        yield c
+
+
+async def test_info_says_leases_are_served(client: httpx.AsyncClient) -> None:
+    info = ServerInfo.from_wire((await client.get(INFO_PATH)).json())
+    assert info == ServerInfo(leases=True, stream_handles=False, default_ttl_s=480.0,
+                              max_ttl_s=600.0)
+
+
+async def test_release_frees_at_the_next_step_and_only_once(
+    client: httpx.AsyncClient, engine: Engine
+) -> None:
+    ref = engine.pin("req-1")
+    response = await client.post(RELEASE_PATH, json=ref.to_wire())
+    assert response.status_code == 200
+    assert response.json() == {"released": True}
+    assert engine.deadlines["req-1"] < engine.clock()  # a past deadline: freed at the next step
+    again = await client.post(RELEASE_PATH, json=ref.to_wire())
+    assert again.status_code == 404
+    assert again.json()["error"]["code"] == "unknown_lease"
+
+
+async def test_someone_elses_or_a_guessed_handle_is_refused(
+    client: httpx.AsyncClient, engine: Engine
+) -> None:
+    mine, theirs = engine.pin("req-mine"), engine.pin("req-theirs")
+    forged = [
+        {**theirs.to_wire(), "lease": mine.lease},
+        {**theirs.to_wire(), "remote_block_ids": [[7, 9]]},
+        {**mine.to_wire(), "remote_request_id": "req-unknown"},
+    ]
+    for body in forged:
+        assert (await client.post(RELEASE_PATH, json=body)).status_code == 404
+        assert (await client.post(EXTEND_PATH, json={**body, "ttl_s": 30})).status_code == 404
+    assert engine.deadlines == {}
+
+
+async def test_extend_answers_the_new_deadline(
+    client: httpx.AsyncClient, engine: Engine, clock: Clock
+) -> None:
+    ref = engine.pin("req-1")
+    clock.now += 50
+    response = await client.post(EXTEND_PATH, json={**ref.to_wire(), "ttl_s": 300})
+    assert response.status_code == 200
+    assert response.json() == {"remote_blocks_expiry_time": 850.0, "ttl_s": 300.0}
+    assert engine.deadlines == {"req-1": 850.0}
+
+
+async def test_an_expired_lease_answers_410(
+    client: httpx.AsyncClient, engine: Engine, clock: Clock
+) -> None:
+    ref = engine.pin("req-1")
+    clock.now += 61
+    response = await client.post(EXTEND_PATH, json={**ref.to_wire(), "ttl_s": 300})
+    assert response.status_code == 410
+    assert response.json()["error"]["code"] == "lease_expired"
+
+
+@pytest.mark.parametrize("body", [None, [], {"remote_request_id": "r"},
+                                  {"remote_request_id": "r", "remote_block_ids": [[1]]}])
+async def test_a_malformed_body_answers_400(client: httpx.AsyncClient, body: object) -> None:
+    response = await client.post(RELEASE_PATH, json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_request"
+    bad_json = await client.post(RELEASE_PATH, content=b"{", headers={"content-type": "x"})
+    assert bad_json.status_code == 400
+
+
+async def test_with_data_parallel_engines_the_owner_answers(clock: Clock) -> None:
+    first, second = Engine(clock), Engine(clock)
+    ref = second.pin("req-on-2")
+    async for client in _client(Core([first, second])):
+        assert (await client.post(RELEASE_PATH, json=ref.to_wire())).status_code == 200
+    assert list(second.deadlines) == ["req-on-2"]
+    assert first.deadlines == {}
+
+
+async def test_a_stock_connector_answers_501_and_info_says_no_leases(clock: Clock) -> None:
+    ref = LeaseRef(request_id="r", block_ids=BLOCKS, lease="s")
+    for core in (Core([Engine(clock, stock=True)]), Core([Engine(clock)], missing_method=True)):
+        async for client in _client(core):
+            response = await client.post(RELEASE_PATH, json=ref.to_wire())
+            assert response.status_code == 501
+            assert response.json()["error"]["code"] == "leases_unavailable"
+            assert (await client.get(INFO_PATH)).json()["leases"] is False

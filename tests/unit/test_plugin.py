@@ -1,0 +1,32 @@
+"""agentkv's vLLM general plugin: off unless asked, and loud when half configured."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv.connector import _plugin
+
+
+def test_the_plugin_environment_adds_agentkv_to_the_allowlist_and_keeps_others() -> None:
+    assert _plugin.plugin_env({}) == {"AGENTKV_VLLM_PLUGIN": "1", "VLLM_PLUGINS": "agentkv"}
+    assert _plugin.plugin_env({"VLLM_PLUGINS": "a,agentkv"})["VLLM_PLUGINS"] == "a,agentkv"
+    assert _plugin.plugin_env({"VLLM_PLUGINS": "a"})["VLLM_PLUGINS"] == "a,agentkv"
+
+
+def test_without_the_flag_the_plugin_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTKV_VLLM_PLUGIN", raising=False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    _plugin.register()  # no error, no vLLM import
+
+
+@pytest.mark.parametrize("allowlist", [None, "", "lora_filesystem_resolver"])
+def test_the_flag_without_the_endpoint_allowlisted_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch, allowlist: str | None
+) -> None:
+    monkeypatch.setenv("AGENTKV_VLLM_PLUGIN", "1")
+    if allowlist is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", allowlist)
+    with pytest.raises(RuntimeError, match="VLLM_PLUGINS"):
+        _plugin.register()
