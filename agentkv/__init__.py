@@ -7,6 +7,18 @@
 ...         print(s.turn().text)
 """
 
+from agentkv._agent import Agent
+from agentkv._agent_types import (
+    AgentEvent,
+    AgentStep,
+    HandleExpiredEvent,
+    RunResult,
+    StopReason,
+    TextEvent,
+    ToolCallEvent,
+    ToolResultEvent,
+    TurnEvent,
+)
 from agentkv._cluster import AsyncCluster, Cluster, Pair
 from agentkv._exceptions import (
     AgentKVError,
@@ -30,6 +42,26 @@ from agentkv._exceptions import (
 )
 from agentkv._policy import AttachDecision, CachePolicy, RetryPolicy
 from agentkv._session import AsyncSession, Session, TurnOverrides
+from agentkv._tool_calling import (
+    FINAL_ANSWER,
+    JsonToolCalling,
+    ModelReply,
+    NativeToolCalling,
+    ToolCalling,
+)
+from agentkv._tools import (
+    Tool,
+    ToolArgumentsError,
+    ToolCallFormatError,
+    ToolDefinitionError,
+    ToolError,
+    ToolExecutionError,
+    ToolSpec,
+    ToolTimeoutError,
+    UnknownToolError,
+    tool,
+)
+from agentkv._toolset import ToolResult, ToolSet
 from agentkv._transcript import Span, TranscriptView
 from agentkv._types import (
     HandleState,
@@ -44,7 +76,11 @@ from agentkv._types import (
 )
 
 __all__ = [
+    "FINAL_ANSWER",
+    "Agent",
+    "AgentEvent",
     "AgentKVError",
+    "AgentStep",
     "AsyncCluster",
     "AsyncSession",
     "AttachDecision",
@@ -54,18 +90,23 @@ __all__ = [
     "ConfigError",
     "ConnectError",
     "ConnectionLostError",
+    "HandleExpiredEvent",
     "HandleState",
     "InvalidMessageError",
+    "JsonToolCalling",
     "KVHandle",
     "MalformedResponseError",
     "Message",
     "MessageLike",
+    "ModelReply",
+    "NativeToolCalling",
     "NoHealthyPairError",
     "Pair",
     "PrefixDivergedError",
     "RequestTimeoutError",
     "RetryPolicy",
     "RoutingError",
+    "RunResult",
     "ServerError",
     "Session",
     "SessionBusyError",
@@ -73,13 +114,31 @@ __all__ = [
     "SessionError",
     "SessionStats",
     "Span",
+    "StopReason",
     "TemplateError",
     "TextDelta",
+    "TextEvent",
+    "Tool",
+    "ToolArgumentsError",
     "ToolCall",
+    "ToolCallEvent",
+    "ToolCallFormatError",
+    "ToolCalling",
+    "ToolDefinitionError",
+    "ToolError",
+    "ToolExecutionError",
+    "ToolResult",
+    "ToolResultEvent",
+    "ToolSet",
+    "ToolSpec",
+    "ToolTimeoutError",
     "TranscriptView",
     "TransportError",
+    "TurnEvent",
     "TurnOverrides",
     "TurnResult",
     "TurnStats",
+    "UnknownToolError",
     "UpstreamStatusError",
+    "tool",
 ]

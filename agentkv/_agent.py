@@ -20,15 +20,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import structlog
 
 from agentkv._agent_types import (
     AgentEvent,
+    AgentStep,
     HandleExpiredEvent,
     RunResult,
-    Step,
     TextEvent,
     ToolCallEvent,
     ToolResultEvent,
@@ -37,10 +38,10 @@ from agentkv._agent_types import (
 from agentkv._cluster import AsyncCluster, Cluster
 from agentkv._portal import Portal
 from agentkv._session import AsyncSession, Session, TurnOverrides
-from agentkv._tool_calling import AUTO, FINAL, JsonToolCalling, ToolCalling
+from agentkv._tool_calling import AUTO, FINAL, REQUIRED, JsonToolCalling, ToolCalling
 from agentkv._tools import Tool
 from agentkv._toolset import ToolResult, ToolSet
-from agentkv._types import Message, TextDelta, TurnResult
+from agentkv._types import Message, MessageLike, TextDelta, TurnResult
 
 __all__ = ["Agent"]
 
@@ -56,10 +57,15 @@ class Agent:
     Args:
         target: a ``Session``/``Cluster`` (sync) or ``AsyncSession``/``AsyncCluster`` (async).
         tools: ``@tool`` functions; their order does not matter (specs are sorted by name).
-        system: the system prompt; the protocol's tool instructions are added after it. Used when
+        system: the system prompt; it follows the protocol's tool instructions. Used when
             the session is empty (a new session, or a fresh one per run with a cluster).
+        examples: worked examples as messages after the system prompt (few-shot turns, see
+            ``JsonToolCalling.example``); also only when the session is empty.
         max_steps: the most model turns per run. With ``force_final_answer`` the last one must
             give the answer.
+        min_tool_calls: the model may not answer before this many tool calls ran (with
+            ``JsonToolCalling`` the final tool is withheld until then): for tasks known to need
+            tools, and small models that answer too early.
         tool_calling: the protocol (``JsonToolCalling()`` by default, see ``_tool_calling``).
         max_tokens: per model turn.
         parallel_tool_calls: run the calls of one reply concurrently.
@@ -76,7 +82,9 @@ class Agent:
         *,
         tools: Iterable[Tool[..., Any]] = (),
         system: str | None = None,
+        examples: Iterable[MessageLike] = (),
         max_steps: int = 8,
+        min_tool_calls: int = 0,
         tool_calling: ToolCalling | None = None,
         max_tokens: int = 256,
         parallel_tool_calls: bool = True,
@@ -96,13 +104,17 @@ class Agent:
         self.tools = ToolSet(tools, max_output_chars=max_output_chars)
         self.tool_calling: ToolCalling = tool_calling or JsonToolCalling()
         self.max_steps = max_steps
+        self.min_tool_calls = min_tool_calls
         self.max_tokens = max_tokens
         self.parallel_tool_calls = parallel_tool_calls
         self.tool_timeout_s = tool_timeout_s
         self.force_final_answer = force_final_answer
         self._extra_body = dict(extra_body or {})
+        self.examples = tuple(Message.from_openai(m) for m in examples)
         instructions = self.tool_calling.instructions(self.tools.specs)
-        self.system_prompt = "\n\n".join(p for p in (system, instructions) if p)
+        # The tool instructions first, the caller's prompt (and any worked example) last: small
+        # models follow what is closest to the conversation.
+        self.system_prompt = "\n\n".join(p for p in (instructions, system) if p)
 
     # --- sync -------------------------------------------------------------------------------------
 
@@ -141,8 +153,13 @@ class Agent:
         if isinstance(self._target, Session | Cluster):
             items = self.stream(task)
             done = object()
-            while (item := await asyncio.to_thread(next, items, done)) is not done:
-                yield item  # type: ignore[misc]  # not ``done``, so an item of ``items``
+            try:
+                while (item := await asyncio.to_thread(next, items, done)) is not done:
+                    yield item  # type: ignore[misc]  # not ``done``, so an item of ``items``
+            finally:
+                close = getattr(items, "close", None)  # abandons the run if we stopped early
+                if close is not None:
+                    await asyncio.to_thread(close)
             return
         async for item in self._items(task, stream=True):
             yield item
@@ -172,83 +189,84 @@ class Agent:
         return overrides
 
     async def _loop(self, session: AsyncSession, task: str, *, stream: bool) -> _Items:
-        clock = _clock(session)
         view = session.transcript
-        if not view.messages and not view.pending and self.system_prompt:
-            session.append(Message.system(self.system_prompt))
+        if not view.messages and not view.pending:
+            system = (Message.system(self.system_prompt),) if self.system_prompt else ()
+            session.append(*system, *self.examples)
         session.append(Message.user(task))
-        steps: list[Step] = []
-        answer: str | None = None
+        steps: list[AgentStep] = []
         for index in range(1, self.max_steps + 1):
-            last = index == self.max_steps and self.force_final_answer
-            overrides = self._overrides(FINAL if last else AUTO)
-            result: TurnResult | None = None
-            if stream:
-                async for piece in session.stream(**overrides):
-                    if isinstance(piece, TextDelta):
-                        yield TextEvent(step=index, text=piece.text)
-                    else:
-                        result = piece
-            else:
-                result = await session.turn(**overrides)
-            assert result is not None  # a turn always ends with its result
-            yield TurnEvent(step=index, text=result.text, stats=result.stats)
-            reply = self.tool_calling.parse(result)
-            if reply.error is not None:
-                session.append(self.tool_calling.retry_message(reply.error))
-                steps.append(
-                    Step(index=index, text=result.text, stats=result.stats, error=str(reply.error))
-                )
-                self._log_step(session, steps[-1])
-                continue
-            if reply.answer is not None or not reply.calls:
-                answer = reply.answer if reply.answer is not None else reply.text
-                steps.append(
-                    Step(
-                        index=index,
-                        text=result.text,
-                        stats=result.stats,
-                        tool_calls=reply.calls,
-                        answer=answer,
-                    )
-                )
-                self._log_step(session, steps[-1])
+            box = _Box()
+            async for event in self._step(session, index, self._choice(index, steps), box, stream):
+                yield event
+            steps.append(box.step)
+            self._log_step(session, box.step)
+            if box.step.answer is not None:
                 break
-            for call in reply.calls:
-                yield ToolCallEvent(step=index, call=call)
-            started = time.perf_counter()
-            results: list[ToolResult | None] = [None] * len(reply.calls)
-            async for position, tool_result in self.tools.run_many(
-                reply.calls, parallel=self.parallel_tool_calls, timeout_s=self.tool_timeout_s
-            ):
-                results[position] = tool_result
-                yield ToolResultEvent(step=index, result=tool_result)
-            done = tuple(r for r in results if r is not None)
-            session.append(*(self.tool_calling.result_message(r) for r in done))
-            tools_s = time.perf_counter() - started
-            overdue = _overdue(session, clock())
-            if overdue is not None:
-                logger.warning(
-                    "agentkv.handle_expired_during_tools",
-                    session_id=session.session_id,
-                    step=index,
-                    tools_ms=round(tools_s * 1000, 3),
-                    overdue_ms=round(overdue * 1000, 3),
-                )
-                yield HandleExpiredEvent(step=index, overdue_s=overdue)
-            steps.append(
-                Step(
-                    index=index,
-                    text=result.text,
-                    stats=result.stats,
-                    tool_calls=reply.calls,
-                    results=done,
-                    tools_s=tools_s,
-                    handle_expired=overdue is not None,
-                )
+        yield self._finish(session, steps)
+
+    def _choice(self, index: int, steps: list[AgentStep]) -> str:
+        if index == self.max_steps and self.force_final_answer:
+            return FINAL
+        if sum(len(step.results) for step in steps) < self.min_tool_calls:
+            return REQUIRED
+        return AUTO
+
+    async def _step(
+        self, session: AsyncSession, index: int, choice: str, box: _Box, stream: bool
+    ) -> AsyncIterator[AgentEvent]:
+        """One step: the model turn, then its tool calls; the ``AgentStep`` goes in ``box``."""
+        overrides = self._overrides(choice)
+        result: TurnResult | None = None
+        if stream:
+            async for piece in session.stream(**overrides):
+                if isinstance(piece, TextDelta):
+                    yield TextEvent(step=index, text=piece.text)
+                else:
+                    result = piece
+        else:
+            result = await session.turn(**overrides)
+        assert result is not None  # a turn always ends with its result
+        yield TurnEvent(step=index, text=result.text, stats=result.stats)
+        reply = self.tool_calling.parse(result)
+        step = AgentStep(index=index, text=result.text, stats=result.stats, tool_calls=reply.calls)
+        if reply.error is not None:
+            session.append(self.tool_calling.retry_message(reply.error))
+            box.step = replace(step, error=str(reply.error))
+            return
+        if reply.answer is not None or not reply.calls:
+            box.step = replace(
+                step, answer=reply.answer if reply.answer is not None else reply.text
             )
-            self._log_step(session, steps[-1])
+            return
+        for call in reply.calls:
+            yield ToolCallEvent(step=index, call=call)
+        started = time.perf_counter()
+        results: list[ToolResult | None] = [None] * len(reply.calls)
+        async for position, tool_result in self.tools.run_many(
+            reply.calls, parallel=self.parallel_tool_calls, timeout_s=self.tool_timeout_s
+        ):
+            results[position] = tool_result
+            yield ToolResultEvent(step=index, result=tool_result)
+        done = tuple(r for r in results if r is not None)
+        session.append(*(self.tool_calling.result_message(r) for r in done))
+        tools_s = time.perf_counter() - started
+        overdue = _overdue(session, _clock(session)())
+        if overdue is not None:
+            logger.warning(
+                "agentkv.handle_expired_during_tools",
+                session_id=session.session_id,
+                step=index,
+                tools_ms=round(tools_s * 1000, 3),
+                overdue_ms=round(overdue * 1000, 3),
+            )
+            yield HandleExpiredEvent(step=index, overdue_s=overdue)
+        box.step = replace(step, results=done, tools_s=tools_s, handle_expired=overdue is not None)
+
+    @staticmethod
+    def _finish(session: AsyncSession, steps: list[AgentStep]) -> RunResult:
         view = session.transcript
+        answer = steps[-1].answer if steps else None
         run = RunResult(
             answer=answer,
             stop_reason="answer" if answer is not None else "max_steps",
@@ -266,10 +284,10 @@ class Agent:
             reused_tokens=stats.reused_tokens,
             ideal_reused_tokens=stats.ideal_reused_tokens,
         )
-        yield run
+        return run
 
     @staticmethod
-    def _log_step(session: AsyncSession, step: Step) -> None:
+    def _log_step(session: AsyncSession, step: AgentStep) -> None:
         logger.info(
             "agentkv.agent_step",
             session_id=session.session_id,
@@ -281,6 +299,12 @@ class Agent:
             format_error=step.error,
             answered=step.answer is not None,
         )
+
+
+class _Box:
+    """Where ``Agent._step`` (an async generator, which cannot return) leaves its ``AgentStep``."""
+
+    step: AgentStep
 
 
 def _clock(session: AsyncSession) -> Callable[[], float]:

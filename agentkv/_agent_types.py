@@ -20,9 +20,9 @@ from agentkv._types import Message, SessionStats, ToolCall, TurnStats
 
 __all__ = [
     "AgentEvent",
+    "AgentStep",
     "HandleExpiredEvent",
     "RunResult",
-    "Step",
     "StopReason",
     "TextEvent",
     "ToolCallEvent",
@@ -83,7 +83,7 @@ AgentEvent: TypeAlias = TextEvent | TurnEvent | ToolCallEvent | ToolResultEvent 
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Step:
+class AgentStep:
     """One model turn and the tool calls it asked for.
 
     ``results`` are in call order. ``error`` is set when the reply could not be read as tool
@@ -113,7 +113,7 @@ class RunResult:
 
     answer: str | None
     stop_reason: StopReason
-    steps: tuple[Step, ...]
+    steps: tuple[AgentStep, ...]
     messages: tuple[Message, ...]
     session_id: str
 

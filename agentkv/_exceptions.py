@@ -21,7 +21,18 @@
     ├── InvalidMessageError          a message is empty, has an unknown role or non-string content
     └── ConfigError                  a cluster file or setting is wrong
 
-Tool errors (the agent runtime's) will hang off ``AgentKVError`` too.
+The agent runtime's tool errors (defined in ``agentkv/_tools.py``) hang off the same root::
+
+    AgentKVError
+    └── ToolError                    a tool could not be defined, called or run
+        ├── ToolDefinitionError      the function cannot be a tool (missing hint, clashing names)
+        ├── UnknownToolError         the model called a tool that does not exist
+        ├── ToolArgumentsError       the model's arguments do not fit the tool's schema
+        ├── ToolTimeoutError         the tool ran past its timeout
+        ├── ToolExecutionError       the tool raised (the original is ``__cause__``)
+        └── ToolCallFormatError      the model's reply is not tool calls in the asked format
+
+Inside an agent loop these become tool-result messages the model sees; they never end the run.
 
 Every error that comes from an HTTP exchange says which server and which request it was about, so
 logs read without a debugger:

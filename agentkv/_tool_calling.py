@@ -37,7 +37,11 @@ from agentkv._toolset import ToolResult
 from agentkv._types import Message, ToolCall, TurnResult
 
 __all__ = [
+    "AUTO",
+    "FINAL",
     "FINAL_ANSWER",
+    "NONE",
+    "REQUIRED",
     "JsonToolCalling",
     "ModelReply",
     "NativeToolCalling",
@@ -63,6 +67,8 @@ FINAL = "final"
 """Choice: the model must give its final answer now."""
 NONE = "none"
 """Choice: plain text, no tool calls."""
+REQUIRED = "required"
+"""Choice: the model must call one of the tools (not the final one) now."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,8 +88,8 @@ class ModelReply:
 class ToolCalling(Protocol):
     """A tool-calling protocol: what to add to the prompt, what to ask each turn, how to read it.
 
-    ``choice`` is ``"auto"`` (any tool, or an answer), ``"final"`` (answer now), ``"none"``
-    (text only) or a tool name (call that tool).
+    ``choice`` is ``"auto"`` (any tool, or an answer), ``"required"`` (a tool, not the answer
+    yet), ``"final"`` (answer now), ``"none"`` (text only) or a tool name (call that tool).
     """
 
     def instructions(self, tools: Sequence[ToolSpec]) -> str:
@@ -245,6 +251,8 @@ class JsonToolCalling:
         named = [spec for spec in tools if spec.name == choice]
         if named:
             return named, 1
+        if choice == REQUIRED and tools:
+            return list(tools), self.max_calls
         if choice != AUTO:
             raise ValueError(f"unknown tool choice {choice!r}")
         return [*tools, self.final_tool], self.max_calls
@@ -315,6 +323,35 @@ class JsonToolCalling:
             f"Your reply could not be read: {error}. Reply with a JSON list of tool calls."
         )
 
+    def example(
+        self, task: str, steps: Sequence[tuple[str, Mapping[str, Any], str]], answer: str
+    ) -> tuple[Message, ...]:
+        """A worked example as conversation turns, for ``Agent(examples=...)``.
+
+        ``steps`` are ``(tool name, arguments, output)``. Small models follow demonstrated turns
+        far better than a description of the format.
+
+        >>> turns = JsonToolCalling().example("2 + 3?", [("add", {"a": 2, "b": 3}, "5")], "5")
+        >>> for message in turns:
+        ...     print(f"{message.role}: {message.content}")
+        user: 2 + 3?
+        assistant: [{"name": "add", "arguments": {"a": 2, "b": 3}}]
+        tool: add(a=2, b=3) returned: 5
+        assistant: [{"name": "final_answer", "arguments": {"answer": "5"}}]
+        """
+        out = [Message.user(task)]
+        for index, (name, arguments, output) in enumerate(steps):
+            call = ToolCall(id=f"example_{index}", name=name, arguments=json.dumps(arguments))
+            out.append(Message.assistant(_json_text([{"name": name, "arguments": arguments}])))
+            out.append(self.result_message(ToolResult(call=call, output=output)))
+        final = {"name": self.final_tool.name, "arguments": {"answer": answer}}
+        out.append(Message.assistant(_json_text([final])))
+        return tuple(out)
+
+
+def _json_text(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
 
 def _format_error(text: str, reason: str) -> ModelReply:
     return ModelReply(text=text, error=ToolCallFormatError(reason))
@@ -363,6 +400,9 @@ class NativeToolCalling:
             options["tool_choice"] = _named(self.final_tool.name) if self._needs_final else NONE
         elif choice == NONE:
             options["tool_choice"] = NONE
+        elif choice == REQUIRED:
+            # Servers cannot exclude one listed tool: the final one stays possible here.
+            options["tool_choice"] = REQUIRED
         elif choice == AUTO:
             default = self.tool_choice
             options["tool_choice"] = default if default in (AUTO, "required") else _named(default)
@@ -394,6 +434,26 @@ class NativeToolCalling:
 
     def retry_message(self, error: ToolCallFormatError) -> Message:
         return Message.user(f"Your reply could not be read: {error}. Call a tool.")
+
+    def example(
+        self, task: str, steps: Sequence[tuple[str, Mapping[str, Any], str]], answer: str
+    ) -> tuple[Message, ...]:
+        """A worked example as conversation turns (see ``JsonToolCalling.example``)."""
+        out = [Message.user(task)]
+        for index, (name, arguments, output) in enumerate(steps):
+            call = ToolCall(id=f"example_{index}", name=name, arguments=json.dumps(arguments))
+            out.append(Message.assistant(tool_calls=[call]))
+            out.append(self.result_message(ToolResult(call=call, output=output)))
+        if self._needs_final:
+            final = ToolCall(
+                id=f"example_{len(steps)}",
+                name=self.final_tool.name,
+                arguments=json.dumps({"answer": answer}),
+            )
+            out.append(Message.assistant(tool_calls=[final]))
+        else:
+            out.append(Message.assistant(answer))
+        return tuple(out)
 
 
 def _named(name: str) -> dict[str, Any]:

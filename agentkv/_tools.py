@@ -32,7 +32,7 @@ import functools
 import inspect
 import json
 import typing
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -293,7 +293,9 @@ class Tool(Generic[P, R]):
             ) from None
         return {name: getattr(model, name) for name in type(model).model_fields}
 
-    async def run(self, arguments: str | Mapping[str, Any], *, timeout_s: float | None = None) -> R:
+    async def run(
+        self, arguments: str | Mapping[str, Any], *, timeout_s: float | None = None
+    ) -> Any:
         """Validate ``arguments`` and run the function, sync ones on a worker thread.
 
         The tool's own ``timeout_s`` wins over the one given here. A sync function that times out
@@ -303,13 +305,18 @@ class Tool(Generic[P, R]):
         """
         kwargs = self.validate(arguments)
         limit = self.timeout_s if self.timeout_s is not None else timeout_s
+        function: Callable[..., Any] = self.function
+        scope = asyncio.timeout(limit)
         try:
-            async with asyncio.timeout(limit):
+            async with scope:
                 if self.is_async:
-                    result = await typing.cast(Callable[..., Awaitable[R]], self.function)(**kwargs)
-                else:
-                    result = await asyncio.to_thread(self.function, **kwargs)  # type: ignore[call-arg]
-        except TimeoutError:
+                    return await function(**kwargs)
+                return await asyncio.to_thread(function, **kwargs)
+        except TimeoutError as exc:
+            if not scope.expired():
+                raise ToolExecutionError(
+                    f"tool {self.name!r} raised TimeoutError: {exc}", tool=self.name
+                ) from exc
             raise ToolTimeoutError(
                 f"tool {self.name!r} timed out after {limit:g} s",
                 tool=self.name,
@@ -319,7 +326,6 @@ class Tool(Generic[P, R]):
             raise ToolExecutionError(
                 f"tool {self.name!r} raised {type(exc).__name__}: {exc}", tool=self.name
             ) from exc
-        return result
 
 
 def _reasons(exc: pydantic.ValidationError) -> str:

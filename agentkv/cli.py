@@ -94,9 +94,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from agentkv.local._demo import run_demo
+    if args.chat:
+        from agentkv.local._demo import run_demo
 
-    return run_demo(_cluster_file(args), turns=args.turns)
+        return run_demo(_cluster_file(args), turns=args.turns)
+    from agentkv.local._demo_agent import run_agent_demo
+
+    return run_agent_demo(_cluster_file(args), out=sys.stdout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,8 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--window", type=float, default=2.0, help="CPU sampling window (s)")
     status.set_defaults(func=cmd_status)
 
-    demo = with_cluster_file(sub.add_parser("demo", help="run an example agent session"))
-    demo.add_argument("--turns", type=int, default=4)
+    demo = with_cluster_file(sub.add_parser("demo", help="run the example tool agent"))
+    demo.add_argument("--chat", action="store_true",
+                      help="a plain multi-turn chat instead of the tool agent")
+    demo.add_argument("--turns", type=int, default=4, help="turns of the --chat demo")
     demo.set_defaults(func=cmd_demo)
 
     prep = sub.add_parser("prepare-model", help="prepare a local model into the cache")

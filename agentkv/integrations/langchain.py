@@ -9,7 +9,9 @@ does not extend the session's (a new conversation, an edited one) starts a new s
 
 Tool calling uses the same protocols as ``Agent`` (``JsonToolCalling`` by default: a
 ``final_answer`` call comes back as a plain ``AIMessage`` with the answer, so the usual
-"loop while the model calls tools" ends).
+"loop while the model calls tools" ends). ``bind_tools(..., tool_choice=...)`` takes LangChain's
+values (``"auto"``, ``"any"``/``"required"``: a tool now, ``"none"``, a tool name) and
+``"final"``: the answer now.
 
 >>> from langchain_core.messages import HumanMessage, ToolMessage
 >>> with agentkv.Cluster.from_file(".agentkv/cluster.json") as cluster:  # doctest: +SKIP
@@ -49,7 +51,14 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from agentkv._cluster import Cluster
 from agentkv._exceptions import InvalidMessageError, PrefixDivergedError
 from agentkv._session import Session, TurnOverrides
-from agentkv._tool_calling import AUTO, NONE, JsonToolCalling, ModelReply, ToolCalling
+from agentkv._tool_calling import (
+    AUTO,
+    NONE,
+    REQUIRED,
+    JsonToolCalling,
+    ModelReply,
+    ToolCalling,
+)
 from agentkv._tools import Tool, ToolExecutionError, ToolSpec
 from agentkv._toolset import ToolResult
 from agentkv._types import Message, ToolCall, TurnResult
@@ -82,8 +91,10 @@ def _choice(tool_choice: Any, specs: Sequence[ToolSpec]) -> str:
     """LangChain's ``tool_choice`` values as an agentkv protocol choice."""
     if not specs or tool_choice == NONE:
         return NONE
-    if tool_choice in (None, AUTO, "any", "required", True):
+    if tool_choice in (None, AUTO):
         return AUTO
+    if tool_choice in ("any", REQUIRED, True):
+        return REQUIRED
     if isinstance(tool_choice, Mapping):
         return str(tool_choice.get("function", {}).get("name", AUTO))
     return str(tool_choice)
@@ -207,7 +218,7 @@ class ChatAgentKV(BaseChatModel):
             if isinstance(message, SystemMessage):
                 text = _text(message.content)
                 if index == 0 and instructions:
-                    text = f"{text}\n\n{instructions}" if text else instructions
+                    text = f"{instructions}\n\n{text}" if text else instructions
                 out.append(Message.system(text))
             elif isinstance(message, HumanMessage):
                 out.append(Message.user(_text(message.content)))

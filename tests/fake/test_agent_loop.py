@@ -323,3 +323,50 @@ def test_bad_agent_arguments_fail_early(cluster):
         Agent(object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_steps"):
         Agent(cluster, max_steps=0)
+
+
+class Recorder(TwoCalls):
+    """Records the choice of every turn; every reply is one ``lookup`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.choices: list[str] = []
+
+    def turn_options(self, tools: Sequence[ToolSpec], *, choice: str):
+        self.choices.append(choice)
+        return {}
+
+    def parse(self, result: TurnResult) -> ModelReply:
+        call = ToolCall(id=f"c{result.stats.turn}", name="lookup", arguments='{"key": "k"}')
+        return ModelReply(text=result.text, calls=(call,))
+
+
+def test_the_answer_is_withheld_until_min_tool_calls_ran_and_forced_at_the_end(cluster):
+    recorder = Recorder()
+    agent = Agent(cluster, tools=[lookup], tool_calling=recorder, min_tool_calls=2, max_steps=4)
+    run = agent.run("Go.")
+    assert recorder.choices == ["required", "required", "auto", "final"]
+    assert run.stop_reason == "max_steps"  # this protocol never answers
+    assert len(run.tool_results) == 4
+
+
+def test_worked_examples_follow_the_system_prompt_once_per_session(cluster):
+    protocol = NativeToolCalling(tool_choice="lookup", describe_tools=True)
+    example = protocol.example("Find x.", [("lookup", {"key": "x"}, "value of x")], "value of x")
+    with cluster.session() as session:
+        agent = Agent(
+            session,
+            tools=[lookup],
+            system="S.",
+            examples=example,
+            max_steps=2,
+            tool_calling=protocol,
+        )
+        agent.run("Find y.")
+        agent.run("Find z.")
+        messages = session.transcript.messages
+    assert messages[0].role == "system"
+    assert "- lookup(key: string): Look a key up." in (messages[0].content or "")
+    assert messages[1 : 1 + len(example)] == example
+    assert [m.content for m in messages if m.role == "user"] == ["Find x.", "Find y.", "Find z."]
+    assert [c.name for c in example[-1].tool_calls] == ["final_answer"]

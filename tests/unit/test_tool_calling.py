@@ -209,3 +209,26 @@ def test_native_replies_keep_the_server_ids_and_read_the_final_answer():
 def test_the_final_tool_is_a_plain_string_answer():
     assert FINAL_ANSWER.parameters["required"] == ["answer"]
     assert FINAL_ANSWER.parameters["properties"]["answer"]["type"] == "string"
+
+
+def test_required_means_a_tool_now_and_not_the_answer():
+    constraint = JsonToolCalling(max_calls=2).turn_options(SPECS, choice="required")
+    schema = constraint["extra_body"]["structured_outputs"]["json"]
+    assert [b["properties"]["name"]["const"] for b in schema["items"]["anyOf"]] == ["add", "echo"]
+    assert schema["maxItems"] == 2
+    native = NativeToolCalling(tool_choice="required").turn_options(SPECS, choice="required")
+    assert native["tool_choice"] == "required"
+
+
+def test_worked_examples_are_turns_in_the_protocols_own_format():
+    steps = [("add", {"a": 2, "b": 3}, "5")]
+    json_turns = JsonToolCalling().example("2 + 3?", steps, "5")
+    assert [m.role for m in json_turns] == ["user", "assistant", "tool", "assistant"]
+    assert json_turns[1].content == '[{"name": "add", "arguments": {"a": 2, "b": 3}}]'
+    assert json_turns[2].content == "add(a=2, b=3) returned: 5"
+    auto = NativeToolCalling().example("2 + 3?", steps, "5")
+    assert auto[1].tool_calls == (
+        ToolCall(id="example_0", name="add", arguments='{"a": 2, "b": 3}'),
+    )
+    assert auto[2] == Message.tool("5", tool_call_id="example_0")
+    assert auto[-1] == Message.assistant("5")

@@ -412,3 +412,14 @@ def test_leaving_run_many_early_cancels_the_calls_still_running():
     first, leftover = asyncio.run(scenario())
     assert first == 0
     assert leftover == []
+
+
+def test_a_tool_raising_timeout_error_itself_is_not_reported_as_our_timeout():
+    @tool
+    async def flaky() -> str:
+        """Its own backend timed out."""
+        raise TimeoutError("backend")
+
+    result = asyncio.run(ToolSet([flaky]).run(_call("flaky"), timeout_s=10))
+    assert isinstance(result.error, ToolExecutionError)
+    assert result.output == "error: tool 'flaky' raised TimeoutError: backend"
