@@ -1,4 +1,4 @@
-"""The ``agentkv`` command line: ``up``, ``down``, ``status``, ``demo``, ``prepare-model``.
+"""The ``agentkv`` command line: ``up``, ``down``, ``status``, ``demo``, ``proxy``, ``bench``.
 
 Environment variables are read here and nowhere else (``AGENTKV_CLUSTER``); everything below
 the CLI takes typed config objects.
@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a plain multi-turn chat instead of the tool agent")
     demo.add_argument("--turns", type=int, default=4, help="turns of the --chat demo")
     demo.set_defaults(func=cmd_demo)
+
+    from agentkv.bench._cli import add_parser as add_bench
+    from agentkv.proxy._cli import add_parser as add_proxy
+
+    add_proxy(sub)
+    add_bench(sub)
 
     prep = sub.add_parser("prepare-model", help="prepare a local model into the cache")
     prep.add_argument("--model", choices=sorted(MODELS), default=DEFAULT_MODEL)

@@ -46,6 +46,11 @@ __all__ = [
     "open_runner",
 ]
 
+_NO_HANDLE = "decode returned no turn-end handle: is bidirectional_kv_xfer on for decode?"
+_NO_STREAMED_HANDLE = (
+    "decode's streamed answer carried no turn-end handle: run the pair with agentkv's vLLM "
+    "plugin (as `agentkv up` does) or pass --no-stream"
+)
 # Never attach a handle: a policy whose reuse floor no handle reaches.
 NEVER_ATTACH = CachePolicy(min_reuse_tokens=2**62)
 
@@ -116,6 +121,11 @@ class SdkRunner:
             result = await session.turn(max_tokens=script.output_tokens, extra_body=extra)
         assert result is not None  # a stream that ends without a result raises instead
         stats = result.stats
+        error = None
+        if self._mode is Mode.AGENTKV and session.handle is None:
+            # Without a handle the next turn cannot pull: the lane would measure affinity, not
+            # agentkv. Stock vLLM puts no handle on streamed answers (vllm#40186).
+            error = _NO_STREAMED_HANDLE if self._stream else _NO_HANDLE
         # The SDK times its first token from the P leg's start; add what came before it
         # (rendering the new messages' tokens), which the agent waits for too.
         before_prefill = max(0.0, stats.total_s - stats.prefill_s - stats.decode_s)
@@ -129,7 +139,9 @@ class SdkRunner:
             reused_tokens=stats.reused_tokens,
             ideal_reused_tokens=stats.ideal_reused_tokens,
             generated_tokens=stats.generated_tokens,
+            prefill_s=stats.prefill_s,
             handle_state=stats.handle_state.value,
+            error=error,
         )
 
     async def aclose(self) -> None:
@@ -242,7 +254,7 @@ def open_runner(
     )
     policy = CachePolicy() if mode is Mode.AGENTKV else NEVER_ATTACH
     cluster = AsyncCluster.from_dict(target.spec, transport=transport, policy=policy)
-    session = cluster.session(session_id=f"{mode.value}-s{index}")
+    session = cluster.session(session_id=f"{mode.value}-s{index}")  # see _run.session_id
     return SdkRunner(
         mode=mode, index=index, cluster=cluster, session=session, system=system,
         decode_salt=salt, stream=stream,

@@ -29,6 +29,7 @@ def plot_ttft(report: Mapping[str, Any], path: str | Path, *, title: str | None 
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FormatStrFormatter
     except ImportError as exc:  # pragma: no cover - the bench extra installs it
         raise ConfigError("plotting needs matplotlib: pip install 'agentkv[bench]'") from exc
 
@@ -47,14 +48,18 @@ def plot_ttft(report: Mapping[str, Any], path: str | Path, *, title: str | None 
         axes.plot(turns, ys, marker="o", label=mode, color=color)
         axes.fill_between(turns, lows, highs, alpha=0.15, color=color)
     axes.set_yscale("log")
+    axes.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    axes.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    axes.tick_params(axis="y", which="minor", labelsize=7)
     axes.set_xlabel("turn")
     axes.set_ylabel("time to first token (s, log scale)")
     axes.set_xticks(range(1, int(config["turns"]) + 1))
     axes.grid(visible=True, which="both", alpha=0.3)
     axes.legend()
+    sessions = int(config["sessions"])
     axes.set_title(title or (
-        f"TTFT by turn: {config['sessions']} sessions, {config['context_tokens']}-token context, "
-        f"{config['tool_tokens']}-token tool results"
+        f"TTFT by turn: {sessions} session{'s' if sessions != 1 else ''} per mode, "
+        f"{config['context_tokens']}-token context, {config['tool_tokens']}-token tool results"
     ), fontsize=10)
     figure.tight_layout()
     out = Path(path)

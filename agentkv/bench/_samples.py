@@ -29,6 +29,8 @@ class TurnSample:
     reused_tokens: int
     ideal_reused_tokens: int
     generated_tokens: int
+    prefill_s: float | None = None
+    """The P leg alone (SDK modes): prefill, and the pull from decode when there is one."""
     handle_state: str = ""
     error: str | None = None
 

@@ -104,9 +104,13 @@ def test_a_server_without_streamed_handles_fails_the_agentkv_turns_with_a_hint()
     config = BenchConfig(modes=(Mode.AGENTKV,), **{**SHORT, "sessions": 1})
     target = ClusterTarget(spec=fake.cluster_spec, transport=fake.transport)
     report = asyncio.run(run_bench(config, target=target))
-    assert report["errors"][0]["turn"] == 1
-    assert "--no-stream" in report["errors"][0]["error"]
-    assert report["modes"]["agentkv"]["turns"][2]["ttft_ms"] == [None]
+    # The SDK falls back to no reuse; the benchmark refuses to call that agentkv.
+    assert report["errors"] == [{
+        "mode": "agentkv", "session": 0, "turn": 1,
+        "error": "decode's streamed answer carried no turn-end handle: run the pair with "
+        "agentkv's vLLM plugin (as `agentkv up` does) or pass --no-stream",
+    }]
+    assert [row["ttft_ms"] for row in report["modes"]["agentkv"]["turns"]] == [[None]] * 3
 
 
 def test_no_stream_mode_works_without_streamed_handles_and_says_so():
@@ -149,3 +153,12 @@ def test_the_command_writes_json_and_plot_over_real_http(tmp_path, capsys, reset
     assert out.splitlines()[0].startswith("mode")
     assert "[bench]" in err
     assert "4/4" in err
+
+
+def test_concurrent_lanes_with_think_time_give_the_same_workload_and_reuse():
+    _, report = bench(concurrency=4, think_time_s=0.01, sessions=3)
+    assert "errors" not in report
+    prompts = {mode: [row["prompt_tokens"] for row in block["turns"]]
+               for mode, block in report["modes"].items()}
+    assert prompts["disagg"] == prompts["agentkv"]
+    assert report["modes"]["agentkv"]["summary"]["reuse_vs_ideal"] >= 0.99

@@ -91,3 +91,28 @@ def test_other_requests_pass_untouched_and_closing_leaves_the_shared_transport_o
         {"prompt": "hi"}, None, leg("http://elsewhere.test:1")[2]
     ]
     assert not inner.closed
+
+
+def test_server_cache_info_is_read_from_vllm_metrics_and_absent_otherwise():
+    from agentkv.bench._env import server_cache
+
+    metrics = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        'vllm:cache_config_info{block_size="128",enable_prefix_caching="True",engine="0",'
+        'kv_cache_size_tokens="46592"} 1.0\n'
+    )
+
+    def answer(request):
+        if request.url.host == "down.test":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, text=metrics if request.url.host == "p.test" else "")
+
+    async def read(url):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await server_cache(client, url)
+
+    assert asyncio.run(read(P)) == {
+        "block_size": "128", "kv_cache_size_tokens": "46592", "enable_prefix_caching": "True"
+    }
+    assert asyncio.run(read(D)) is None
+    assert asyncio.run(read("http://down.test:1")) is None

