@@ -40,7 +40,8 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
-from agentkv._policy import AttachDecision, CachePolicy, RetryPolicy
+from agentkv._leasing import ToolWait
+from agentkv._policy import AttachDecision, CachePolicy, ExtendDecision, RetryPolicy
 from agentkv._session import AsyncSession, Session, TurnOverrides
 from agentkv._tool_calling import (
     FINAL_ANSWER,
@@ -90,6 +91,7 @@ __all__ = [
     "ConfigError",
     "ConnectError",
     "ConnectionLostError",
+    "ExtendDecision",
     "HandleExpiredEvent",
     "HandleState",
     "InvalidMessageError",
@@ -132,6 +134,7 @@ __all__ = [
     "ToolSet",
     "ToolSpec",
     "ToolTimeoutError",
+    "ToolWait",
     "TranscriptView",
     "TransportError",
     "TurnEvent",

@@ -26,6 +26,7 @@ import structlog
 from agentkv._exceptions import ConfigError, NoHealthyPairError, SessionClosedError
 from agentkv._http import get_ok
 from agentkv._json import JSONDecodeError, loads
+from agentkv._leasing import LeaseCalls
 from agentkv._placement import place
 from agentkv._policy import CachePolicy, RetryPolicy
 from agentkv._portal import Portal
@@ -168,6 +169,7 @@ class AsyncCluster:
         self._down: dict[str, float] = {}
         self._templates: dict[str, ChatTemplate] = {}
         self._probes: dict[str, asyncio.Task[bool]] = {}
+        self._leases = LeaseCalls(self._client)
         self._closed = False
 
     @classmethod
@@ -264,6 +266,9 @@ class AsyncCluster:
             assert name is not None
         self._loads[name] += 1
         return self._pairs[name]
+
+    def _decode_url(self, pair: str) -> str:
+        return self._pairs[pair].decode
 
     def _release(self, pair: Pair) -> None:
         self._loads[pair.name] = max(0, self._loads[pair.name] - 1)

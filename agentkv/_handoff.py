@@ -8,6 +8,8 @@ and its OpenAI server (``chat_completion/protocol.py``, ``renderers/online_rende
   prompt as ``prompt_token_ids`` (vLLM pops it from the params and skips templating).
 * D leg: prefill's returned params plus ``prompt_token_ids``, and ``return_token_ids: true`` so the
   answer carries the generated ids.
+* agentkv's extension (``_hints``): the D leg may carry a persist hint; decode's answer then holds a
+  lease acknowledgement, whose secret stays here and in the lease calls (the P leg never sees it).
 
 Raw parameter dicts are built and read here only; the rest of agentkv sees ``PrefillResult``,
 ``DecodeResult`` and ``KVHandle``.
@@ -15,6 +17,7 @@ Raw parameter dicts are built and read here only; the rest of agentkv sees ``Pre
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -23,6 +26,16 @@ from typing import Any, TypeGuard
 import structlog
 
 from agentkv._exceptions import InvalidMessageError, MalformedResponseError, ServerError
+from agentkv._hints import (
+    ExtendResult,
+    HintError,
+    LeaseAck,
+    LeaseRef,
+    PersistHint,
+    for_prefill,
+    with_expiry,
+    with_hint,
+)
 from agentkv._json import dumps
 from agentkv._types import KVHandle, Message, ToolCall
 
@@ -34,6 +47,8 @@ __all__ = [
     "StreamAccumulator",
     "TurnRequest",
     "decode_body",
+    "extended_handle",
+    "lease_ref",
     "parse_decode",
     "parse_prefill",
     "prefill_body",
@@ -99,7 +114,8 @@ def prefill_body(request: TurnRequest, *, prompt_ids: Any, handle: KVHandle | No
 
     ``prompt_ids`` is the prompt's token list, or a pre-serialized fragment of it.
     """
-    params = dict(handle._params) if handle is not None else dict(_NO_HANDLE)
+    # The lease secret is for decode's lease routes only: prefill need not see it.
+    params = for_prefill(handle._params) if handle is not None else dict(_NO_HANDLE)
     # A decode handle comes back with do_remote_decode already true; make the intent explicit.
     params["do_remote_decode"] = True
     params["do_remote_prefill"] = False
@@ -116,10 +132,18 @@ def prefill_body(request: TurnRequest, *, prompt_ids: Any, handle: KVHandle | No
 
 
 def decode_body(
-    request: TurnRequest, *, prompt_ids: Any, prefill: PrefillResult, stream: bool
+    request: TurnRequest,
+    *,
+    prompt_ids: Any,
+    prefill: PrefillResult,
+    stream: bool,
+    hint: PersistHint | None = None,
 ) -> bytes:
-    """The D leg: the real request, carrying prefill's params so decode pulls its blocks."""
-    params = dict(prefill._params)
+    """The D leg: the real request, carrying prefill's params so decode pulls its blocks.
+
+    ``hint`` tells agentkv's extension on decode whether and how long to pin the turn-end KV.
+    """
+    params = with_hint(prefill._params, hint) if hint is not None else dict(prefill._params)
     params["prompt_token_ids"] = prompt_ids
     body: dict[str, Any] = {
         **request.extra,
@@ -249,6 +273,7 @@ def _handle(
     if expiry is not None and not isinstance(expiry, int | float):
         raise _bad(url, leg, "kv_transfer_params.remote_blocks_expiry_time is not a number")
     return KVHandle(
+        lease_ttl_s=_lease_ttl(params, url=url, request_id=params["remote_request_id"]),
         pair=pair,
         engine_id=params["remote_engine_id"],
         request_id=params["remote_request_id"],
@@ -260,6 +285,52 @@ def _handle(
         deadline=deadline,
         server_expiry=float(expiry) if expiry is not None else None,
         _params=MappingProxyType(dict(params)),
+    )
+
+
+def _lease_ttl(params: Mapping[str, Any], *, url: str, request_id: str) -> float | None:
+    """The TTL agentkv's extension granted this pin; ``None`` without a usable lease.
+
+    A bad acknowledgement costs the lease (the pin then lives out the server's TTL), never the
+    turn: the answer itself is fine.
+    """
+    try:
+        ack = LeaseAck.from_params(params)
+        if ack is not None and ack.pinned:
+            LeaseRef.from_handle(params)  # a lease we could not present later is no lease
+    except HintError as exc:
+        _logger.warning("agentkv.bad_lease_ack", url=url, request_id=request_id, detail=str(exc))
+        return None
+    if ack is None or not ack.pinned:
+        return None
+    if ack.error is not None:
+        _logger.warning("agentkv.hint_ignored", url=url, request_id=request_id, error=ack.error)
+    if ack.ttl_s is None:
+        _logger.warning(
+            "agentkv.bad_lease_ack",
+            url=url,
+            request_id=request_id,
+            detail="a pinned acknowledgement without ttl_s",
+        )
+        return None
+    return ack.ttl_s
+
+
+def lease_ref(handle: KVHandle) -> LeaseRef:
+    """The capability to release or extend a leased handle (``HintError`` if it has none)."""
+    return LeaseRef.from_handle(handle._params)
+
+
+def extended_handle(handle: KVHandle, result: ExtendResult, *, deadline: float) -> KVHandle:
+    """``handle`` after decode extended it: the next P leg must carry the new expiry (prefill
+    declines a pull within 5 s of the old one)."""
+    return dataclasses.replace(
+        handle,
+        deadline=deadline,
+        server_expiry=result.expiry,
+        lease_ttl_s=result.ttl_s,
+        extends=handle.extends + 1,
+        _params=MappingProxyType(with_expiry(handle._params, result)),
     )
 
 

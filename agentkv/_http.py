@@ -24,7 +24,7 @@ from agentkv._exceptions import (
 )
 from agentkv._json import JSONDecodeError, loads
 
-__all__ = ["get_ok", "post_json", "raise_transport_error", "stream_events"]
+__all__ = ["exchange", "get_ok", "post_json", "raise_transport_error", "stream_events"]
 
 _JSON_HEADERS = {"content-type": "application/json"}
 
@@ -121,3 +121,33 @@ async def get_ok(client: httpx.AsyncClient, url: str, *, timeout_s: float) -> bo
     except httpx.HTTPError:
         return False
     return response.status_code == 200
+
+
+async def exchange(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    *,
+    body: bytes | None = None,
+    timeout_s: float,
+) -> tuple[int, Any]:
+    """One small control request: ``(status, parsed JSON answer or None)``, whatever the status.
+
+    For calls whose error statuses are answers (agentkv's lease routes); transport errors raise
+    agentkv's ``TransportError`` subclasses.
+    """
+    try:
+        response = await client.request(
+            method,
+            _parsed(url),
+            content=body,
+            headers=_JSON_HEADERS if body is not None else None,
+            timeout=timeout_s,
+        )
+    except httpx.HTTPError as exc:
+        raise_transport_error(exc, url)
+    try:
+        data = loads(response.content) if response.content else None
+    except JSONDecodeError:
+        data = None
+    return response.status_code, data

@@ -7,11 +7,18 @@ cluster's event-loop thread. Both share ``_SessionBase``, which does none.
 ...     s.append(Message.system("You are terse."), Message.user("Capital of France?"))
 ...     print(s.turn().text)                 # "Paris."
 ...     print(s.send("And of Spain?").text)  # reuses turn 1's KV from the decode node
+...     print(s.send("Thanks!", final=True).text)  # the last turn: decode pins nothing
 ...     print(s.stats.reuse_ratio)
+
+With agentkv's vLLM extension on decode, a session also manages its pinned KV there: a final turn
+pins nothing, ``tool_wait()`` keeps the handle alive through a long tool call, and closing the
+session releases what is still pinned (see ``_leasing.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
@@ -24,6 +31,7 @@ from agentkv._exceptions import (
     SessionBusyError,
     SessionClosedError,
 )
+from agentkv._leasing import ToolWait, begin_wait, end_wait, extend_handle, release_handle
 from agentkv._policy import CachePolicy
 from agentkv._state import SessionState
 from agentkv._transcript import Transcript, TranscriptView
@@ -203,18 +211,22 @@ class AsyncSession(_SessionBase):
         )
         return cls(state)
 
-    async def turn(self, **overrides: Unpack[TurnOverrides]) -> TurnResult:
+    async def turn(self, *, final: bool = False, **overrides: Unpack[TurnOverrides]) -> TurnResult:
         """Send the pending messages and return the assistant's answer.
 
         Keyword arguments override the session's defaults for this turn: ``max_tokens``,
         ``temperature``, ``tools``, ``tool_choice``, ``extra_body``. A failed turn raises and
         leaves the transcript (pending messages included) as it was.
+
+        ``final=True`` says no turn follows: decode (with agentkv's extension) pins nothing for a
+        next one. The session stays open; a further turn just recomputes.
         """
         options = _merge(self._state.options, overrides)
         self._check_turnable()
         self._state.busy = True
         try:
-            async for event in TurnRunner(self._state, options, stream=False).events():
+            runner = TurnRunner(self._state, options, stream=False, final=final)
+            async for event in runner.events():
                 if isinstance(event, TurnResult):
                     return event
         finally:
@@ -222,36 +234,80 @@ class AsyncSession(_SessionBase):
         raise AssertionError("a turn ended without a result")  # pragma: no cover
 
     async def send(
-        self, message: str | MessageLike, /, **overrides: Unpack[TurnOverrides]
+        self,
+        message: str | MessageLike,
+        /,
+        *,
+        final: bool = False,
+        **overrides: Unpack[TurnOverrides],
     ) -> TurnResult:
         """Append ``message`` (text is a user message) and run a turn; on failure, un-append it."""
         self._check_open()
         keep = len(self._state.transcript.pending)
         self.append(Message.user(message) if isinstance(message, str) else message)
         try:
-            return await self.turn(**overrides)
+            return await self.turn(final=final, **overrides)
         except BaseException:
             self._state.transcript.drop_pending(keep)
             raise
 
-    def stream(self, **overrides: Unpack[TurnOverrides]) -> AsyncIterator[TextDelta | TurnResult]:
+    def stream(
+        self, *, final: bool = False, **overrides: Unpack[TurnOverrides]
+    ) -> AsyncIterator[TextDelta | TurnResult]:
         """Run a turn: ``TextDelta`` pieces as decode produces them, then the ``TurnResult``.
 
-        The turn-end handle is stored as for ``turn()``. Leaving the loop early abandons the turn
-        (nothing is committed). A stream is not retried once text was yielded.
+        The turn-end handle is stored as for ``turn()`` (``final`` too). Leaving the loop early
+        abandons the turn (nothing is committed). A stream is not retried once text was yielded.
         """
         options = _merge(self._state.options, overrides)
         self._check_turnable()
-        return self._stream(options)
+        return self._stream(options, final=final)
 
-    async def _stream(self, options: SessionOptions) -> AsyncIterator[TextDelta | TurnResult]:
+    async def _stream(
+        self, options: SessionOptions, *, final: bool
+    ) -> AsyncIterator[TextDelta | TurnResult]:
         self._check_turnable()
         self._state.busy = True
         try:
-            async for event in TurnRunner(self._state, options, stream=True).events():
+            runner = TurnRunner(self._state, options, stream=True, final=final)
+            async for event in runner.events():
                 yield event
         finally:
             self._state.busy = False
+
+    async def extend_handle(self, ttl_s: float) -> float | None:
+        """Ask decode to keep the stored handle at least ``ttl_s`` more seconds.
+
+        Returns the handle's new deadline (session clock), or ``None`` when nothing was extended:
+        no handle, a decode without agentkv's extension, a failed call, or a handle decode no
+        longer holds (it is then dropped, and the next turn says why). Never raises for the
+        server's sake. ``tool_wait()`` decides the TTL for you.
+        """
+        self._check_open()
+        if not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s}")
+        return await extend_handle(self._state, ttl_s, reason="explicit")
+
+    @contextlib.asynccontextmanager
+    async def tool_wait(self, *, expected_s: float) -> AsyncIterator[ToolWait]:
+        """Wrap a tool call (or any pause between turns) of about ``expected_s`` seconds.
+
+        On entry the policy (``CachePolicy.decide_extend``) extends the handle when the wait
+        would outlast its deadline; on exit the yielded ``ToolWait`` says whether the handle
+        survived, and so does the next turn's ``handle_reason``. Never raises for the server's
+        sake.
+
+        >>> async with session.tool_wait(expected_s=300) as wait:  # doctest: +SKIP
+        ...     output = await run_tool(call)
+        >>> wait.survived
+        True
+        """
+        self._check_open()
+        wait = await begin_wait(self._state, expected_s=expected_s)
+        try:
+            yield wait
+        finally:
+            end_wait(self._state, wait)
 
     def fork(
         self,
@@ -283,13 +339,24 @@ class AsyncSession(_SessionBase):
         return child
 
     async def aclose(self) -> None:
-        """Close the session: forget its handle and free its place on the pair."""
+        """Close the session: release its handle on decode and free its place on the pair.
+
+        The release (agentkv's extension only) is best effort: a decode that cannot be reached
+        keeps the pin until its TTL, and the close still succeeds.
+        """
         state = self._state
         if state.closed:
             return
         state.closed = True
-        state.handle = None
+        handle, state.handle = state.handle, None
         state.cluster._release(state.pair)
+        cluster = state.cluster
+        if (
+            handle is not None
+            and not cluster.closed
+            and state.policy.decide_release(handle, now=cluster.clock())
+        ):
+            await release_handle(state, handle, reason="close")
 
     async def __aenter__(self) -> AsyncSession:
         return self
@@ -313,19 +380,53 @@ class Session(_SessionBase):
         self._state = inner._state
         self._portal = portal
 
-    def turn(self, **overrides: Unpack[TurnOverrides]) -> TurnResult:
+    def turn(self, *, final: bool = False, **overrides: Unpack[TurnOverrides]) -> TurnResult:
         """Send the pending messages and return the answer (see ``AsyncSession.turn``)."""
         self._check_open()
-        return self._portal.call(self._inner.turn(**overrides))
+        return self._portal.call(self._inner.turn(final=final, **overrides))
 
-    def send(self, message: str | MessageLike, /, **overrides: Unpack[TurnOverrides]) -> TurnResult:
+    def send(
+        self,
+        message: str | MessageLike,
+        /,
+        *,
+        final: bool = False,
+        **overrides: Unpack[TurnOverrides],
+    ) -> TurnResult:
         """Append ``message`` and run a turn (see ``AsyncSession.send``)."""
         self._check_open()
-        return self._portal.call(self._inner.send(message, **overrides))
+        return self._portal.call(self._inner.send(message, final=final, **overrides))
 
-    def stream(self, **overrides: Unpack[TurnOverrides]) -> Iterator[TextDelta | TurnResult]:
+    def stream(
+        self, *, final: bool = False, **overrides: Unpack[TurnOverrides]
+    ) -> Iterator[TextDelta | TurnResult]:
         """Run a turn: text deltas, then the ``TurnResult`` (see ``AsyncSession.stream``)."""
-        return self._portal.iterate(self._inner.stream(**overrides))
+        return self._portal.iterate(self._inner.stream(final=final, **overrides))
+
+    def extend_handle(self, ttl_s: float) -> float | None:
+        """Keep the stored handle ``ttl_s`` more seconds (see ``AsyncSession.extend_handle``)."""
+        self._check_open()
+        return self._portal.call(self._inner.extend_handle(ttl_s))
+
+    @contextlib.contextmanager
+    def tool_wait(self, *, expected_s: float) -> Iterator[ToolWait]:
+        """Wrap a tool call of about ``expected_s`` seconds (see ``AsyncSession.tool_wait``).
+
+        >>> with session.tool_wait(expected_s=300) as wait:  # doctest: +SKIP
+        ...     output = run_tool(call)
+        """
+        self._check_open()
+        state = self._state
+        wait = self._portal.call(begin_wait(state, expected_s=expected_s))
+
+        async def _end() -> None:
+            end_wait(state, wait)
+
+        try:
+            yield wait
+        finally:
+            if not state.cluster.closed:  # else the loop thread is gone, and the session with it
+                self._portal.call(_end())
 
     def fork(
         self,

@@ -46,6 +46,7 @@ class SessionState:
         "tools_key",
         "transcript",
         "turns",
+        "wait_note",
         "wire",
     )
 
@@ -77,6 +78,8 @@ class SessionState:
         self.prefilled = 0
         # The tools rendered into the transcript's first prompt; later turns must match.
         self.tools_key: str | None = None
+        # What the last tool wait did to the handle, for the next turn's handle_reason.
+        self.wait_note: str | None = None
         self.closed = False
         self.busy = False
 
@@ -140,6 +143,8 @@ class SessionState:
         decode_s: float,
         total_s: float,
         retries: int,
+        extends: int,
+        final: bool,
         tools: Sequence[Mapping[str, Any]] | None,
     ) -> TurnStats:
         """Record a successful turn (transcript, handle, stats, log event)."""
@@ -176,10 +181,17 @@ class SessionState:
             handle_state=handle_state,
             handle_reason=handle_reason,
             retries=retries,
+            extends=extends,
         )
         self.turns.append(stats)
         self.handle = result.handle
-        self.lost = None if result.handle else (HandleState.NONE, "decode returned no handle")
+        self.wait_note = None
+        if result.handle is not None:
+            self.lost = None
+        elif final:
+            self.lost = (HandleState.NONE, "the previous turn was final: decode pinned nothing")
+        else:
+            self.lost = (HandleState.NONE, "decode returned no handle")
         self.ideal_base = prompt_len + len(result.token_ids) - 1
         self.prefilled = prompt_len
         logger.info(
@@ -196,6 +208,9 @@ class SessionState:
             handle_state=stats.handle_state.value,
             handle_reason=stats.handle_reason,
             retries=stats.retries,
+            extends=stats.extends,
+            final=final,
+            leased=result.handle is not None and result.handle.leased,
         )
         return stats
 

@@ -12,10 +12,16 @@ Retry rules (each attempt is a whole P leg + D leg, so a decode failure re-runs 
   (transcript kept, KV recomputed there).
 * A streamed turn is not retried once text was yielded: the caller has seen it.
 * Nothing is committed until the D leg's answer is parsed, so a failed turn changes nothing.
+
+With agentkv's extension on decode, the D leg carries a persist hint (``CachePolicy.
+decide_persist``: pin for the next turn, or nothing on a final turn), and a leased handle the
+policy does not attach (below the recompute threshold, diverged) is released rather than left
+pinned until its TTL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +44,7 @@ from agentkv._handoff import (
 )
 from agentkv._http import post_json, stream_events
 from agentkv._json import fragment
+from agentkv._leasing import release_handle
 from agentkv._transcript import TurnPrompt
 from agentkv._types import HandleState, KVHandle, TextDelta, TurnResult
 
@@ -66,10 +73,13 @@ class SessionOptions:
 class TurnRunner:
     """Runs one turn of a session; ``events()`` yields text deltas (streaming) then the result."""
 
-    def __init__(self, state: SessionState, options: SessionOptions, *, stream: bool) -> None:
+    def __init__(
+        self, state: SessionState, options: SessionOptions, *, stream: bool, final: bool = False
+    ) -> None:
         self._state = state
         self._options = options
         self._stream = stream
+        self._final = final
         self._started = time.perf_counter()
         self._attempts = 0
         self._yielded = False
@@ -150,7 +160,12 @@ class TurnRunner:
         prompt = await self._prompt_for(pair)
         request = self._request or state.turn_request(prompt, self._options)
         self._request = request
-        sent, handle_state, reason = self._take_handle(len(prompt))
+        cluster = state.cluster
+        # Asked once per decode server, then cached: whether to send hints at all.
+        supported = await cluster._leases.supported(pair.decode)
+        sent, handle_state, reason, extends, unsent = self._take_handle(len(prompt))
+        if unsent is not None:
+            await release_handle(state, unsent, reason=handle_state.value)
         ids = fragment(prompt.tolist())
 
         t_prefill = time.perf_counter()
@@ -158,11 +173,13 @@ class TurnRunner:
         t_decode = time.perf_counter()
 
         decode_url = pair.decode + _CHAT_PATH
-        issued_at = state.cluster.clock()
+        issued_at = cluster.clock()
         deadline = state.policy.deadline(issued_at)
-        body = decode_body(request, prompt_ids=ids, prefill=prefill, stream=self._stream)
+        # A stock decode ignores the hint; one known to be stock gets the request it expects.
+        hint = None if supported is False else state.policy.decide_persist(final=self._final)
+        body = decode_body(request, prompt_ids=ids, prefill=prefill, stream=self._stream, hint=hint)
         summary = request.summary("decode")
-        client = state.cluster.http_client
+        client = cluster.http_client
         ttft: float | None = None
         result: DecodeResult
         if self._stream:
@@ -181,6 +198,7 @@ class TurnRunner:
                 data, url=decode_url, pair=pair.name, issued_at=issued_at, deadline=deadline
             )
         t_end = time.perf_counter()
+        result = self._leased(result, issued_at=issued_at)
         stats = state.commit(
             prompt,
             result,
@@ -194,8 +212,15 @@ class TurnRunner:
             decode_s=t_end - t_decode,
             total_s=t_end - self._started,
             retries=self._attempts - 1,
+            extends=extends,
+            final=self._final,
             tools=self._options.tools,
         )
+        if state.closed and state.handle is not None:
+            # Closed while this turn ran: nobody will send the new handle.
+            handle, state.handle = state.handle, None
+            if state.policy.decide_release(handle, now=cluster.clock()):
+                await release_handle(state, handle, reason="closed_during_turn")
         yield TurnResult(
             message=result.message,
             token_ids=result.token_ids,
@@ -203,14 +228,28 @@ class TurnRunner:
             stats=stats,
         )
 
-    def _take_handle(self, prompt_len: int) -> tuple[KVHandle | None, HandleState, str]:
-        """Take the stored handle off the session; return it if it is to be sent, and why."""
+    def _leased(self, result: DecodeResult, *, issued_at: float) -> DecodeResult:
+        """Base a leased handle's deadline on the TTL decode granted, not on our assumption."""
+        handle = result.handle
+        if handle is None or handle.lease_ttl_s is None:
+            return result
+        deadline = self._state.policy.lease_deadline(sent_at=issued_at, ttl_s=handle.lease_ttl_s)
+        return dataclasses.replace(result, handle=dataclasses.replace(handle, deadline=deadline))
+
+    def _take_handle(
+        self, prompt_len: int
+    ) -> tuple[KVHandle | None, HandleState, str, int, KVHandle | None]:
+        """Take the stored handle off the session.
+
+        Returns the handle if it is to be sent, the handle state and reason for the stats, how
+        often it was extended, and a handle to release because it is dropped unsent.
+        """
         state = self._state
         handle = state.handle
-        decision = state.policy.decide_attach(
-            handle, prompt_len=prompt_len, now=state.cluster.clock()
-        )
+        now = state.cluster.clock()
+        decision = state.policy.decide_attach(handle, prompt_len=prompt_len, now=now)
         handle_state, reason = decision.state, decision.reason
+        unsent: KVHandle | None = None
         if handle is None and state.lost is not None:
             handle_state, reason = state.lost
         elif decision.attach:
@@ -218,7 +257,15 @@ class TurnRunner:
             state.drop_handle(HandleState.CONSUMED, "a failed turn may have read the handle")
         else:
             state.drop_handle(decision.state, decision.reason)
-        return (handle if decision.attach else None), handle_state, reason
+            if decision.state is not HandleState.EXPIRED and state.policy.decide_release(
+                handle, now=now
+            ):
+                unsent = handle
+        note, state.wait_note = state.wait_note, None
+        if note:
+            reason = f"{reason}; {note}" if reason else note
+        extends = handle.extends if handle is not None else 0
+        return (handle if decision.attach else None), handle_state, reason, extends, unsent
 
     async def _prefill(
         self, pair: Pair, request: TurnRequest, ids: object, sent: KVHandle | None

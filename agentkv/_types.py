@@ -244,6 +244,10 @@ class KVHandle:
     the session's clock (monotonic by default); ``server_expiry`` is the decode server's own
     ``time.perf_counter()`` deadline, which is not comparable with any local clock and is kept for
     logs only.
+
+    ``lease_ttl_s`` is set when decode runs agentkv's extension and leased the pin to this
+    session: the seconds it granted (after an extend, what was left then). Such a handle can be
+    released and extended; ``extends`` counts the extensions. On stock vLLM it is ``None``.
     """
 
     pair: str
@@ -256,12 +260,19 @@ class KVHandle:
     issued_at: float
     deadline: float
     server_expiry: float | None = None
+    lease_ttl_s: float | None = None
+    extends: int = 0
     # The params exactly as decode sent them, for re-sending; read only by agentkv._handoff.
     _params: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def remaining_s(self, now: float) -> float:
         """Seconds until ``deadline`` (negative once past)."""
         return self.deadline - now
+
+    @property
+    def leased(self) -> bool:
+        """Decode leased the pin (agentkv's extension): it can be released and extended."""
+        return self.lease_ttl_s is not None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -274,6 +285,9 @@ class TurnStats:
     estimated from the block size (a lower bound when the block size is unknown).
     ``ideal_reused_tokens`` is what a perfect handle gives: the previous turn's prompt and
     generated tokens, less the last generated one (its KV is never computed).
+    ``extends`` is how often the handle this turn started with was extended while the session
+    waited (``session.tool_wait()``, ``session.extend_handle()``); ``handle_reason`` also says
+    whether it survived a tool wait.
     """
 
     session_id: str
@@ -292,6 +306,7 @@ class TurnStats:
     handle_state: HandleState
     handle_reason: str = ""
     retries: int = 0
+    extends: int = 0
 
     @property
     def ttft_ms(self) -> float:
@@ -339,6 +354,7 @@ class SessionStats:
 
     ``reuse_ratio`` is reused over ideal summed over the turns that had something to reuse;
     ``median_warm_ttft_s`` is the median TTFT of turns 2 and later, the ones reuse speeds up.
+    ``extends`` counts the extensions of handles made between turns (tool waits).
     """
 
     turns: int = 0
@@ -347,6 +363,7 @@ class SessionStats:
     ideal_reused_tokens: int = 0
     generated_tokens: int = 0
     retries: int = 0
+    extends: int = 0
     reuse_ratio: float | None = None
     median_ttft_s: float | None = None
     median_warm_ttft_s: float | None = None
@@ -365,6 +382,7 @@ class SessionStats:
             ideal_reused_tokens=sum(t.ideal_reused_tokens for t in turns),
             generated_tokens=sum(t.generated_tokens for t in turns),
             retries=sum(t.retries for t in turns),
+            extends=sum(t.extends for t in turns),
             reuse_ratio=(sum(t.reused_tokens for t in with_ideal) / ideal) if ideal else None,
             median_ttft_s=statistics.median(t.ttft_s for t in turns),
             median_warm_ttft_s=statistics.median(warm) if warm else None,

@@ -12,6 +12,9 @@ What is faithful (each module cites the vLLM code it follows):
 * KV reuse: block-granular prefix caching, positional pulls of ``min(remote_num_tokens,
   prompt_len) - local_hit`` tokens, ``kv_recompute_threshold``, single-use handles, TTLs, the
   5 s expiry margin, load failures answered with 500, ``kv_cache_usage_perc`` from a block pool.
+* agentkv's extension (on by default, as ``agentkv up`` runs vLLM): persist hints, lease
+  acknowledgements, ``/v1/agentkv/info`` and the release/extend routes, decided by the
+  connector's own ``LeaseBook``; ``leases=False, stream_handles=False`` is stock vLLM.
 * Wrong KV: the model's output is a function of the KV it holds, so a handle sent with a
   history that is not its prefix changes the answer; ``wrong_reuse_events`` counts such pulls.
 

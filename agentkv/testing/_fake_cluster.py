@@ -49,6 +49,12 @@ class FakeCluster:
     The servers speak vLLM 0.32's HTTP/JSON; ``transport`` serves them to httpx clients at
     ``http://fake-p{i}.test:8000`` and ``http://fake-d{i}.test:8000``.
 
+    By default they run as ``agentkv up`` starts vLLM: with agentkv's plugin (handles on streams,
+    ``stream_handles``) and connector (persist hints and lease routes, ``leases``, capped at
+    ``agentkv_max_ttl_s``). ``leases=False, stream_handles=False`` is stock vLLM: no
+    ``/v1/agentkv/*`` routes, no lease acknowledgement; ``leases=False`` alone is the plugin with
+    vLLM's own connector (``/v1/agentkv/info`` says ``leases: false``).
+
     Example:
         >>> import httpx
         >>> from agentkv.testing import FakeCluster, ManualClock
@@ -86,6 +92,8 @@ class FakeCluster:
         kv_lease_duration: float = 30.0,
         kv_load_failure_policy: KVLoadFailurePolicy = "fail",
         bidirectional_kv_xfer: bool = True,
+        leases: bool = True,
+        agentkv_max_ttl_s: float = 3600.0,
     ) -> None:
         if pairs < 1:
             raise ValueError("a cluster needs at least one pair")
@@ -103,6 +111,8 @@ class FakeCluster:
             kv_lease_duration=kv_lease_duration,
             bidirectional_kv_xfer=bidirectional_kv_xfer,
             kv_load_failure_policy=kv_load_failure_policy,
+            leases=leases,
+            agentkv_max_ttl_s=agentkv_max_ttl_s,
         )
         context = ServerContext(
             model=model,

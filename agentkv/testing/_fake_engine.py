@@ -13,16 +13,23 @@ The connector decisions follow ``vllm/distributed/kv_transfer/kv_connector/v1/ni
   fails the request (``kv_load_failure_policy="fail"``, vLLM's default) with a 500.
 * On finish, a request that carried ``kv_transfer_params`` keeps its blocks: for
   ``kv_lease_duration`` (30 s) on a producer, for ``decoder_kv_blocks_ttl`` on a decoder.
+
+With ``leases`` the engine runs agentkv's ``AgentKVConnector`` instead (``agentkv/connector``): a
+decoder's turn-end pin follows the request's persist hint and is leased with the connector's own
+``LeaseBook``/``LeaseService``, and :meth:`FakeEngine.lease_op` serves the lease calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
+from agentkv._hints import HINTS_KEY, LeaseAck
+from agentkv.connector._leases import LeaseBook, LeaseService, decide_pin
 from agentkv.testing._fake_kv import (
     ROOT_HASH,
     BlockContent,
@@ -56,6 +63,9 @@ class EngineConfig:
     kv_lease_duration: float = 30.0
     bidirectional_kv_xfer: bool = True
     kv_load_failure_policy: KVLoadFailurePolicy = "fail"
+    # agentkv's connector: persist hints and leases (kv_connector_extra_config agentkv_max_ttl_s).
+    leases: bool = False
+    agentkv_max_ttl_s: float = 3600.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +141,16 @@ class FakeEngine:
         self._pool = BlockPool(config.num_blocks)
         self._pins: dict[str, _Pin] = {}
         self._deadlines: list[tuple[float, str]] = []
+        self._book: LeaseBook | None = None
+        self._leases: LeaseService | None = None
+        if config.leases:
+            self._book = LeaseBook(clock=clock, max_ttl_s=config.agentkv_max_ttl_s)
+            self._leases = LeaseService(
+                self._book,
+                set_deadline=self._set_deadline,
+                clock=clock,
+                default_ttl_s=config.decoder_kv_blocks_ttl,
+            )
 
     # ----------------------------------------------------------------- observation
 
@@ -138,6 +158,12 @@ class FakeEngine:
     def kv_cache_usage(self) -> float:
         self.expire()
         return self._pool.usage
+
+    @property
+    def leases(self) -> int:
+        """Leases agentkv's connector holds (0 without ``leases``)."""
+        self.expire()
+        return 0 if self._book is None else len(self._book)
 
     def pinned(self, *, turn_end: bool) -> int:
         self.expire()
@@ -152,6 +178,7 @@ class FakeEngine:
             if pin is not None and pin.deadline == deadline:
                 del self._pins[request_id]
                 self._pool.free(pin.block_ids)
+                self._forget(request_id)
 
     def on_remote_read(self, request_id: Any) -> None:
         """A consumer's "done reading" notification: free the blocks, or log a stale read."""
@@ -160,6 +187,29 @@ class FakeEngine:
             self.stats.nixl_notifications_after_expiry += 1
             return
         self._pool.free(pin.block_ids)
+        self._forget(request_id)
+
+    def lease_op(self, op: str, payload: object) -> dict[str, object]:
+        """``AgentKVConnector.agentkv_lease_op``: ``info``, ``release`` or ``extend``.
+
+        Like a lease call on vLLM, it wakes the engine: what it decided applies at once.
+        """
+        if self._leases is None:
+            return {"status": "unavailable"}
+        answer = self._leases.handle(op, payload)
+        self.expire()
+        return answer
+
+    def _set_deadline(self, request_id: str, deadline: float) -> None:
+        # The worker keeps the latest deadline of a pin; a past one frees it at the next step.
+        pin = self._pins.get(request_id)
+        if pin is not None:
+            pin.deadline = deadline
+            heapq.heappush(self._deadlines, (deadline, request_id))
+
+    def _forget(self, request_id: str) -> None:
+        if self._book is not None:
+            self._book.forget((request_id,))
 
     def reject(self, params: dict[str, Any] | None) -> None:
         """A D leg refused before scheduling still releases the prefill server's blocks."""
@@ -348,11 +398,51 @@ class FakeEngine:
             return None
         ttl = self.config.kv_lease_duration if is_producer else self.config.decoder_kv_blocks_ttl
         deadline = self._clock() + ttl
+        ack: LeaseAck | None = None
+        if not is_producer and self._book is not None:
+            # AgentKVConnector._apply_policy: the persist hint decides decode's pin.
+            decision = decide_pin(params, default_ttl_s=ttl, max_ttl_s=self._book.max_ttl_s)
+            if not decision.pin:
+                self._pool.free(block_ids)
+                # The shape stock vLLM sends when it keeps nothing: no blocks, no tokens.
+                return {
+                    **self._handle_params(request, [], producer=False, num_tokens=0, expiry=None),
+                    HINTS_KEY: LeaseAck(pinned=False).to_wire(),
+                }
+            lease, ack = self._book.grant(
+                request.request_id, (tuple(block_ids),), ttl_s=decision.ttl_s
+            )
+            if decision.error is not None:
+                ack = dataclasses.replace(ack, error=decision.error)
+            deadline = lease.deadline
         self._pins[request.request_id] = _Pin(block_ids, deadline, turn_end=not is_producer)
         heapq.heappush(self._deadlines, (deadline, request.request_id))
-        out: dict[str, Any] = {
-            "do_remote_prefill": is_producer,
-            "do_remote_decode": not is_producer,
+        out = self._handle_params(
+            request,
+            block_ids,
+            producer=is_producer,
+            num_tokens=num_computed,
+            expiry=None if is_producer else deadline,
+        )
+        if is_producer:
+            out["remote_prefill_cached_tokens"] = num_cached
+        if ack is not None:
+            out[HINTS_KEY] = ack.to_wire()
+        return out
+
+    def _handle_params(
+        self,
+        request: EngineRequest,
+        block_ids: list[int],
+        *,
+        producer: bool,
+        num_tokens: int,
+        expiry: float | None,
+    ) -> dict[str, Any]:
+        """``NixlConnector.request_finished``'s returned params describing the kept blocks."""
+        return {
+            "do_remote_prefill": producer,
+            "do_remote_decode": not producer,
             "remote_block_ids": [list(block_ids)],
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
@@ -361,13 +451,10 @@ class FakeEngine:
             "tp_size": 1,
             "dcp_size": 1,
             "pp_size": 1,
-            "remote_num_tokens": num_computed,
-            "remote_blocks_expiry_time": None if is_producer else deadline,
+            "remote_num_tokens": num_tokens,
+            "remote_blocks_expiry_time": expiry,
             "transfer_mode": "pull",
         }
-        if is_producer:
-            out["remote_prefill_cached_tokens"] = num_cached
-        return out
 
     def _account(
         self,

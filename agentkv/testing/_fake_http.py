@@ -131,7 +131,7 @@ class _HttpHost:
 
     async def _listen(self, listener: _Listener) -> None:
         # Lazy: uvicorn is an optional dependency, needed only to serve over HTTP.
-        import uvicorn  # noqa: PLC0415
+        import uvicorn
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -6,7 +6,9 @@ import copy
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from agentkv._hints import EXTEND_PATH, INFO_PATH, RELEASE_PATH
 from agentkv.testing import _fake_endpoints as endpoints
+from agentkv.testing import _fake_leases as leases
 from agentkv.testing._fake_chat import serve_chat
 from agentkv.testing._fake_context import ServerContext
 from agentkv.testing._fake_engine import FakeEngine
@@ -76,6 +78,12 @@ class FakeServer:
         """Turn-end pins held (handles a decode server keeps for the next turn's prefill)."""
         with self._ctx.lock:
             return 0 if self._engine is None else self._engine.pinned(turn_end=True)
+
+    @property
+    def leased_handles(self) -> int:
+        """Turn-end pins leased through agentkv's extension (releasable, extendable)."""
+        with self._ctx.lock:
+            return 0 if self._engine is None else self._engine.leases
 
     @property
     def pending_prefill_handles(self) -> int:
@@ -161,6 +169,14 @@ class FakeServer:
             "/v1/models": ("GET", lambda: endpoints.models(ctx)),
             "/metrics": ("GET", lambda: endpoints.metrics(ctx, engine)),
         }
+        if ctx.engine_config.leases or ctx.stream_handles:
+            # agentkv's endpoint plugin (it also puts the handles on streams).
+            routes[INFO_PATH] = (
+                "GET",
+                lambda: leases.info(engine, stream_handles=ctx.stream_handles),
+            )
+            routes[RELEASE_PATH] = ("POST", lambda: leases.release(engine, body))
+            routes[EXTEND_PATH] = ("POST", lambda: leases.extend(engine, body))
         route = routes.get(path)
         if route is None:
             return endpoints.http_error(404, "Not Found")

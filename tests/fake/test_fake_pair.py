@@ -47,6 +47,8 @@ HANDLE_KEYS = {
     "remote_blocks_expiry_time",
     "transfer_mode",
 }
+# A decode handle from agentkv's connector (the fake's default) also carries the lease ack.
+DECODE_HANDLE_KEYS = HANDLE_KEYS | {"agentkv"}
 
 
 def user(text: str) -> list[dict[str, Any]]:
@@ -348,7 +350,7 @@ def test_decode_leg_pins_the_turn_end_kv_and_returns_a_decode_handle(
     p, d = turn(client, fake, ids)
     handle = d["kv_transfer_params"]
     generated = d["choices"][0]["token_ids"]
-    assert set(handle) == HANDLE_KEYS
+    assert set(handle) == DECODE_HANDLE_KEYS
     assert handle["do_remote_decode"] is True
     assert handle["do_remote_prefill"] is False
     assert handle["remote_engine_id"] == fake.decode(0).engine_id
@@ -623,7 +625,7 @@ def test_streamed_decode_leg_puts_the_handle_on_the_last_chunk(
     body = {"messages": user("x"), "stream": True, "kv_transfer_params": params}
     chunks = sse_events(post(client, fake.decode(0).url, body))
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    assert set(chunks[-1]["kv_transfer_params"]) == HANDLE_KEYS
+    assert set(chunks[-1]["kv_transfer_params"]) == DECODE_HANDLE_KEYS
     assert all("kv_transfer_params" not in c for c in chunks[:-1])
 
     p = leg(client, fake.prefill(1).url, ids, FIRST_LEG, max_tokens=1)
@@ -635,7 +637,7 @@ def test_streamed_decode_leg_puts_the_handle_on_the_last_chunk(
 
 
 def test_stock_vllm_streams_carry_no_handle_but_still_pin(clock: ManualClock) -> None:
-    fake = FakeCluster(pairs=1, clock=clock, stream_handles=False)
+    fake = FakeCluster(pairs=1, clock=clock, stream_handles=False, leases=False)
     with httpx.Client(transport=fake.transport) as client:
         ids = prompt_of_length(100)
         p = leg(client, fake.prefill(0).url, ids, FIRST_LEG, max_tokens=1)
@@ -1005,7 +1007,7 @@ def test_serve_exposes_the_cluster_over_real_http(clock: ManualClock) -> None:
         ids = prompt_of_length(60)
         p = leg(client, prefill, ids, FIRST_LEG, max_tokens=1)
         d = leg(client, decode, ids, p["kv_transfer_params"])
-        assert set(d["kv_transfer_params"]) == HANDLE_KEYS
+        assert set(d["kv_transfer_params"]) == DECODE_HANDLE_KEYS
         fake.decode(0).kill()
         with pytest.raises(httpx.ConnectError):
             client.get(decode + "/health")
