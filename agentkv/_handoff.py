@@ -65,6 +65,9 @@ _NO_HANDLE: Mapping[str, Any] = MappingProxyType(
     }
 )
 _LOCATION_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host")
+# extra_body fields that change what prefill computes or may reuse (vLLM's cache_salt isolates
+# prefix-cache hits per tenant: sent only to decode it would silently be ignored by prefill).
+_PREFILL_FIELDS = ("cache_salt",)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,15 +123,19 @@ def prefill_body(request: TurnRequest, *, prompt_ids: Any, handle: KVHandle | No
     params["do_remote_decode"] = True
     params["do_remote_prefill"] = False
     params["prompt_token_ids"] = prompt_ids
-    return dumps(
-        {
-            "model": request.model,
-            "messages": request.messages,
-            "max_tokens": 1,
-            "stream": False,
-            "kv_transfer_params": params,
-        }
-    )
+    body: dict[str, Any] = {
+        "model": request.model,
+        "messages": request.messages,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": params,
+    }
+    # Fields that decide which KV prefill may reuse must reach prefill too; sampling settings
+    # and the rest only matter where tokens are generated.
+    for name in _PREFILL_FIELDS:
+        if name in request.extra:
+            body[name] = request.extra[name]
+    return dumps(body)
 
 
 def decode_body(

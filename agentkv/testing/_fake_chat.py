@@ -75,6 +75,7 @@ def _complete(
         ignore_eos=request.ignore_eos,
         tool=_tool_spec(ctx, request),
         kv_transfer_params=request.kv_transfer_params,
+        cache_salt=request.cache_salt,
     )
     created = int(time.time())
     try:

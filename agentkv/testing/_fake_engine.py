@@ -77,6 +77,9 @@ class EngineRequest:
     ignore_eos: bool = False
     tool: ToolSpec | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM mixes the salt into the prefix-cache keys: requests share cached blocks only when their
+    # salts are equal. It changes which blocks are found, never what a block's KV is.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,8 +232,9 @@ class FakeEngine:
         prompt = list(request.prompt)
         n_prompt = len(prompt)
         hashes = block_hashes(prompt, bs)
+        keys = _salted(hashes, request.cache_salt)
         # vLLM never serves the whole prompt from cache: the last token must be computed.
-        local_ids = self._pool.lookup(hashes[: (n_prompt - 1) // bs])
+        local_ids = self._pool.lookup(keys[: (n_prompt - 1) // bs])
         local = len(local_ids) * bs
         params = dict(request.kv_transfer_params) if request.kv_transfer_params else None
 
@@ -249,7 +253,7 @@ class FakeEngine:
         # The last sampled token is never fed back, so it has no KV.
         seq = prompt + generation.token_ids[:-1]
         write_tokens(blocks, seq, n_prompt, len(seq), bs)
-        block_ids = self._store(blocks, seq, hashes, local_ids)
+        block_ids = self._store(blocks, seq, keys, local_ids)
 
         num_cached = local + load.num_tokens
         full_blocks_after_prefill = (n_prompt // bs) * bs
@@ -474,3 +478,10 @@ class FakeEngine:
             stats.external_prefix_cache_hits += load.num_tokens
         stats.prompt_tokens_cached += local + load.num_tokens
         stats.record_finish(generation.finish_reason)
+
+
+def _salted(hashes: list[int], salt: str | None) -> list[int]:
+    """Prefix-cache keys under ``salt`` (the unsalted keys when there is none)."""
+    if salt is None:
+        return hashes
+    return [hash((key, salt)) for key in hashes]

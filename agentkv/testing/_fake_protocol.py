@@ -138,6 +138,7 @@ class ChatRequest:
     request_id: str | None
     chat_template: Any
     chat_template_kwargs: Any
+    cache_salt: str | None = None
 
 
 _TYPE_ERRORS: Final[dict[type, tuple[str, str]]] = {
@@ -222,6 +223,7 @@ def parse_chat_request(data: Any) -> ChatRequest:
         kv_transfer_params=kv_params,
         prompt_token_ids=prompt_token_ids,
         request_id=_field(data, "request_id", str, None),
+        cache_salt=_field(data, "cache_salt", str, None),
         chat_template=data.get("chat_template"),
         chat_template_kwargs=data.get("chat_template_kwargs"),
     )

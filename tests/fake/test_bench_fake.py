@@ -84,8 +84,6 @@ def test_every_mode_runs_the_same_workload(report):
     assert all(v > 0 for row in ideal[1:] for v in row)
 
 
-@pytest.mark.xfail(strict=True, reason="agentkv.testing's fake ignores cache_salt; remove this "
-                   "mark once it hashes the salt into the first block as vLLM does")
 def test_disagg_prefill_reuses_nothing(report):
     assert later_turns(report, "disagg", "reused_tokens") == [0] * 4
 

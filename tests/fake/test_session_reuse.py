@@ -272,3 +272,19 @@ def test_closing_a_session_forgets_its_handle(cluster):
         assert s.handle is not None
     assert s.closed
     assert s.handle is None
+
+
+def test_a_cache_salt_isolates_prefills_prefix_cache(clock):
+    """Salted sessions share cached blocks only with the same salt (vLLM's cache_salt)."""
+    fake = FakeCluster(pairs=1, clock=clock)
+
+    def first_turn_reuse(salt):
+        extra = {"cache_salt": salt} if salt else None
+        with open_cluster(fake, clock) as cluster, cluster.session(extra_body=extra) as s:
+            s.append(SYSTEM)
+            return s.send(QUESTIONS[0]).stats.reused_tokens
+
+    assert first_turn_reuse(None) == 0
+    assert first_turn_reuse(None) > 0
+    assert first_turn_reuse("tenant-a") == 0
+    assert first_turn_reuse("tenant-a") > 0

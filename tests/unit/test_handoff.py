@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -114,6 +115,14 @@ def test_prefill_body_without_handle_sends_nulls_and_the_prompt_ids():
     # sampling and tools do not matter for a one-token prefill
     assert "tools" not in body
     assert "temperature" not in body
+
+
+def test_a_cache_salt_reaches_prefill_but_other_extras_stay_on_decode():
+    """A tenant's cache_salt must isolate prefill's prefix cache, where reuse happens."""
+    request = dataclasses.replace(REQUEST, extra={"cache_salt": "tenant-a", "top_k": 5})
+    prefill = json.loads(prefill_body(request, prompt_ids=fragment([1, 2, 3]), handle=None))
+    assert prefill["cache_salt"] == "tenant-a"
+    assert "top_k" not in prefill
 
 
 def test_prefill_body_with_handle_resends_decodes_params_verbatim():
