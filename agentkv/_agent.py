@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from contextlib import AsyncExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -70,6 +71,10 @@ class Agent:
         max_tokens: per model turn.
         parallel_tool_calls: run the calls of one reply concurrently.
         tool_timeout_s: per call, unless the tool sets its own.
+        expected_tool_s: how long one step's tool calls are expected to take (default: the
+            tool timeout). Around the tools the session's policy extends the decode handle when
+            the wait would outlast it (``Session.tool_wait``), so a long tool does not cost the
+            next turn its reuse.
         max_output_chars: tool outputs longer than this are cut before the model sees them.
         force_final_answer: make the last step an answer rather than more tool calls.
         extra_body: more fields for every decode request (merged under the protocol's).
@@ -89,6 +94,7 @@ class Agent:
         max_tokens: int = 256,
         parallel_tool_calls: bool = True,
         tool_timeout_s: float | None = 60.0,
+        expected_tool_s: float | None = None,
         max_output_chars: int | None = 4000,
         force_final_answer: bool = True,
         extra_body: Mapping[str, Any] | None = None,
@@ -108,6 +114,7 @@ class Agent:
         self.max_tokens = max_tokens
         self.parallel_tool_calls = parallel_tool_calls
         self.tool_timeout_s = tool_timeout_s
+        self.expected_tool_s = expected_tool_s if expected_tool_s is not None else tool_timeout_s
         self.force_final_answer = force_final_answer
         self._extra_body = dict(extra_body or {})
         self.examples = tuple(Message.from_openai(m) for m in examples)
@@ -243,11 +250,16 @@ class Agent:
             yield ToolCallEvent(step=index, call=call)
         started = time.perf_counter()
         results: list[ToolResult | None] = [None] * len(reply.calls)
-        async for position, tool_result in self.tools.run_many(
-            reply.calls, parallel=self.parallel_tool_calls, timeout_s=self.tool_timeout_s
-        ):
-            results[position] = tool_result
-            yield ToolResultEvent(step=index, result=tool_result)
+        async with AsyncExitStack() as waiting:
+            if self.expected_tool_s is not None:
+                await waiting.enter_async_context(
+                    session.tool_wait(expected_s=self.expected_tool_s)
+                )
+            async for position, tool_result in self.tools.run_many(
+                reply.calls, parallel=self.parallel_tool_calls, timeout_s=self.tool_timeout_s
+            ):
+                results[position] = tool_result
+                yield ToolResultEvent(step=index, result=tool_result)
         done = tuple(r for r in results if r is not None)
         session.append(*(self.tool_calling.result_message(r) for r in done))
         tools_s = time.perf_counter() - started

@@ -224,6 +224,27 @@ def test_tools_that_outlast_the_handle_are_reported_and_the_next_turn_drops_it(c
     assert run.turns[1].handle_state is HandleState.EXPIRED
 
 
+def test_a_long_expected_tool_wait_extends_the_handle_so_the_next_turn_still_pulls(
+    cluster, clock, fake
+):
+    @tool
+    def wait_long() -> str:
+        """Takes longer than the handle would live unextended."""
+        clock.advance(500.0)
+        return "done"
+
+    agent = Agent(
+        cluster, tools=[wait_long], max_steps=2, tool_calling=forced("wait_long"),
+        system="Wait when asked. " * 20, expected_tool_s=600.0,
+    )
+    run = agent.run("Go.")
+    assert run.handle_expiries == 0
+    assert run.turns[1].handle_state is HandleState.ATTACHED, run.turns[1].handle_reason
+    assert run.turns[1].extends == 1
+    assert "extended" in run.turns[1].handle_reason
+    assert_every_later_turn_reuses_the_ideal(run, fake)
+
+
 def test_async_agents_run_on_async_clusters_and_sync_agents_await_too(fake, clock):
     async def scenario() -> tuple[RunResult, RunResult, list[object]]:
         async with AsyncCluster.from_dict(
