@@ -39,7 +39,12 @@ logger = structlog.get_logger("agentkv")
 
 # Long reads on purpose: a cold multi-thousand-token prefill on CPU takes minutes.
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0)
-DEFAULT_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+# vLLM's API server (uvicorn) closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by
+# default; keeping ours for less means we never send on a connection the server is closing (a
+# failed P leg costs the turn its handle).
+DEFAULT_LIMITS = httpx.Limits(
+    max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0
+)
 _HEALTH_TIMEOUT_S = 2.0
 
 T = TypeVar("T")

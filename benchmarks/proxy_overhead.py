@@ -16,7 +16,8 @@ CONCURRENCY sessions at a time. Columns:
 * in-proxy: the proxy's own work per request as its ``Server-Timing`` header reports it (request
   arrival to answer, minus the SDK's turn): the part the proxy's code controls;
 * CPU/turn: CPU seconds per turn of the process running the SDK (this one for direct, the proxy
-  for proxy): their difference is the proxy's CPU cost, whatever else the machine is doing.
+  for proxy): their difference is the proxy's CPU cost, whatever else the machine is doing; and
+  the client's (an httpx client re-sending the history) for the proxied turns.
 
     .venv/bin/python benchmarks/proxy_overhead.py [--concurrency 1,16,64] [--turns 6]
         [--server-ms 100] [--context 1000] [--min-samples 120]
@@ -45,6 +46,7 @@ import orjson
 import structlog
 
 from agentkv import AsyncCluster, Message
+from agentkv.proxy import ProxyConfig
 from agentkv.testing import FakeCluster, FakeServer
 
 Scope = MutableMapping[str, Any]
@@ -126,6 +128,9 @@ async def _serve_fake(args: argparse.Namespace) -> None:
             log_level="warning",
             lifespan="off",
             access_log=False,
+            # Not the default 5 s: the SDK's httpx pool also keeps idle connections 5 s, and the
+            # race between the two closes makes turns retry (see the closing note).
+            timeout_keep_alive=75,
         )
         servers.append(uvicorn.Server(config))
     spec = {
@@ -139,16 +144,16 @@ async def _serve_fake(args: argparse.Namespace) -> None:
             for i in range(2)
         ],
     }
-    Path(args.cluster_file).write_text(json.dumps(spec))
+    Path(args.cluster_file).write_text(json.dumps(spec))  # noqa: ASYNC240 - once, before serving
     await asyncio.gather(*(server.serve() for server in servers))
 
 
-async def _serve_proxy(args: argparse.Namespace) -> None:
-    from agentkv.proxy import ProxyConfig, serve
+def _serve_proxy(args: argparse.Namespace) -> None:
+    """Child process: the proxy as ``agentkv proxy`` runs it."""
+    from agentkv.proxy._server import run
 
     _silence_logs()
-    config = ProxyConfig(port=args.port, max_sessions=100_000)
-    await serve(args.cluster_file, config, log_level="warning")
+    run(args.cluster_file, ProxyConfig(port=args.port, max_sessions=100_000), log_level="warning")
 
 
 def _spawn(argv: list[str], ready: Callable[[], bool]) -> subprocess.Popen[bytes]:
@@ -179,29 +184,25 @@ class Samples:
         self.latency: list[float] = []
         self.in_proxy: list[float] = []
         self.cpu = 0.0
+        self.client_cpu = 0.0
 
 
-async def _waves(concurrency: int, sessions: int, run: Callable[[int], Awaitable[None]]) -> None:
-    for start in range(0, sessions, concurrency):
-        await asyncio.gather(*(run(i) for i in range(start, min(start + concurrency, sessions))))
+async def _direct(
+    args: argparse.Namespace, cluster: AsyncCluster, system: str, *, level: int, into: Samples
+) -> None:
+    """``level`` sessions at once on the SDK, in this process."""
 
+    async def one(i: int) -> None:
+        async with cluster.session(max_tokens=args.max_tokens, temperature=None) as s:
+            s.append(Message.system(system))
+            for turn in range(args.turns):
+                start = time.perf_counter()
+                await s.send(_question(i, turn))
+                into.latency.append(time.perf_counter() - start)
 
-async def _direct(args: argparse.Namespace, system: str, level: int, sessions: int) -> Samples:
-    samples = Samples()
-    async with AsyncCluster.from_file(args.cluster_file) as cluster:
-
-        async def one(i: int) -> None:
-            async with cluster.session(max_tokens=args.max_tokens, temperature=None) as s:
-                s.append(Message.system(system))
-                for turn in range(args.turns):
-                    start = time.perf_counter()
-                    await s.send(_question(i, turn))
-                    samples.latency.append(time.perf_counter() - start)
-
-        cpu = time.process_time()
-        await _waves(level, sessions, one)
-        samples.cpu = time.process_time() - cpu
-    return samples
+    cpu = time.process_time()
+    await asyncio.gather(*(one(i) for i in range(level)))
+    into.cpu += time.process_time() - cpu
 
 
 def _in_proxy_s(header: str) -> float:
@@ -213,36 +214,67 @@ def _in_proxy_s(header: str) -> float:
 
 
 async def _proxied(
-    args: argparse.Namespace, system: str, url: str, pid: int, level: int, sessions: int, tag: str
-) -> Samples:
-    samples = Samples()
+    args: argparse.Namespace,
+    client: httpx.AsyncClient,
+    system: str,
+    *,
+    pid: int,
+    level: int,
+    tag: str,
+    into: Samples,
+) -> None:
+    """``level`` sessions at once through the proxy (process ``pid``)."""
+
+    async def one(i: int) -> None:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        headers = {
+            "X-Session-ID": f"{tag}-{i}",
+            "Authorization": "Bearer bench",
+            "Content-Type": "application/json",
+        }
+        for turn in range(args.turns):
+            messages.append({"role": "user", "content": _question(i, turn)})
+            body = orjson.dumps({"messages": messages, "max_tokens": args.max_tokens})
+            start = time.perf_counter()
+            response = await client.post("/v1/chat/completions", content=body, headers=headers)
+            data = orjson.loads(response.content)
+            into.latency.append(time.perf_counter() - start)
+            if response.status_code != 200:
+                raise RuntimeError(f"proxy answered {response.status_code}: {data}")
+            into.in_proxy.append(_in_proxy_s(response.headers["server-timing"]))
+            messages.append(data["choices"][0]["message"])
+        await client.delete(f"/v1/sessions/{tag}-{i}", headers=headers)
+
+    cpu, client_cpu = _cpu_seconds(pid), time.process_time()
+    await asyncio.gather(*(one(i) for i in range(level)))
+    into.cpu += _cpu_seconds(pid) - cpu
+    into.client_cpu += time.process_time() - client_cpu
+
+
+async def _measure(
+    args: argparse.Namespace, system: str, url: str, pid: int
+) -> list[tuple[int, Samples, Samples]]:
+    rows = []
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120.0) as client:
-
-        async def one(i: int) -> None:
-            messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
-            headers = {
-                "X-Session-ID": f"{tag}-{i}",
-                "Authorization": "Bearer bench",
-                "Content-Type": "application/json",
-            }
-            for turn in range(args.turns):
-                messages.append({"role": "user", "content": _question(i, turn)})
-                body = orjson.dumps({"messages": messages, "max_tokens": args.max_tokens})
-                start = time.perf_counter()
-                response = await client.post("/v1/chat/completions", content=body, headers=headers)
-                data = orjson.loads(response.content)
-                samples.latency.append(time.perf_counter() - start)
-                if response.status_code != 200:
-                    raise RuntimeError(f"proxy answered {response.status_code}: {data}")
-                samples.in_proxy.append(_in_proxy_s(response.headers["server-timing"]))
-                messages.append(data["choices"][0]["message"])
-            await client.delete(f"/v1/sessions/{tag}-{i}", headers=headers)
-
-        cpu = _cpu_seconds(pid)
-        await _waves(level, sessions, one)
-        samples.cpu = _cpu_seconds(pid) - cpu
-    return samples
+    async with (
+        AsyncCluster.from_file(args.cluster_file) as cluster,
+        httpx.AsyncClient(base_url=url, limits=limits, timeout=120.0) as client,
+    ):
+        # Warm both paths (template anchors, connections) outside the numbers.
+        await _direct(args, cluster, system, level=4, into=Samples())
+        await _proxied(args, client, system, pid=pid, level=4, tag="warm", into=Samples())
+        for level in (int(c) for c in args.concurrency.split(",")):
+            # Alternate the two paths in rounds, so that a machine whose load drifts (other
+            # jobs) weighs on both alike.
+            direct, proxied = Samples(), Samples()
+            rounds = max(1, math.ceil(args.min_samples / args.turns / level))
+            for r in range(rounds):
+                await _direct(args, cluster, system, level=level, into=direct)
+                await _proxied(
+                    args, client, system, pid=pid, level=level, tag=f"c{level}-{r}", into=proxied
+                )
+            rows.append((level, direct, proxied))
+    return rows
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -257,8 +289,7 @@ def _ms(values: list[float]) -> tuple[float, float]:
     return statistics.median(values) * 1e3, _p99(values) * 1e3
 
 
-def _run(args: argparse.Namespace) -> list[tuple[int, int, Samples, Samples]]:
-    levels = [int(c) for c in args.concurrency.split(",")]
+def _run(args: argparse.Namespace) -> list[tuple[int, Samples, Samples]]:
     system = _system_prompt(args.context)
     fake = _spawn(
         ["--serve-fake", "--cluster-file", args.cluster_file, "--server-ms", str(args.server_ms)],
@@ -272,19 +303,12 @@ def _run(args: argparse.Namespace) -> list[tuple[int, int, Samples, Samples]]:
             lambda: _healthy(f"{url}/healthz"),
         )
         try:
-            # Warm both paths (imports, template anchors, connections) outside the numbers.
-            asyncio.run(_direct(args, system, 4, 4))
-            asyncio.run(_proxied(args, system, url, proxy.pid, 4, 4, "warm"))
-            rows = []
-            for level in levels:
-                sessions = max(level, math.ceil(args.min_samples / args.turns))
-                sessions = math.ceil(sessions / level) * level
-                direct = asyncio.run(_direct(args, system, level, sessions))
-                proxied = asyncio.run(
-                    _proxied(args, system, url, proxy.pid, level, sessions, f"c{level}")
-                )
-                rows.append((level, len(direct.latency), direct, proxied))
-            return rows
+            # The same event loop as the proxy's (``agentkv proxy`` runs on uvloop when installed).
+            try:
+                import uvloop
+            except ImportError:
+                return asyncio.run(_measure(args, system, url, proxy.pid))
+            return uvloop.run(_measure(args, system, url, proxy.pid))
         finally:
             proxy.terminate()
             proxy.wait(timeout=30)
@@ -310,7 +334,7 @@ def main() -> int:
         asyncio.run(_serve_fake(args))
         return 0
     if args.serve_proxy:
-        asyncio.run(_serve_proxy(args))
+        _serve_proxy(args)
         return 0
 
     _silence_logs()
@@ -325,20 +349,26 @@ def main() -> int:
     )
     head = (
         f"{'sessions':>8} {'turns':>5} | {'direct':>7} {'p99':>7} | {'proxy':>7} {'p99':>7} | "
-        f"{'overhead':>8} {'p99':>7} | {'in-proxy':>8} {'p99':>6} | {'CPU/turn':>8} {'proxy':>6}"
+        f"{'overhead':>8} {'p99':>7} | {'in-proxy':>8} {'p99':>6} | {'CPU/turn':>8} {'proxy':>6} "
+        f"{'client':>6}"
     )
     print(head)
     print("-" * len(head))
-    for level, n, direct, proxied in rows:
+    for level, direct, proxied in rows:
+        n = len(direct.latency)
         dm, dp = _ms(direct.latency)
         pm, pp = _ms(proxied.latency)
         im, ip = _ms(proxied.in_proxy)
         print(
             f"{level:>8} {n:>5} | {dm:>7.2f} {dp:>7.2f} | {pm:>7.2f} {pp:>7.2f} | "
             f"{pm - dm:>8.2f} {pp - dp:>7.2f} | {im:>8.3f} {ip:>6.3f} | "
-            f"{direct.cpu / n * 1e3:>8.2f} {proxied.cpu / n * 1e3:>6.2f}"
+            f"{direct.cpu / n * 1e3:>8.2f} {proxied.cpu / n * 1e3:>6.2f} "
+            f"{proxied.client_cpu / n * 1e3:>6.2f}"
         )
-    print("(ms; CPU/turn: the SDK's process, this one for direct, the proxy's for proxy)")
+    print(
+        "(ms; CPU/turn: the process running the SDK, this one for direct, the proxy's for proxy; "
+        "client: this process's CPU sending the proxied turns)"
+    )
     return 0
 
 

@@ -101,6 +101,8 @@ def plan_servers(config: LocalClusterConfig, *, model_path: Path) -> list[Server
                 VLLM_CPU_OMP_THREADS_BIND=str(core),
                 VLLM_NIXL_SIDE_CHANNEL_PORT=str(channels[offset]),
                 VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                # Agents pause between turns; keep their connections (uvicorn's default is 5 s).
+                VLLM_HTTP_TIMEOUT_KEEP_ALIVE="75",
             )
             if config.quiet:
                 env.update(quiet_env())

@@ -10,8 +10,26 @@ it onto an agentkv session. See ``docs/proxy.md``.
 >>> app = create_app(cluster, ProxyConfig(session_idle_timeout_s=300))  # doctest: +SKIP
 """
 
-from agentkv.proxy._app import create_app
+from typing import TYPE_CHECKING, Any
+
 from agentkv.proxy._config import ApiKeys, ProxyConfig
-from agentkv.proxy._server import ProxyServer, serve
+
+if TYPE_CHECKING:
+    from agentkv.proxy._app import create_app
+    from agentkv.proxy._server import ProxyServer, serve
 
 __all__ = ["ApiKeys", "ProxyConfig", "ProxyServer", "create_app", "serve"]
+
+
+def __getattr__(name: str) -> Any:
+    # The app needs starlette (the ``proxy`` extra): import it on first use, so that the CLI can
+    # register ``agentkv proxy`` and read its config where the extra is not installed.
+    if name == "create_app":
+        from agentkv.proxy._app import create_app
+
+        return create_app
+    if name in ("ProxyServer", "serve"):
+        from agentkv.proxy import _server
+
+        return getattr(_server, name)
+    raise AttributeError(name)

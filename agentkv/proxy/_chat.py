@@ -92,13 +92,12 @@ class _Lease:
         self.plan = plan
         self.forked = plan is not None and plan.forked
 
-    def committed(self, result: TurnResult, request: ChatRequest) -> None:
+    def committed(self, request: ChatRequest) -> None:
         """Note what the finished turn added: the index of the generated message, the tools."""
         if self.entry is None or self.plan is None:
             return
         self.entry.generated.add(self.plan.keep + len(self.plan.new))
         self.entry.tools_key = tools_key(request.tools)
-        del result
 
     async def release(self, *, failed: bool) -> None:
         if failed and not self.session.closed:
@@ -171,7 +170,11 @@ class ChatService:
         session_id = session_id_from(session_header, request)
         if session_id is None:
             lease = _Lease(self._cluster.session())
-            lease.session.append(*request.messages)
+            try:
+                lease.session.append(*request.messages)
+            except BaseException:
+                await lease.release(failed=True)
+                raise
         else:
             lease = await self._map(principal, session_id, request)
         overrides: TurnOverrides = {
@@ -190,7 +193,7 @@ class ChatService:
             await lease.release(failed=True)
             raise
         turn_s = time.perf_counter() - turn_started
-        lease.committed(result, request)
+        lease.committed(request)
         await lease.release(failed=False)
         headers = lease.headers(pair=result.stats.pair, handle=result.stats.handle_state)
         response = json_response(
@@ -210,16 +213,15 @@ class ChatService:
         entry = await registry.checkout(principal, session_id)
         try:
             session = entry.session
-            if session.transcript.pending:
+            view = session.transcript
+            if view.pending:
                 _discard_pending(session)
             if entry.tools_key is not None and tools_key(request.tools) != entry.tools_key:
                 # Templates render tools into the prefix: new tools mean a new rendering.
                 plan = HistoryPlan(keep=0, new=request.messages, forked=True)
                 reason = "tools changed"
             else:
-                plan = plan_history(
-                    session.transcript.messages, request.messages, generated=entry.generated
-                )
+                plan = plan_history(view.messages, request.messages, generated=entry.generated)
                 reason = "history does not extend the session"
             if plan.echoes:
                 self._metrics.echoes.inc(amount=plan.echoes)
@@ -259,7 +261,11 @@ class ChatService:
     ) -> Response:
         session = lease.session
         handle = self._predicted_handle(session)
-        events = session.stream(**overrides)
+        try:
+            events = session.stream(**overrides)
+        except BaseException:
+            await lease.release(failed=True)
+            raise
         try:
             first = await anext(events)
         except BaseException:
@@ -287,7 +293,7 @@ class ChatService:
                 )
                 raise
             state["result"] = event
-            lease.committed(event, request)
+            lease.committed(request)
             for chunk in completion.final_chunks(event, include_usage=request.include_usage):
                 yield _sse(chunk)
             yield _DONE
@@ -304,6 +310,7 @@ class ChatService:
 
         headers = lease.headers(pair=session.pair.name, handle=handle)
         headers["Cache-Control"] = "no-cache"
+        headers["X-Accel-Buffering"] = "no"  # reverse proxies (nginx ingress) must not buffer
         return _SSEResponse(body, headers=headers, cleanup=cleanup)
 
     def _record(self, result: TurnResult, *, stream: bool, seconds: float) -> None:

@@ -7,7 +7,6 @@ Wired into ``agentkv.cli.build_parser`` with ``add_parser(sub)``. The cluster fi
 from __future__ import annotations
 
 import argparse
-import asyncio
 from pathlib import Path
 
 from agentkv.local._config import default_cluster_file
@@ -90,9 +89,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 
 def cmd_proxy(args: argparse.Namespace) -> int:
     """Serve until interrupted (Ctrl-C exits with 130 through the CLI's handler)."""
-    from agentkv.proxy._server import serve
+    from agentkv.proxy._server import run
 
     config = config_from_args(args)
     cluster_file = Path(args.cluster_file) if args.cluster_file else default_cluster_file()
-    asyncio.run(serve(cluster_file, config, log_level=args.log_level))
+    run(cluster_file, config, log_level=args.log_level)
     return 0

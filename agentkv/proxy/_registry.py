@@ -119,6 +119,10 @@ class SessionRegistry:
         entry = await self.lookup(principal, session_id)
         if entry is None:
             await self._make_room()
+            # Making room may have waited (closing a session), and another request for the same
+            # key may have opened it meanwhile: one key, one session.
+            entry = self._entries.get(key)
+        if entry is None:
             session = self._cluster.session(session_id=f"{principal}:{session_id}")
             entry = SessionEntry(key, session, now=self._clock())
             self._entries[key] = entry
@@ -156,7 +160,7 @@ class SessionRegistry:
         entry.session = session
         entry.generated = {index for index in entry.generated if index < keep}
         entry.forks += 1
-        if keep == 0 or session.transcript.token_ids == ():
+        if not session.transcript.token_ids:
             entry.tools_key = None  # rendered afresh: the next turn may bring any tools
         await old.aclose()
 

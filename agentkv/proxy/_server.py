@@ -29,7 +29,7 @@ from agentkv.proxy._config import ProxyConfig
 if TYPE_CHECKING:
     import uvicorn
 
-__all__ = ["ProxyServer", "serve"]
+__all__ = ["ProxyServer", "run", "serve"]
 
 _START_TIMEOUT_S = 30.0
 
@@ -43,8 +43,11 @@ def _uvicorn_server(app: Starlette, *, log_level: str) -> uvicorn.Server:
         lifespan="on",
         log_level=log_level,
         access_log=False,  # the proxy logs its own events; a line per request is noise
-        http="h11",  # pure Python: no native parser needed, same on every platform
+        http="auto",  # httptools where installed (uvicorn[standard]), else pure-Python h11
         ws="none",
+        # Longer than clients keep idle connections (httpx: 5 s, uvicorn's default too): a server
+        # that closes first races the client's next request on that connection.
+        timeout_keep_alive=75,
         timeout_graceful_shutdown=5,
     )
     return uvicorn.Server(config)
@@ -66,6 +69,16 @@ async def serve(cluster_file: str | Path, config: ProxyConfig, *, log_level: str
         app = create_app(cluster, config)
         server = _uvicorn_server(app, log_level=log_level)
         await server.serve(sockets=[_listen(config.host, config.port)])
+
+
+def run(cluster_file: str | Path, config: ProxyConfig, *, log_level: str = "info") -> None:
+    """Serve in the foreground until interrupted, on uvloop where it is installed."""
+    try:
+        import uvloop  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        asyncio.run(serve(cluster_file, config, log_level=log_level))
+    else:
+        uvloop.run(serve(cluster_file, config, log_level=log_level))
 
 
 class ProxyServer:
