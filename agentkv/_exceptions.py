@@ -16,7 +16,8 @@
     ├── SessionError                 the session cannot do what was asked
     │   ├── PrefixDivergedError      the new prompt does not extend what the decode node holds
     │   ├── SessionClosedError       the session was closed
-    │   └── SessionBusyError         a turn is already running on this session
+    │   ├── SessionBusyError         a turn is already running on this session
+    │   └── SessionLoadError         a saved session is unreadable, corrupt or of another version
     ├── TemplateError                the chat template cannot be rendered as an append-only delta
     ├── InvalidMessageError          a message is empty, has an unknown role or non-string content
     └── ConfigError                  a cluster file or setting is wrong
@@ -61,6 +62,7 @@ __all__ = [
     "SessionBusyError",
     "SessionClosedError",
     "SessionError",
+    "SessionLoadError",
     "TemplateError",
     "TransportError",
     "UpstreamStatusError",
@@ -192,6 +194,10 @@ class SessionClosedError(SessionError):
 
 class SessionBusyError(SessionError):
     """A turn is already running on this session; a session runs one turn at a time."""
+
+
+class SessionLoadError(SessionError):
+    """A saved session (``Session.load``) is unreadable, corrupt, or of an unknown version."""
 
 
 class TemplateError(AgentKVError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
@@ -32,6 +33,7 @@ from agentkv._exceptions import (
     SessionClosedError,
 )
 from agentkv._leasing import ToolWait, begin_wait, end_wait, extend_handle, release_handle
+from agentkv._persist import load_state, save_state
 from agentkv._policy import CachePolicy
 from agentkv._state import SessionState
 from agentkv._transcript import Transcript, TranscriptView
@@ -47,7 +49,7 @@ from agentkv._types import (
 )
 
 if TYPE_CHECKING:
-    from agentkv._cluster import AsyncCluster, Pair
+    from agentkv._cluster import AsyncCluster, Cluster, Pair
     from agentkv._portal import Portal
 
 __all__ = ["AsyncSession", "Session", "SessionOptions", "TurnOverrides"]
@@ -151,6 +153,15 @@ class _SessionBase:
         self._state.transcript.append(*parsed[known:])
         return len(parsed) - known
 
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save the session to a JSON file, atomically; ``load`` continues it in a new process.
+
+        >>> session.save("run.json")  # doctest: +SKIP
+        """
+        if self._state.busy:
+            raise SessionBusyError(f"session {self._state.session_id} is running a turn")
+        save_state(self._state, path)
+
     def _check_open(self) -> None:
         state = self._state
         if state.closed:
@@ -210,6 +221,16 @@ class AsyncSession(_SessionBase):
             transcript=transcript or Transcript(),
         )
         return cls(state)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], cluster: AsyncCluster) -> AsyncSession:
+        """Continue a session saved with ``save``; its handle is reused if still valid.
+
+        Raises ``SessionLoadError`` for a missing, corrupt or unknown-version file.
+
+        >>> session = AsyncSession.load("run.json", cluster)  # doctest: +SKIP
+        """
+        return cls(load_state(path, cluster))
 
     async def turn(self, *, final: bool = False, **overrides: Unpack[TurnOverrides]) -> TurnResult:
         """Send the pending messages and return the assistant's answer.
@@ -379,6 +400,20 @@ class Session(_SessionBase):
         self._inner = inner
         self._state = inner._state
         self._portal = portal
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], cluster: Cluster) -> Session:
+        """Continue a session saved with ``save`` (see ``AsyncSession.load``).
+
+        >>> with Session.load("run.json", cluster) as s:  # doctest: +SKIP
+        ...     print(s.send("Where were we?").text)
+        """
+
+        async def _load() -> AsyncSession:
+            return AsyncSession.load(path, cluster._async)
+
+        cluster._async._check_open()
+        return cls(cluster._portal.call(_load()), portal=cluster._portal)
 
     def turn(self, *, final: bool = False, **overrides: Unpack[TurnOverrides]) -> TurnResult:
         """Send the pending messages and return the answer (see ``AsyncSession.turn``)."""

@@ -149,6 +149,16 @@ class Transcript:
     def last_message(self) -> Message | None:
         return self._messages[-1] if self._messages else None
 
+    @property
+    def tail_open(self) -> bool:
+        """True while the last generated assistant message still lacks its template closing."""
+        return self._tail_open
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the last committed generation stopped (decides the closing it gets)."""
+        return self._finish_reason
+
     def view(self) -> TranscriptView:
         return TranscriptView(
             messages=self.messages,
@@ -156,6 +166,38 @@ class Transcript:
             spans=self.spans,
             pending=self.pending,
         )
+
+    @classmethod
+    def restore(
+        cls,
+        *,
+        messages: Sequence[Message],
+        token_ids: Sequence[int],
+        spans: Sequence[Span],
+        pending: Sequence[Message],
+        tail_open: bool,
+        finish_reason: str | None,
+        version: int,
+    ) -> Transcript:
+        """Rebuild a saved transcript (``agentkv._persist``); ``ValueError`` if inconsistent."""
+        if len(spans) != len(messages):
+            raise ValueError("a saved transcript needs one span per message")
+        start = 0
+        for span in spans:
+            if not start <= span.start <= span.end <= len(token_ids):
+                raise ValueError(f"span {span} does not fit the saved tokens")
+            start = span.start
+        if version < 0:
+            raise ValueError("a saved transcript's version must not be negative")
+        transcript = cls()
+        transcript._tokens = array(_TOKEN_TYPECODE, token_ids)
+        transcript._messages = list(messages)
+        transcript._spans = list(spans)
+        transcript.append(*pending)
+        transcript._tail_open = tail_open
+        transcript._finish_reason = finish_reason
+        transcript._version = version
+        return transcript
 
     # --- growing -------------------------------------------------------------------------------
 

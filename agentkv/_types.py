@@ -43,6 +43,19 @@ _IGNORED_WHEN_EMPTY = frozenset(
 _KNOWN_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
 
 
+def _check_utf8(value: str | None, what: str) -> None:
+    """Refuse text that cannot go on the wire (lone surrogates, e.g. from undecodable bytes)."""
+    if value is None or value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(
+            f"{what} is not valid Unicode text (position {exc.start}: {exc.reason}); decode "
+            "bytes with errors='replace' before building a message"
+        ) from None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ToolCall:
     """One function call the assistant asked for; ``arguments`` is the JSON text the model wrote.
@@ -67,6 +80,7 @@ class ToolCall:
                 "tool call arguments must be JSON text (a string), "
                 f"not {type(self.arguments).__name__}"
             )
+        _check_utf8(self.arguments, "tool call arguments")
 
     def to_openai(self) -> dict[str, Any]:
         return {
@@ -117,6 +131,7 @@ class Message:
             )
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidMessageError("message name must be a string")
+        _check_utf8(self.content, f"{self.role} message content")
         if not isinstance(self.tool_calls, tuple) or not all(
             isinstance(call, ToolCall) for call in self.tool_calls
         ):

@@ -241,3 +241,43 @@ def test_any_failure_leaves_the_transcript_unchanged_and_commits_only_extend(ops
         spans = t.spans
         assert all(a.end <= b.start or a == b for a, b in itertools.pairwise(spans))
         assert not spans or spans[-1].end == t.num_tokens
+
+
+def restored(t: Transcript, **changes) -> Transcript:
+    fields = {
+        "messages": t.messages,
+        "token_ids": t.token_ids,
+        "spans": t.spans,
+        "pending": t.pending,
+        "tail_open": t.tail_open,
+        "finish_reason": t.finish_reason,
+        "version": t.version,
+    }
+    return Transcript.restore(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_a_restored_transcript_continues_exactly_like_the_original(finish):
+    t = Transcript([Message.system("s"), Message.user("u")])
+    one_turn(t, finish=finish)
+    t.append(Message.user("next"))
+    copy = restored(t)
+    assert snapshot(copy) == snapshot(t)
+    one_turn(t)
+    one_turn(copy)
+    assert snapshot(copy) == snapshot(t)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"spans": ()},  # one span per message
+        {"token_ids": (1, 2)},  # spans past the tokens
+        {"version": -1},
+    ],
+)
+def test_restoring_an_inconsistent_transcript_is_refused(changes):
+    t = Transcript([Message.user("u")])
+    one_turn(t)
+    with pytest.raises(ValueError, match="saved"):
+        restored(t, **changes)

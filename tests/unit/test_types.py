@@ -13,6 +13,7 @@ def test_all_is_sorted_and_exactly_the_public_names():
     public -= {"annotations"}  # from __future__
     # subpackages imported by the package's own modules are attributes, not exports
     public -= {name for name in public if type(getattr(agentkv, name)).__name__ == "module"}
+
     # ruff's isort-style order (RUF022): CONSTANTS, then Classes, then functions, each sorted.
     def kind(name: str) -> tuple[int, str]:
         return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)
@@ -62,6 +63,11 @@ def test_text_parts_are_joined_and_null_extras_ignored():
         {"role": "user", "content": "x", "surprise": 1},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {}}]},
         {"role": "assistant", "content": None, "tool_calls": "nope"},
+        {"role": "user", "content": "undecodable \udcff bytes"},  # lone surrogate: not UTF-8
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "\ud800"}}],
+        },
         "just text",
     ],
 )

@@ -1,0 +1,295 @@
+"""Saving a session to a JSON file and loading it back, so that an agent process can restart.
+
+The file (``"format": "agentkv.session"``, ``"version": 1``) holds everything the next turn needs
+to stay token-exact: the transcript's messages, token ids and spans, the pending messages, the
+session id, pair, policy, options and turn stats, and the stored decode handle with the params
+decode sent. Handle deadlines live on the session's monotonic clock, which means nothing to
+another process: the file stores them as wall-clock times and ``load`` converts them back, so a
+handle that ran out while the agent was down is not attached (the turn recomputes).
+
+The handle's params may hold a lease secret: the file is created readable by its owner only.
+A save writes a temporary file in the same folder and renames it over the target, so a crash in
+the middle of a save leaves the previous file (or none), never a half-written one.
+
+>>> session.save("run.json")  # doctest: +SKIP
+>>> session = Session.load("run.json", cluster)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from agentkv._exceptions import AgentKVError, SessionLoadError
+from agentkv._policy import CachePolicy
+from agentkv._state import SessionState
+from agentkv._transcript import Span, Transcript
+from agentkv._turn import SessionOptions
+from agentkv._types import HandleState, KVHandle, Message, TurnStats
+
+if TYPE_CHECKING:
+    from agentkv._cluster import AsyncCluster
+
+__all__ = ["FORMAT", "VERSION", "load_state", "save_state", "write_atomic"]
+
+FORMAT = "agentkv.session"
+VERSION = 1
+
+
+# --- saving --------------------------------------------------------------------------------------
+
+
+def _handle_json(handle: KVHandle, *, now: float, wall: float) -> dict[str, Any]:
+    return {
+        "pair": handle.pair,
+        "engine_id": handle.engine_id,
+        "request_id": handle.request_id,
+        "block_ids": [list(group) for group in handle.block_ids],
+        "host": handle.host,
+        "port": handle.port,
+        "num_tokens": handle.num_tokens,
+        # Monotonic times mean nothing to another process: stored as wall-clock times.
+        "issued_at_wall": wall + (handle.issued_at - now),
+        "deadline_wall": wall + (handle.deadline - now),
+        "server_expiry": handle.server_expiry,
+        "lease_ttl_s": handle.lease_ttl_s,
+        "extends": handle.extends,
+        "params": dict(handle._params),
+    }
+
+
+def _options_json(options: SessionOptions) -> dict[str, Any]:
+    return {
+        "max_tokens": options.max_tokens,
+        "temperature": options.temperature,
+        "tools": [dict(tool) for tool in options.tools] if options.tools else None,
+        "tool_choice": options.tool_choice,
+        "extra_body": dict(options.extra_body),
+    }
+
+
+def snapshot(state: SessionState, *, now: float, wall: float) -> dict[str, Any]:
+    """The session as a JSON-able dict (schema version 1); ``now`` is the session clock."""
+    transcript = state.transcript
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "saved_at": wall,
+        "session_id": state.session_id,
+        "pair": state.pair.name,
+        "policy": dataclasses.asdict(state.policy),
+        "options": _options_json(state.options),
+        "transcript": {
+            "messages": [m.to_openai() for m in transcript.messages],
+            "token_ids": list(transcript.token_ids),
+            "spans": [[s.start, s.end] for s in transcript.spans],
+            "pending": [m.to_openai() for m in transcript.pending],
+            "tail_open": transcript.tail_open,
+            "finish_reason": transcript.finish_reason,
+            "version": transcript.version,
+        },
+        "handle": None if state.handle is None else _handle_json(state.handle, now=now, wall=wall),
+        "lost": None if state.lost is None else [state.lost[0].value, state.lost[1]],
+        "turns": [
+            {**dataclasses.asdict(t), "handle_state": t.handle_state.value} for t in state.turns
+        ],
+        "ideal_base": state.ideal_base,
+        "prefilled": state.prefilled,
+        "tools_key": state.tools_key,
+        "wait_note": state.wait_note,
+    }
+
+
+def write_atomic(path: str | os.PathLike[str], chunks: Iterable[bytes]) -> None:
+    """Write ``chunks`` to ``path`` all or nothing: a temporary file, fsync, then a rename.
+
+    If writing fails part way (a full disk, a crash, an exception from ``chunks``), ``path`` keeps
+    its previous content and the temporary file is removed.
+    """
+    target = Path(path)
+    # mkstemp creates the file readable by its owner only (the params may hold a lease secret).
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            for chunk in chunks:
+                file.write(chunk)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    # Make the rename itself durable; not every filesystem lets a folder be fsynced.
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def save_state(
+    state: SessionState,
+    path: str | os.PathLike[str],
+    *,
+    wall_clock: Callable[[], float] = time.time,
+) -> None:
+    """Save ``state`` to ``path`` (see the module docstring)."""
+    data = snapshot(state, now=state.cluster.clock(), wall=wall_clock())
+    try:
+        text = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the session's options are not JSON-serializable: {exc}") from exc
+    write_atomic(path, [text.encode()])
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def _field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = data.get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise SessionLoadError(f"saved session: {key!r} is missing or of the wrong type")
+    return value
+
+
+def _optional(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    return None if data.get(key) is None else _field(data, key, kind)
+
+
+def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise SessionLoadError(f"no saved session at {os.fspath(path)}") from None
+    except OSError as exc:
+        raise SessionLoadError(f"saved session {os.fspath(path)} is unreadable: {exc}") from exc
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SessionLoadError(f"saved session {os.fspath(path)} is not JSON: {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise SessionLoadError(f"{os.fspath(path)} is not a saved agentkv session")
+    if data.get("version") != VERSION:
+        raise SessionLoadError(
+            f"saved session {os.fspath(path)} has schema version {data.get('version')!r}; "
+            f"this agentkv reads version {VERSION}"
+        )
+    return data
+
+
+def _transcript(data: Mapping[str, Any]) -> Transcript:
+    spans = [Span(int(start), int(end)) for start, end in _field(data, "spans", list)]
+    token_ids = _field(data, "token_ids", list)
+    if not all(type(t) is int for t in token_ids):
+        raise SessionLoadError("saved session: token_ids holds non-integers")
+    return Transcript.restore(
+        messages=[Message.from_openai(m) for m in _field(data, "messages", list)],
+        token_ids=token_ids,
+        spans=spans,
+        pending=[Message.from_openai(m) for m in _field(data, "pending", list)],
+        tail_open=_field(data, "tail_open", bool),
+        finish_reason=_optional(data, "finish_reason", str),
+        version=_field(data, "version", int),
+    )
+
+
+def _handle(data: Mapping[str, Any], *, now: float, wall: float) -> KVHandle:
+    return KVHandle(
+        pair=_field(data, "pair", str),
+        engine_id=_field(data, "engine_id", str),
+        request_id=_field(data, "request_id", str),
+        block_ids=tuple(tuple(int(b) for b in group) for group in _field(data, "block_ids", list)),
+        host=_field(data, "host", str),
+        port=_field(data, "port", int),
+        num_tokens=_field(data, "num_tokens", int),
+        issued_at=now + (_field(data, "issued_at_wall", (int, float)) - wall),
+        deadline=now + (_field(data, "deadline_wall", (int, float)) - wall),
+        server_expiry=_optional(data, "server_expiry", (int, float)),
+        lease_ttl_s=_optional(data, "lease_ttl_s", (int, float)),
+        extends=_field(data, "extends", int),
+        _params=MappingProxyType(dict(_field(data, "params", dict))),
+    )
+
+
+def _options(data: Mapping[str, Any]) -> SessionOptions:
+    tools = _optional(data, "tools", list)
+    return SessionOptions(
+        max_tokens=_field(data, "max_tokens", int),
+        temperature=_optional(data, "temperature", (int, float)),
+        tools=tuple(tools) if tools else None,
+        tool_choice=data.get("tool_choice"),
+        extra_body=MappingProxyType(dict(_field(data, "extra_body", dict))),
+    )
+
+
+def _turn_stats(data: Mapping[str, Any]) -> TurnStats:
+    return TurnStats(**{**data, "handle_state": HandleState(data["handle_state"])})
+
+
+def load_state(
+    path: str | os.PathLike[str],
+    cluster: AsyncCluster,
+    *,
+    wall_clock: Callable[[], float] = time.time,
+) -> SessionState:
+    """Read a saved session and place it on ``cluster``: its saved pair when that is known and
+    healthy (the handle then stays usable), another pair otherwise (the handle is dropped).
+
+    Raises ``SessionLoadError`` for a missing, corrupt or unknown-version file. Call it on the
+    cluster's event loop (it takes a place on a pair).
+    """
+    data = _read(path)
+    now, wall = cluster.clock(), wall_clock()
+    try:
+        session_id = _field(data, "session_id", str)
+        saved_pair = _field(data, "pair", str)
+        policy = CachePolicy(**_field(data, "policy", dict))
+        options = _options(_field(data, "options", dict))
+        transcript = _transcript(_field(data, "transcript", dict))
+        raw_handle = _optional(data, "handle", dict)
+        handle = None if raw_handle is None else _handle(raw_handle, now=now, wall=wall)
+        raw_lost = _optional(data, "lost", list)
+        lost = None if raw_lost is None else (HandleState(raw_lost[0]), str(raw_lost[1]))
+        turns = [_turn_stats(t) for t in _field(data, "turns", list)]
+        ideal_base = _field(data, "ideal_base", int)
+        prefilled = _field(data, "prefilled", int)
+        tools_key = _optional(data, "tools_key", str)
+        wait_note = _optional(data, "wait_note", str)
+    except SessionLoadError:
+        raise
+    except (AgentKVError, KeyError, IndexError, TypeError, ValueError) as exc:
+        raise SessionLoadError(f"saved session {os.fspath(path)} is corrupt: {exc}") from exc
+    known = {pair.name: pair for pair in cluster.pairs}
+    cluster._check_open()
+    pair = cluster._acquire(session_id, near=known.get(saved_pair))
+    state = SessionState(
+        cluster,
+        session_id=session_id,
+        pair=pair,
+        policy=policy,
+        options=options,
+        transcript=transcript,
+    )
+    state.turns = turns
+    state.lost = lost
+    state.ideal_base = ideal_base
+    state.tools_key = tools_key
+    state.wait_note = wait_note
+    state.handle = handle
+    if pair.name == saved_pair:
+        state.prefilled = prefilled
+    else:
+        state.move_to(pair)  # a handle into another pair's decode is useless here
+    if state.handle is not None and state.handle.pair != pair.name:
+        state.drop_handle(HandleState.INVALIDATED, "the saved handle belongs to another pair")
+    return state

@@ -1,0 +1,249 @@
+"""Persistence: a saved session continues in a new process, reusing its handle only while valid."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from agentkv import (
+    AsyncCluster,
+    AsyncSession,
+    Cluster,
+    HandleState,
+    Message,
+    RetryPolicy,
+    Session,
+    SessionBusyError,
+    SessionError,
+    SessionLoadError,
+)
+from agentkv._persist import write_atomic
+from agentkv.testing import FakeCluster, ManualClock
+
+SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
+LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
+QUESTIONS = [
+    "What is the capital of France? Tell me about its history.",
+    "And what about Spain?",
+    "Which of the two is bigger?",
+]
+FAST_RETRY = RetryPolicy(initial_backoff_s=0, jitter_s=0)
+
+
+@pytest.fixture
+def clock():
+    return ManualClock()
+
+
+@pytest.fixture
+def fake(clock):
+    return FakeCluster(pairs=2, clock=clock)
+
+
+def open_cluster(fake, clock):
+    return Cluster.from_dict(
+        fake.cluster_spec, transport=fake.transport, clock=clock, block_size=16, retry=FAST_RETRY
+    )
+
+
+def uninterrupted(clock):
+    """The three answers of a session that never stopped."""
+    fake = FakeCluster(pairs=1, clock=clock)
+    with open_cluster(fake, clock) as cluster, cluster.session(session_id="s", **LONG) as s:
+        s.append(SYSTEM)
+        return [s.send(q).token_ids for q in QUESTIONS]
+
+
+def two_turns_saved(fake, clock, path):
+    """A process that ran two turns, saved, and died (its cluster closed, session not)."""
+    with open_cluster(fake, clock) as cluster:
+        s = cluster.session(session_id="s", **LONG)
+        s.append(SYSTEM)
+        for question in QUESTIONS[:2]:
+            s.send(question)
+        assert s.handle is not None
+        s.save(path)
+        return s.transcript, s.turns, s.pair.name
+
+
+def test_a_loaded_session_reuses_the_saved_handle_and_answers_as_if_never_stopped(
+    fake, clock, tmp_path
+):
+    path = tmp_path / "session.json"
+    transcript, turns, pair = two_turns_saved(fake, clock, path)
+    with open_cluster(fake, clock) as cluster, Session.load(path, cluster) as s:
+        assert s.session_id == "s"
+        assert s.pair.name == pair
+        assert s.transcript == transcript
+        assert s.turns == turns
+        result = s.send(QUESTIONS[2])
+        assert result.stats.handle_state is HandleState.ATTACHED
+        assert result.stats.reused_tokens == result.stats.ideal_reused_tokens > 0
+    assert result.token_ids == uninterrupted(clock)[2]
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_handle_past_its_deadline_by_wall_clock_is_not_attached_and_the_turn_recomputes(
+    fake, clock, tmp_path
+):
+    path = tmp_path / "session.json"
+    two_turns_saved(fake, clock, path)
+    data = json.loads(path.read_text())
+    data["handle"]["deadline_wall"] = data["saved_at"] - 1.0  # the agent was down too long
+    path.write_text(json.dumps(data))
+    with open_cluster(fake, clock) as cluster, Session.load(path, cluster) as s:
+        result = s.send(QUESTIONS[2])
+    assert result.stats.handle_state is HandleState.EXPIRED
+    assert result.token_ids == uninterrupted(clock)[2]
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_handle_decode_freed_behind_our_back_costs_a_retry_never_a_wrong_answer(
+    fake, clock, tmp_path
+):
+    """Decode's clock ran on (its pin expired) while ours says the handle is still good."""
+    path = tmp_path / "session.json"
+    two_turns_saved(fake, clock, path)
+    clock.advance(3600.0)  # decode's TTL ran out; the wall clock (our deadline) did not move
+    with open_cluster(fake, clock) as cluster, Session.load(path, cluster) as s:
+        result = s.send(QUESTIONS[2])
+    assert result.stats.handle_state is HandleState.CONSUMED
+    assert result.stats.retries == 1
+    assert result.token_ids == uninterrupted(clock)[2]
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_saved_pair_the_new_cluster_lacks_moves_the_session_and_drops_the_handle(clock, tmp_path):
+    path = tmp_path / "session.json"
+    two_turns_saved(FakeCluster(pairs=2, clock=clock), clock, path)
+    data = json.loads(path.read_text())
+    data["pair"] = data["handle"]["pair"] = "gone"
+    path.write_text(json.dumps(data))
+    other = FakeCluster(pairs=1, clock=clock)
+    with open_cluster(other, clock) as cluster, Session.load(path, cluster) as s:
+        assert s.handle is None
+        result = s.send(QUESTIONS[2])
+    assert result.stats.handle_state is HandleState.INVALIDATED
+    assert result.token_ids == uninterrupted(clock)[2]
+
+
+def test_pending_messages_options_and_policy_survive_a_save(fake, clock, tmp_path):
+    path = tmp_path / "session.json"
+    with open_cluster(fake, clock) as cluster:
+        s = cluster.session(max_tokens=7, temperature=None, extra_body={"min_tokens": 3})
+        s.append(SYSTEM, Message.user("Hi"))
+        s.save(path)
+        policy = s.policy
+    with open_cluster(fake, clock) as cluster, Session.load(path, cluster) as s:
+        assert s.transcript.pending == (SYSTEM, Message.user("Hi"))
+        assert s.policy == policy
+        result = s.turn()
+        assert 3 <= len(result.token_ids) <= 7
+
+
+def test_the_file_is_readable_by_its_owner_only(fake, clock, tmp_path):
+    path = tmp_path / "session.json"
+    two_turns_saved(fake, clock, path)
+    assert os.stat(path).st_mode & 0o077 == 0  # the params may hold a lease secret
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"{not json", "not JSON"),
+        (b"\xff\xfe", "not JSON"),
+        (b"[]", "not a saved agentkv session"),
+        (b'{"format": "agentkv.session", "version": 99}', "version 99"),
+        (b'{"format": "agentkv.session", "version": 1}', "missing"),
+    ],
+)
+def test_a_corrupt_or_unknown_file_is_a_session_load_error(fake, clock, tmp_path, content, match):
+    path = tmp_path / "session.json"
+    path.write_bytes(content)
+    with open_cluster(fake, clock) as cluster:
+        with pytest.raises(SessionLoadError, match=match):
+            Session.load(path, cluster)
+        assert cluster.loads() == {"pair-0": 0, "pair-1": 0}  # no place taken on a pair
+
+
+def test_a_file_with_inconsistent_fields_is_a_session_load_error(fake, clock, tmp_path):
+    path = tmp_path / "session.json"
+    two_turns_saved(fake, clock, path)
+    data = json.loads(path.read_text())
+    data["transcript"]["spans"][-1] = [0, 10**9]  # past the saved tokens
+    path.write_text(json.dumps(data))
+    with open_cluster(fake, clock) as cluster, pytest.raises(SessionLoadError, match="corrupt"):
+        Session.load(path, cluster)
+    assert issubclass(SessionLoadError, SessionError)
+
+
+def test_a_missing_file_is_a_session_load_error(fake, clock, tmp_path):
+    with open_cluster(fake, clock) as cluster, pytest.raises(SessionLoadError, match="no saved"):
+        Session.load(tmp_path / "nope.json", cluster)
+
+
+def test_a_crash_in_the_middle_of_a_write_leaves_the_previous_file(tmp_path):
+    path = tmp_path / "session.json"
+    path.write_bytes(b"previous")
+
+    def chunks():
+        yield b'{"half": '
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(path, chunks())
+    assert path.read_bytes() == b"previous"
+    assert os.listdir(tmp_path) == ["session.json"]  # no temporary file left behind
+
+
+def test_a_save_that_fails_before_the_rename_keeps_the_last_good_save(
+    fake, clock, tmp_path, monkeypatch
+):
+    path = tmp_path / "session.json"
+    transcript, _, _ = two_turns_saved(fake, clock, path)
+    with open_cluster(fake, clock) as cluster:
+        s = Session.load(path, cluster)
+        s.send(QUESTIONS[2])
+
+        def crash(fd):
+            raise OSError("power cut")
+
+        monkeypatch.setattr(os, "fsync", crash)
+        with pytest.raises(OSError, match="power cut"):
+            s.save(path)
+        monkeypatch.undo()
+        assert os.listdir(tmp_path) == ["session.json"]
+        restored = Session.load(path, cluster)
+        assert restored.transcript == transcript  # the two-turn save, whole
+
+
+async def test_the_async_twin_saves_and_loads_too(fake, clock, tmp_path):
+    path = tmp_path / "session.json"
+    async with AsyncCluster.from_dict(
+        fake.cluster_spec, transport=fake.transport, clock=clock, retry=FAST_RETRY
+    ) as cluster:
+        s = cluster.session(session_id="s", **LONG)
+        s.append(SYSTEM)
+        for question in QUESTIONS[:2]:
+            await s.send(question)
+        s.save(path)
+        async with AsyncSession.load(path, cluster) as again:
+            result = await again.send(QUESTIONS[2])
+    assert result.stats.handle_state is HandleState.ATTACHED
+    assert result.token_ids == uninterrupted(clock)[2]
+
+
+async def test_a_session_cannot_be_saved_while_a_turn_runs(fake, clock, tmp_path):
+    async with AsyncCluster.from_dict(
+        fake.cluster_spec, transport=fake.transport, clock=clock
+    ) as cluster:
+        s = cluster.session(max_tokens=5)
+        s.append(Message.user("Hi"))
+        stream = s.stream()
+        await anext(stream)  # the turn is running
+        with pytest.raises(SessionBusyError):
+            s.save(tmp_path / "s.json")
+        await stream.aclose()
+        assert not (tmp_path / "s.json").exists()
