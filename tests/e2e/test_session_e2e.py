@@ -73,3 +73,21 @@ def test_an_edited_history_forks_and_never_sends_the_old_handle(cluster_file: Pa
             reference = fresh.turn()
     assert forked.stats.handle_state is HandleState.NONE
     assert forked.message.content == reference.message.content
+
+
+def test_a_streamed_turn_ends_with_a_handle_the_next_turn_pulls(cluster_file: Path) -> None:
+    """The agentkv plugin puts decode's handle on the last streamed chunk (stock vLLM does not)."""
+    with agentkv.Cluster.from_file(cluster_file) as cluster, cluster.session(max_tokens=24) as s:
+        s.append(Message.system(SYSTEM), Message.user(QUESTIONS[0]))
+        pieces = list(s.stream())
+        streamed = pieces[-1]
+        assert isinstance(streamed, agentkv.TurnResult)
+        text = "".join(p.text for p in pieces[:-1] if isinstance(p, agentkv.TextDelta))
+        assert text == streamed.message.content
+        assert s.handle is not None, "the stream carried no handle"
+        following = s.send(QUESTIONS[1])
+    stats = following.stats
+    assert stats.handle_state is HandleState.ATTACHED, stats.handle_reason
+    ideal = streamed.stats.prompt_tokens + streamed.stats.generated_tokens - 1
+    assert stats.ideal_reused_tokens == ideal
+    assert stats.reused_tokens >= 0.99 * (ideal // BLOCK * BLOCK)
