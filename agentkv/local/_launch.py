@@ -27,6 +27,12 @@ Progress = Callable[[str], None]
 _SERVER_MEMORY_GIB = 2.5
 
 
+# Servers outlive start_cluster() by design. Holding their Popen objects keeps Python from
+# warning that a child is "still running" when they would be garbage-collected, and lets
+# stop_cluster() reap the ones this process started instead of leaving zombies.
+_LAUNCHED: dict[int, subprocess.Popen[bytes]] = {}
+
+
 class StartupError(ConfigError):
     """A server of the local cluster could not be started; the message names the cause and log."""
 
@@ -203,12 +209,13 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
                     stdin=subprocess.DEVNULL, start_new_session=True,
                 )
             started.append((plan, process))
+            _LAUNCHED[process.pid] = process
             say(f"started {plan.pair} {plan.role} pid {process.pid} on {plan.url} "
                 f"(core {plan.core}, log {plan.log})")
         _wait_ready(started, config.startup_timeout_s, say)
     except BaseException:
         for _, process in started:
-            stop_group(process.pid)
+            _stop(process.pid)
         raise
     record = ClusterRecord(
         model=config.model,
@@ -264,7 +271,16 @@ def stop_cluster(config: LocalClusterConfig, *, progress: Progress | None = None
         for role, server in (("prefill", pair.prefill), ("decode", pair.decode)):
             if pid_alive(server.pid):
                 stopped += 1
-                ok = stop_group(server.pid)
+                ok = _stop(server.pid)
                 say(f"stopped {pair.name} {role} pid {server.pid}" + ("" if ok else " (KILLED)"))
     config.cluster_file.unlink(missing_ok=True)
     return stopped
+
+
+def _stop(pid: int) -> bool:
+    """Stop a server's process group by its pid; reap it if this process started it."""
+    ok = stop_group(pid)
+    process = _LAUNCHED.pop(pid, None)
+    if process is not None:
+        process.wait()
+    return ok
