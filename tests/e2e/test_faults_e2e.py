@@ -4,7 +4,8 @@ killed decode moves the session. Answers always equal an undisturbed run's.
 These tests start their own two-pair cluster (once, ports 18900+) with a short decode TTL: they
 kill servers, which would break the shared pair the other e2e tests use. Four more vLLM servers
 next to the shared pair do not fit a 2-core, 24 GiB CI machine, so the module runs only when
-``AGENTKV_FAULT_E2E=1`` is set:
+``AGENTKV_FAULT_E2E=1`` is set, which ``make test`` does in a second pytest run after the first
+one has stopped the shared pair:
 
     AGENTKV_FAULT_E2E=1 .venv/bin/pytest tests/e2e/test_faults_e2e.py
 """
