@@ -192,18 +192,7 @@ async def release_handle(state: SessionState, handle: KVHandle, *, reason: str) 
     cluster = state.cluster
     started = time.perf_counter()
     result = await cluster._leases.release(cluster._decode_url(handle.pair), handle)
-    log = logger.info if result.outcome in (OK, GONE) else logger.warning
-    log(
-        "agentkv.release",
-        session_id=state.session_id,
-        pair=handle.pair,
-        request_id=handle.request_id,
-        reason=reason,
-        outcome=result.outcome,
-        status=result.status,
-        detail=result.detail,
-        ms=_ms(started),
-    )
+    _log_lease_call("agentkv.release", state, handle, result, reason=reason, started=started)
 
 
 async def extend_handle(state: SessionState, ttl_s: float, *, reason: str) -> float | None:
@@ -227,22 +216,44 @@ async def extend_handle(state: SessionState, ttl_s: float, *, reason: str) -> fl
         state.drop_handle(
             HandleState.EXPIRED, f"decode no longer holds the handle ({result.detail or 'gone'})"
         )
+    _log_lease_call(
+        "agentkv.extend",
+        state,
+        handle,
+        result,
+        reason=reason,
+        started=started,
+        ttl_s=ttl_s,
+        granted_s=None if result.extended is None else round(result.extended.ttl_s, 3),
+        deadline_in_s=None if deadline is None else round(deadline - sent_at, 3),
+    )
+    return deadline
+
+
+def _log_lease_call(
+    event: str,
+    state: SessionState,
+    handle: KVHandle,
+    result: _CallResult,
+    *,
+    reason: str,
+    started: float,
+    **fields: Any,
+) -> None:
+    """One event per lease call: info when decode answered as expected, warning otherwise."""
     log = logger.info if result.outcome in (OK, GONE) else logger.warning
     log(
-        "agentkv.extend",
+        event,
         session_id=state.session_id,
         pair=handle.pair,
         request_id=handle.request_id,
         reason=reason,
-        ttl_s=ttl_s,
         outcome=result.outcome,
         status=result.status,
         detail=result.detail,
-        granted_s=None if result.extended is None else round(result.extended.ttl_s, 3),
-        deadline_in_s=None if deadline is None else round(deadline - sent_at, 3),
         ms=_ms(started),
+        **fields,
     )
-    return deadline
 
 
 @dataclass(kw_only=True, slots=True)
