@@ -43,10 +43,24 @@ class KillAfter(httpx.AsyncBaseTransport):
         self.server: FakeServer | None = None
         self.victim: FakeServer | None = None
 
+        self.cut: FakeServer | None = None
+        self.cut_kills = False
+
     def arm(self, *, after: FakeServer, kill: FakeServer) -> None:
         self.server, self.victim = after, kill
 
+    def arm_cut(self, server: FakeServer, *, kill: bool) -> None:
+        """Lose the connection of ``server``'s next chat request, killing the server if ``kill``."""
+        self.cut, self.cut_kills = server, kill
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        cut = self.cut
+        if cut is not None and request.url.path == CHAT and str(request.url).startswith(cut.url):
+            self.cut = None
+            if self.cut_kills:
+                cut.kill()
+            # What httpx raises when the server goes away before answering.
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
         response = await self._inner.handle_async_request(request)
         server, victim = self.server, self.victim
         if (
@@ -135,6 +149,38 @@ def test_decode_killed_mid_turn_reruns_the_turn_on_a_healthy_pair(cluster, fake,
     assert s.pair != old
     assert result.stats.retries >= 1
     assert result.stats.pulled_tokens == 0
+    assert result.token_ids == reference(clock)
+    assert_intact(s, 2)
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_decode_dying_under_its_leg_moves_the_session_on_the_first_retry(
+    cluster, fake, clock, killer
+):
+    """The connection is lost, not refused: the pair's /health is probed at once, so the retry
+    goes to a healthy pair instead of running a whole P leg into the dead decode again."""
+    s = started(cluster)
+    old = s.pair
+    killer.arm_cut(servers(fake, s)[1], kill=True)
+    result = s.send(SECOND)
+    assert s.pair != old
+    assert result.stats.retries == 1
+    assert result.stats.pulled_tokens == 0
+    assert result.token_ids == reference(clock)
+    assert_intact(s, 2)
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_connection_lost_to_a_live_decode_is_retried_on_the_same_pair(
+    cluster, fake, clock, killer
+):
+    s = started(cluster)
+    old = s.pair
+    killer.arm_cut(servers(fake, s)[1], kill=False)
+    result = s.send(SECOND)
+    assert s.pair == old
+    assert result.stats.retries == 1
+    assert result.stats.handle_state is HandleState.CONSUMED  # the first P leg may have read it
     assert result.token_ids == reference(clock)
     assert_intact(s, 2)
     assert fake.wrong_reuse_events == 0
