@@ -32,6 +32,7 @@ from agentkv._policy import CachePolicy, RetryPolicy
 from agentkv._portal import Portal
 from agentkv._session import AsyncSession, Session, SessionOptions
 from agentkv._template import ChatTemplate, ServerRenderer
+from agentkv._transport import ServerPools
 
 __all__ = ["AsyncCluster", "Cluster", "Pair"]
 
@@ -41,7 +42,7 @@ logger = structlog.get_logger("agentkv")
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0)
 # vLLM's API server (uvicorn) closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by
 # default; keeping ours for less means we never send on a connection the server is closing (a
-# failed P leg costs the turn its handle).
+# failed P leg costs the turn its handle). The limits apply to each server (agentkv._transport).
 DEFAULT_LIMITS = httpx.Limits(
     max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0
 )
@@ -168,7 +169,7 @@ class AsyncCluster:
         self._health_recheck_s = health_recheck_s
         self._owns_client = http_client is None
         self._client = http_client or httpx.AsyncClient(
-            transport=transport, timeout=timeout, limits=DEFAULT_LIMITS
+            transport=transport or ServerPools(DEFAULT_LIMITS), timeout=timeout
         )
         self._loads = dict.fromkeys(self._pairs, 0)
         self._down: dict[str, float] = {}
