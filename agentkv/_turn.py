@@ -9,7 +9,7 @@ Retry rules (each attempt is a whole P leg + D leg, so a decode failure re-runs 
   pull blocks that now hold another request's KV.
 * A connection refused marks the pair unhealthy and drops the handle (the server may come back
   restarted, its block ids reused); the next attempt moves the session to a healthy pair
-  (transcript kept, KV recomputed there). A connection lost or timed out mid-turn probes the
+  (transcript kept, KV recomputed there). A connection lost or timed out, or a 5xx, probes the
   pair's ``/health`` at once: a dead server is treated the same way, a live one is retried.
 * A streamed turn is not retried once text was yielded: the caller has seen it.
 * Nothing is committed until the D leg's answer is parsed, so a failed turn changes nothing.
@@ -149,9 +149,10 @@ class TurnRunner:
             # by other requests: a handle into it is never safe again.
             state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} was unreachable")
             raise
-        except TransportError:
-            # Reset or timed out mid-turn: a server that died under the turn is found now (the
-            # probe marks the pair down), so the retry moves instead of running into it again.
+        except (TransportError, ServerError):
+            # Lost, timed out or 5xx mid-turn (a vLLM API server whose engine died answers 500
+            # before it exits): a server that died under the turn is found now (the probe marks
+            # the pair down), so the retry moves instead of running into it again.
             if not await cluster._probe(pair):
                 state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} stopped answering")
             raise

