@@ -4,7 +4,8 @@ It only acts when ``AGENTKV_VLLM_PLUGIN=1`` is set (``agentkv up`` sets it; a GP
 it on its vLLM servers), so installing agentkv next to vLLM never changes vLLM's behaviour by
 itself. When on, it
 
-* applies the idle-CPU settings (``_quiet``),
+* applies the idle-CPU settings (``_quiet``; ``AGENTKV_QUIET=0`` leaves vLLM's busy-waits as
+  they are, for servers with cores to spare),
 * installs the EngineCore utility that serves lease calls (``_engine_rpc``), and
 * refuses to start unless ``VLLM_PLUGINS`` names ``agentkv``: vLLM loads endpoint plugins (our
   lease routes and the stream patch, ``_endpoint``) only when allowlisted there, and a server
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 
 ENV_FLAG = "AGENTKV_VLLM_PLUGIN"
+QUIET_ENV = "AGENTKV_QUIET"
 PLUGIN_NAME = "agentkv"
 ALLOWLIST_ENV = "VLLM_PLUGINS"
 
@@ -55,5 +57,6 @@ def register() -> None:
     # Imported here: vLLM imports this module in every process, also where the plugin is off.
     from agentkv.connector import _engine_rpc, _quiet
 
-    _quiet.apply()
+    if os.environ.get(QUIET_ENV, "1") != "0":
+        _quiet.apply()
     _engine_rpc.install()

@@ -32,6 +32,7 @@ reader on the spinning path, so that wakeup is never needed within the second.
 from __future__ import annotations
 
 import functools
+import os
 import queue
 import time
 from typing import Any
@@ -41,7 +42,9 @@ PROGRESS_DELAY_US = 1000
 # How long an engine holding only pins waits for new work before polling its connector again.
 # Each poll costs the worker ~1 s of spinning, so this bounds idle CPU to about 1/IDLE_POLL_S.
 IDLE_POLL_S = 20.0
-# How long a spinning reader of vLLM's shared-memory queues naps between checks.
+# How long a spinning reader of vLLM's shared-memory queues naps between checks;
+# AGENTKV_SPIN_NAP_US=0 keeps vLLM's sched_yield() spin.
+SPIN_NAP_ENV = "AGENTKV_SPIN_NAP_US"
 SPIN_NAP_S = 0.0002
 
 _applied = False
@@ -55,7 +58,9 @@ def apply() -> None:
     _applied = True
     _quiet_nixl_agent()
     _quiet_engine_loop()
-    _nap_while_spinning()
+    nap_us = os.environ.get(SPIN_NAP_ENV)
+    if nap_us is None or float(nap_us) > 0:
+        _nap_while_spinning(SPIN_NAP_S if nap_us is None else float(nap_us) / 1e6)
 
 
 def _quiet_nixl_agent() -> None:
@@ -132,7 +137,7 @@ def _quiet_engine_loop() -> None:
     EngineCoreProc._process_engine_step = _process_engine_step
 
 
-def _nap_while_spinning() -> None:
+def _nap_while_spinning(nap_s: float = SPIN_NAP_S) -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     condition = shm_broadcast.SpinCondition
@@ -143,7 +148,7 @@ def _nap_while_spinning() -> None:
     @functools.wraps(original)
     def wait(self: Any, timeout_ms: int | None = None) -> None:
         if self.is_reader and time.monotonic() <= self.last_read + self.busy_loop_s:
-            time.sleep(SPIN_NAP_S)  # stock: sched_yield(), which keeps the core busy
+            time.sleep(nap_s)  # stock: sched_yield(), which keeps the core busy
             return
         original(self, timeout_ms)
 

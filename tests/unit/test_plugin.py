@@ -30,3 +30,22 @@ def test_the_flag_without_the_endpoint_allowlisted_refuses_to_start(
         monkeypatch.setenv("VLLM_PLUGINS", allowlist)
     with pytest.raises(RuntimeError, match="VLLM_PLUGINS"):
         _plugin.register()
+
+
+@pytest.mark.parametrize(("quiet", "applied"), [(None, True), ("1", True), ("0", False)])
+def test_agentkv_quiet_0_keeps_vllms_busy_waits_and_the_lease_calls(
+    monkeypatch: pytest.MonkeyPatch, quiet: str | None, applied: bool
+) -> None:
+    from agentkv.connector import _engine_rpc, _quiet
+
+    calls: list[str] = []
+    monkeypatch.setattr(_quiet, "apply", lambda: calls.append("quiet"))
+    monkeypatch.setattr(_engine_rpc, "install", lambda: calls.append("leases"))
+    monkeypatch.setenv("AGENTKV_VLLM_PLUGIN", "1")
+    monkeypatch.setenv("VLLM_PLUGINS", "agentkv")
+    if quiet is None:
+        monkeypatch.delenv("AGENTKV_QUIET", raising=False)
+    else:
+        monkeypatch.setenv("AGENTKV_QUIET", quiet)
+    _plugin.register()
+    assert calls == (["quiet", "leases"] if applied else ["leases"])
