@@ -18,10 +18,10 @@ Measured on a 2-core machine (docs/idle.md): an idle stock P/D pair burns ~1.5-2
    the scheduler's next step, the engine waiting for the worker's output) spins on the queue,
    calling ``sched_yield()`` between checks. With two servers on two cores, a decode worker
    spinning after a turn's D leg leaves prefill's processes one core for the next turn's P leg:
-   measured on the local pair, a P leg of 59 new tokens took 1.05 s right after a decode request
-   and 0.23 s when it came 1.5 s later. We keep the 1 s of busy waiting but nap ``SPIN_NAP_S``
-   between checks instead of yielding, so a waiting reader costs next to no CPU; a message waits
-   at most one nap longer to be seen.
+   ``benchmarks/prefill_after_decode.py`` on the local pair: a P leg of 59 new tokens took 1.06 s
+   right after a decode request and 0.24 s when it came 1.5 s later. We keep the 1 s of busy
+   waiting but nap ``SPIN_NAP_S`` between checks instead of yielding, so a waiting reader costs
+   next to no CPU; a message waits at most one nap longer to be seen.
 
 We do not shorten the 1 s spin itself: vLLM's shared-memory queue wakes readers that stopped
 spinning with a ZMQ PUB/SUB socket whose high-water mark is 1, and with a short spin we saw a
