@@ -1,117 +1,199 @@
-"""The default HTTP transport of a cluster: one connection pool per server, with a cheap idle check.
+"""The default HTTP transport of a cluster: HTTP/1.1 on asyncio, an idle list per server.
 
-httpcore's connection pool, each time a request starts and each time a response is closed, walks
-all of its connections and asks every idle one whether its socket is readable (that is, closed by
-the server). Two costs made that the largest part of the SDK's CPU at 64 concurrent sessions
-(``benchmarks/proxy_overhead.py``):
+The SDK's traffic is many small requests to a handful of servers: each turn sends a tokenize
+request, a P leg and a D leg. httpcore's connection pool (httpx's default) walks every connection
+of the pool and asks each idle one whether its socket was closed, on every request start and
+close; with anyio's locks and the pure-Python h11 parser around each exchange, that was ~6 ms of
+CPU per request at 64 concurrent sessions on the 2-core machine, and the proxy's event loop
+saturated (``docs/proxy.md``). Here:
 
-* one pool held the connections to *every* server of the cluster, so each request paid for all of
-  them; here each server (scheme, host, port) gets its own pool, so the walk is bounded by that
-  server's connections;
-* the check went through anyio's typed-attribute lookup, which builds a dict of callbacks on every
-  call (~45 us on the 2-core machine); here the raw socket is looked up once per connection and
-  polled directly.
+* each server (host, port) has its own pool: a LIFO list of idle connections, so taking one is a
+  pop, and a count of open ones held under ``httpx.Limits`` (which apply per server);
+* a connection is an asyncio protocol (``agentkv._http11``): the loop reports the server's close
+  of an idle connection, so nothing is polled, and llhttp parses the response in C.
 
-Same httpx semantics otherwise: ``httpx.Limits`` apply per server; timeouts, errors and streaming
-are httpx's own. HTTP(S)_PROXY variables are not used (the servers are the cluster's own); pass
-``http_client=`` to a cluster for a client that goes through a proxy.
+httpx semantics otherwise: its ``Timeout`` (connect, read, write, pool) and its exceptions. A
+request is never re-sent; like httpcore, a connection the server closes just as a request goes
+out fails that request (``DEFAULT_LIMITS`` keeps idle connections for less than vLLM's keep-alive
+so this does not happen). ``https`` URLs go to httpx's own transport; HTTP(S)_PROXY variables
+are not used (the servers are the cluster's own): pass ``http_client=`` to a cluster for that.
 """
 
-# httpcore's network interfaces take a ``timeout`` argument; these classes implement them.
+# httpx's timeouts are per phase (connect, write, read, pool); each is applied where that phase
+# waits, so these functions take the phase's timeout.
 # ruff: noqa: ASYNC109
 
 from __future__ import annotations
 
-import select
-import socket
-import typing
+import asyncio
+import math
+from collections import deque
+from collections.abc import AsyncIterator
 
-import httpcore
 import httpx
+
+from agentkv._http11 import Connection, Exchange, wait_for
 
 __all__ = ["ServerPools"]
 
 
-def _readable(sock: socket.socket | None) -> bool:
-    """True when a read would not block: data, or the server's close, is waiting."""
-    fd = -1 if sock is None else sock.fileno()
-    if fd < 0:
-        return True  # gone: the next read returns b"", so treat it as closed
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
+class _Body(httpx.AsyncByteStream):
+    """A response body; closing it hands the connection back to its pool."""
 
+    def __init__(
+        self, pool: _Pool, connection: Connection, exchange: Exchange, timeout: float | None
+    ) -> None:
+        self._pool = pool
+        self._connection = connection
+        self._exchange = exchange
+        self._timeout = timeout
+        self._closed = False
 
-class _Stream(httpcore.AsyncNetworkStream):
-    """anyio's stream, with ``is_readable`` answered from the socket found once."""
-
-    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
-        self._inner = inner
-        self._socket: socket.socket | None = inner.get_extra_info("socket")
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return await self._inner.read(max_bytes, timeout)
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        await self._inner.write(buffer, timeout)
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._exchange.chunks(self._timeout):
+            yield chunk
 
     async def aclose(self) -> None:
-        await self._inner.aclose()
-
-    async def start_tls(
-        self,
-        ssl_context: typing.Any,
-        server_hostname: str | None = None,
-        timeout: float | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        return _Stream(await self._inner.start_tls(ssl_context, server_hostname, timeout))
-
-    def get_extra_info(self, info: str) -> typing.Any:
-        if info == "is_readable":
-            return _readable(self._socket)
-        return self._inner.get_extra_info(info)
+        if not self._closed:
+            self._closed = True
+            self._pool.release(self._connection, self._exchange)
 
 
-class _Backend(httpcore.AsyncNetworkBackend):
-    def __init__(self) -> None:
-        self._inner = httpcore.AnyIOBackend()
+class _Pool:
+    """The connections to one server."""
 
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: typing.Iterable[typing.Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        stream = await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
-        return _Stream(stream)
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,
-        socket_options: typing.Iterable[typing.Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        return _Stream(await self._inner.connect_unix_socket(path, timeout, socket_options))
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
-
-
-class _ServerPool(httpx.AsyncHTTPTransport):
-    """httpx's transport for one server, on a pool with the cheap idle check."""
-
-    def __init__(self, limits: httpx.Limits) -> None:
-        super().__init__(limits=limits, trust_env=False)
-        # httpx builds its pool without a way to pass a network backend; the transport's request
-        # handling (mapping to httpcore, errors, streaming) only needs ``_pool`` to be a pool.
-        self._pool = httpcore.AsyncConnectionPool(
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-            network_backend=_Backend(),
+    def __init__(self, host: str, port: int, limits: httpx.Limits) -> None:
+        self._host = host
+        self._port = port
+        self._max_open = math.inf if limits.max_connections is None else limits.max_connections
+        self._max_idle = (
+            math.inf
+            if limits.max_keepalive_connections is None
+            else limits.max_keepalive_connections
         )
+        self._expiry = math.inf if limits.keepalive_expiry is None else limits.keepalive_expiry
+        self._idle: list[Connection] = []  # most recently used last
+        self._open: set[Connection] = set()
+        self._opening = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._closed = False
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        timeout = request.extensions.get("timeout", {})
+        connection = await self._acquire(timeout.get("pool"), timeout.get("connect"))
+        try:
+            exchange = await connection.send(request, write_timeout=timeout.get("write"))
+            await exchange.head(timeout.get("read"))
+        except BaseException:
+            self.discard(connection)
+            raise
+        return httpx.Response(
+            exchange.status,
+            headers=exchange.headers,
+            stream=_Body(self, connection, exchange, timeout.get("read")),
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": exchange.reason},
+        )
+
+    async def _acquire(
+        self, pool_timeout: float | None, connect_timeout: float | None
+    ) -> Connection:
+        loop = asyncio.get_running_loop()
+        deadline = None if pool_timeout is None else loop.time() + pool_timeout
+        while True:
+            if self._closed:
+                raise httpx.ConnectError("the transport is closed")
+            now = loop.time()
+            while self._idle:
+                connection = self._idle.pop()
+                if connection.usable and now < connection.expires_at:
+                    return connection
+                self.discard(connection)
+            if len(self._open) + self._opening < self._max_open:
+                break
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            left = None if deadline is None else max(0.0, deadline - now)
+            try:
+                await wait_for(
+                    waiter, left, lambda: httpx.PoolTimeout("timed out waiting for a connection")
+                )
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # pass on the wake-up this caller will not use
+                raise
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        self._opening += 1
+        try:
+            connection = await self._connect(connect_timeout)
+        finally:
+            self._opening -= 1
+        if self._closed:
+            connection.close()
+            raise httpx.ConnectError("the transport is closed")
+        self._open.add(connection)
+        return connection
+
+    async def _connect(self, timeout: float | None) -> Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                _, connection = await loop.create_connection(Connection, self._host, self._port)
+        except TimeoutError as exc:
+            self._wake_one()
+            where = f"{self._host}:{self._port}"
+            raise httpx.ConnectTimeout(f"timed out connecting to {where}") from exc
+        except OSError as exc:
+            self._wake_one()
+            raise httpx.ConnectError(str(exc)) from exc
+        connection.on_lost = self._lost
+        return connection
+
+    def release(self, connection: Connection, exchange: Exchange) -> None:
+        """Keep ``connection`` for the next request if its exchange ended cleanly."""
+        if (
+            connection.reusable(exchange)
+            and not self._closed
+            and connection in self._open
+            and len(self._idle) < self._max_idle
+        ):
+            connection.expires_at = asyncio.get_running_loop().time() + self._expiry
+            self._idle.append(connection)
+            self._wake_one()
+        else:
+            self.discard(connection)
+
+    def discard(self, connection: Connection) -> None:
+        """Close ``connection`` and free its place under the limit."""
+        connection.close()
+        self._forget(connection)
+
+    def _lost(self, connection: Connection) -> None:
+        if connection in self._idle:
+            self._idle.remove(connection)
+        self._forget(connection)
+
+    def _forget(self, connection: Connection) -> None:
+        if connection in self._open:
+            self._open.discard(connection)
+            self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def close(self) -> None:
+        self._closed = True
+        self._idle.clear()
+        for connection in list(self._open):
+            connection.close()
+        self._open.clear()
+        while self._waiters:
+            self._wake_one()
 
 
 class ServerPools(httpx.AsyncBaseTransport):
@@ -119,26 +201,37 @@ class ServerPools(httpx.AsyncBaseTransport):
 
     def __init__(self, limits: httpx.Limits) -> None:
         self._limits = limits
-        self._pools: dict[tuple[bytes, bytes, int | None], _ServerPool] = {}
+        self._pools: dict[tuple[str, int], _Pool] = {}
+        self._tls: httpx.AsyncHTTPTransport | None = None
         self._closed = False
 
     @property
     def servers(self) -> int:
-        """How many servers have a pool (one per scheme, host and port seen)."""
+        """How many servers have a pool (one per host and port seen over plain HTTP)."""
         return len(self._pools)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._closed:
+            raise httpx.ConnectError("the transport is closed", request=request)
         url = request.url
-        key = (url.raw_scheme, url.raw_host, url.port)
-        pool = self._pools.get(key)
-        if pool is None:
-            if self._closed:
-                raise httpx.ConnectError("the transport is closed", request=request)
-            pool = self._pools[key] = _ServerPool(self._limits)
-        return await pool.handle_async_request(request)
+        if url.scheme == "http":
+            key = (url.host, url.port or 80)
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = _Pool(*key, self._limits)
+            return await pool.handle(request)
+        if url.scheme == "https":
+            if self._tls is None:
+                self._tls = httpx.AsyncHTTPTransport(limits=self._limits, trust_env=False)
+            return await self._tls.handle_async_request(request)
+        raise httpx.UnsupportedProtocol(
+            f"Request URL has an unsupported protocol '{url.scheme}://'.", request=request
+        )
 
     async def aclose(self) -> None:
         self._closed = True
         pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
-            await pool.aclose()
+            pool.close()
+        if self._tls is not None:
+            await self._tls.aclose()

@@ -9,7 +9,10 @@ do), the proxy (uvicorn, ``agentkv.proxy.serve`` on a cluster file), and this on
   clients do, with ``X-Session-ID``.
 
 Same conversations on both paths: a ~CONTEXT-token system prompt, then TURNS user turns, with
-CONCURRENCY sessions at a time. Columns:
+CONCURRENCY sessions at a time. The sessions of a level start spread over one turn's server time,
+as independent agents arrive (``--start lockstep`` starts them together: with the same server time
+on every leg they then stay in step, and every leg becomes a burst of CONCURRENCY requests that
+one event loop serves one after another, a queueing test rather than the hop's cost). Columns:
 
 * direct / proxy: per-turn latency as the caller sees it (median, p99);
 * overhead: proxy minus direct (median, p99): the HTTP hop, uvicorn, and the proxy's own work;
@@ -20,7 +23,7 @@ CONCURRENCY sessions at a time. Columns:
   the client's (an httpx client re-sending the history) for the proxied turns.
 
     .venv/bin/python benchmarks/proxy_overhead.py [--concurrency 1,16,64] [--turns 6]
-        [--server-ms 100] [--context 1000] [--min-samples 120]
+        [--server-ms 100] [--context 1000] [--min-samples 120] [--start staggered|lockstep]
 """
 
 from __future__ import annotations
@@ -188,12 +191,21 @@ class Samples:
         self.client_cpu = 0.0
 
 
+def _start_delay_s(args: argparse.Namespace, i: int, level: int) -> float:
+    """When session ``i`` of ``level`` starts: spread over one turn's server time, as independent
+    agents arrive, or all at once (``--start lockstep``)."""
+    if args.start == "lockstep":
+        return 0.0
+    return i / level * 2 * args.server_ms / 1000
+
+
 async def _direct(
     args: argparse.Namespace, cluster: AsyncCluster, system: str, *, level: int, into: Samples
 ) -> None:
     """``level`` sessions at once on the SDK, in this process."""
 
     async def one(i: int) -> None:
+        await asyncio.sleep(_start_delay_s(args, i, level))
         async with cluster.session(max_tokens=args.max_tokens, temperature=None) as s:
             s.append(Message.system(system))
             for turn in range(args.turns):
@@ -233,6 +245,7 @@ async def _proxied(
             "Authorization": "Bearer bench",
             "Content-Type": "application/json",
         }
+        await asyncio.sleep(_start_delay_s(args, i, level))
         for turn in range(args.turns):
             messages.append({"role": "user", "content": _question(i, turn)})
             body = orjson.dumps({"messages": messages, "max_tokens": args.max_tokens})
@@ -329,12 +342,19 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1000, help="system prompt tokens")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--min-samples", type=int, default=120, help="turns per level, at least")
+    parser.add_argument(
+        "--start",
+        choices=("staggered", "lockstep"),
+        default="staggered",
+        help="sessions start spread over one turn's server time, or all at once",
+    )
     parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-proxy", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cluster-file", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fake:
+        _silence_logs()
         asyncio.run(_serve_fake(args))
         return 0
     if args.serve_proxy:
@@ -348,7 +368,8 @@ def main() -> int:
 
     print(
         f"proxy overhead per turn: {args.turns} turns a session, ~{args.context}-token system "
-        f"prompt, fake P/D pair over HTTP with {args.server_ms:g} ms server time per chat leg; "
+        f"prompt, fake P/D pair over HTTP with {args.server_ms:g} ms server time per chat leg, "
+        f"sessions start {args.start}; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     head = (
