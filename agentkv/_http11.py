@@ -129,13 +129,14 @@ class Exchange:
 
 
 class Connection(asyncio.Protocol):
-    """An HTTP/1.1 connection; ``exchange()`` starts a request's response."""
+    """An HTTP/1.1 connection; ``send()`` writes a request and returns its exchange."""
 
     def __init__(self) -> None:
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._exchange: Exchange | None = None
         self._until_close = False
+        self._head_request = False
         self._write_ready: asyncio.Future[None] | None = None
         self.lost = False  # the loop reported the connection closed
         self._retired = False  # we closed it, or are closing it
@@ -155,6 +156,9 @@ class Connection(asyncio.Protocol):
             return
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._exchange.fail(httpx.RemoteProtocolError("the server switched protocols"))
+            self.close()
         except httptools.HttpParserError as exc:
             self._exchange.fail(httpx.RemoteProtocolError(f"malformed HTTP response: {exc}"))
             self.close()
@@ -219,6 +223,12 @@ class Connection(asyncio.Protocol):
             return
         exchange.status = status
         exchange.head_done = True
+        if self._head_request:
+            # llhttp cannot be told the request was HEAD and would wait for the body the headers
+            # announce: the answer ends here, and the connection, its parser out of step, retires.
+            exchange.complete = True
+            exchange.wake()
+            return
         framed = {name.lower() for name, _ in exchange.headers} & {
             b"content-length",
             b"transfer-encoding",
@@ -268,6 +278,7 @@ class Connection(asyncio.Protocol):
             raise httpx.WriteError("the connection is closed")
         self._exchange = exchange = Exchange(self)
         self._until_close = False
+        self._head_request = request.method == "HEAD"
         url = request.url
         head = [request.method.encode("ascii"), b" ", url.raw_path, b" HTTP/1.1\r\n"]
         for name, value in request.headers.raw:

@@ -156,6 +156,19 @@ async def test_an_answer_that_is_not_http_is_a_protocol_error(client: httpx.Asyn
             await client.post(url + "/x", content=b"{}")
 
 
+async def test_a_switch_of_protocols_is_a_protocol_error(client: httpx.AsyncClient) -> None:
+    async def upgrade(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: h2c\r\n\r\n"
+        )
+        await asyncio.sleep(1)
+
+    async with Scripted(upgrade) as url:
+        with pytest.raises(httpx.RemoteProtocolError, match="switched protocols"):
+            await client.post(url + "/x", content=b"{}")
+
+
 async def test_a_stalled_answer_times_out_on_the_read_timeout() -> None:
     async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -272,6 +285,18 @@ async def test_bytes_arriving_on_an_idle_connection_retire_it(client: httpx.Asyn
         await asyncio.sleep(0.05)
         assert (await client.post(url + "/x", content=b"2")).content == b"2"
     assert server.connections == 2
+
+
+async def test_a_head_answer_ends_at_its_headers(client: httpx.AsyncClient) -> None:
+    async def head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1234\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with Scripted(head) as url:
+        response = await client.head(url + "/health")
+    assert (response.status_code, response.headers["content-length"]) == (200, "1234")
 
 
 async def test_an_unsupported_scheme_is_refused(client: httpx.AsyncClient) -> None:
