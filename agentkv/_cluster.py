@@ -32,7 +32,7 @@ from agentkv._policy import CachePolicy, RetryPolicy
 from agentkv._portal import Portal
 from agentkv._session import AsyncSession, Session, SessionOptions
 from agentkv._template import ChatTemplate, ServerRenderer
-from agentkv._transport import ServerPools
+from agentkv._transport import ClusterClient, ServerPools
 
 __all__ = ["AsyncCluster", "Cluster", "Pair"]
 
@@ -168,7 +168,7 @@ class AsyncCluster:
         self._load_factor = load_factor
         self._health_recheck_s = health_recheck_s
         self._owns_client = http_client is None
-        self._client = http_client or httpx.AsyncClient(
+        self._client = http_client or ClusterClient(
             transport=transport or ServerPools(DEFAULT_LIMITS), timeout=timeout
         )
         self._loads = dict.fromkeys(self._pairs, 0)

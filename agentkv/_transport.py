@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import typing
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -34,7 +35,7 @@ import httpx
 
 from agentkv._http11 import Connection, Exchange, wait_for
 
-__all__ = ["ServerPools"]
+__all__ = ["ClusterClient", "ServerPools"]
 
 
 class _Body(httpx.AsyncByteStream):
@@ -235,3 +236,35 @@ class ServerPools(httpx.AsyncBaseTransport):
             pool.close()
         if self._tls is not None:
             await self._tls.aclose()
+
+
+class ClusterClient(httpx.AsyncClient):
+    """The httpx client a cluster builds for itself when given none.
+
+    Its requests go to the cluster's own servers, and it is built without auth, cookies, event
+    hooks or redirects to follow, so ``send`` hands each request straight to the transport:
+    httpx's per-request auth flow, redirect loop and cookie extraction would cost about as much
+    CPU as the exchange itself, for nothing here (``benchmarks/transport_cpu.py``). Requests are
+    built as httpx builds them (base URL, default headers, the client's timeouts).
+    """
+
+    async def send(
+        self,
+        request: httpx.Request,
+        *,
+        stream: bool = False,
+        auth: typing.Any = httpx.USE_CLIENT_DEFAULT,
+        follow_redirects: typing.Any = httpx.USE_CLIENT_DEFAULT,
+    ) -> httpx.Response:
+        if auth is not httpx.USE_CLIENT_DEFAULT or follow_redirects is not httpx.USE_CLIENT_DEFAULT:
+            raise TypeError("the cluster's client sends without auth or redirects")
+        if self.is_closed:
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
+        response = await self._transport.handle_async_request(request)
+        response.request = request
+        if not stream:
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+        return response

@@ -40,9 +40,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -54,6 +54,7 @@ from agentkv.proxy import ProxyConfig
 from agentkv.testing import FakeCluster, FakeServer
 
 Scope = MutableMapping[str, Any]
+T = TypeVar("T")
 
 
 def _silence_logs() -> None:
@@ -65,6 +66,20 @@ def _free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+# With --pin (the default where the OS allows it): the process running the SDK has core 1 to
+# itself on both paths (this process for direct turns, the proxy for proxied ones); the fake pair,
+# which stands for servers on other machines, and the proxied path's client, which stands for an
+# application on another machine, share core 0.
+# ("Core 0" and "core 1": the first two of the cores this process may run on.)
+SDK_CORE, REST_CORE = 1, 0
+_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _pin(pid: int, core: int, args: argparse.Namespace) -> None:
+    if args.pin:
+        os.sched_setaffinity(pid, {_CORES[core]})
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -286,7 +301,9 @@ async def _measure(
             direct, proxied = Samples(), Samples()
             rounds = max(1, math.ceil(args.min_samples / args.turns / level))
             for r in range(rounds):
+                _pin(0, SDK_CORE, args)
                 await _direct(args, cluster, system, level=level, into=direct)
+                _pin(0, REST_CORE, args)
                 await _proxied(
                     args, client, system, pid=pid, level=level, tag=f"c{level}-{r}", into=proxied
                 )
@@ -306,26 +323,39 @@ def _ms(values: list[float]) -> tuple[float, float]:
     return statistics.median(values) * 1e3, _p99(values) * 1e3
 
 
+def _run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` on uvloop when installed, as ``agentkv proxy`` does."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def _run(args: argparse.Namespace) -> list[tuple[int, Samples, Samples]]:
     system = _system_prompt(args.context)
+    pin = "--pin" if args.pin else "--no-pin"
     fake = _spawn(
-        ["--serve-fake", "--cluster-file", args.cluster_file, "--server-ms", str(args.server_ms)],
+        [
+            "--serve-fake",
+            pin,
+            "--cluster-file",
+            args.cluster_file,
+            "--server-ms",
+            str(args.server_ms),
+        ],
         lambda: Path(args.cluster_file).exists(),
     )
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     try:
         proxy = _spawn(
-            ["--serve-proxy", "--cluster-file", args.cluster_file, "--port", str(port)],
+            ["--serve-proxy", pin, "--cluster-file", args.cluster_file, "--port", str(port)],
             lambda: _healthy(f"{url}/healthz"),
         )
         try:
             # The same event loop as the proxy's (``agentkv proxy`` runs on uvloop when installed).
-            try:
-                import uvloop
-            except ImportError:
-                return asyncio.run(_measure(args, system, url, proxy.pid))
-            return uvloop.run(_measure(args, system, url, proxy.pid))
+            return _run_loop(_measure(args, system, url, proxy.pid))
         finally:
             proxy.terminate()
             proxy.wait(timeout=30)
@@ -348,16 +378,26 @@ def main() -> int:
         default="staggered",
         help="sessions start spread over one turn's server time, or all at once",
     )
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=len(_CORES) >= 2,
+        help="give the process running the SDK a core of its own on both paths",
+    )
     parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-proxy", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cluster-file", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fake:
+        _pin(0, REST_CORE, args)
         _silence_logs()
-        asyncio.run(_serve_fake(args))
+        # The fake stands in for servers on other machines: on uvloop it takes less of the CPU
+        # the measured processes share with it here.
+        _run_loop(_serve_fake(args))
         return 0
     if args.serve_proxy:
+        _pin(0, SDK_CORE, args)
         _serve_proxy(args)
         return 0
 
@@ -369,7 +409,7 @@ def main() -> int:
     print(
         f"proxy overhead per turn: {args.turns} turns a session, ~{args.context}-token system "
         f"prompt, fake P/D pair over HTTP with {args.server_ms:g} ms server time per chat leg, "
-        f"sessions start {args.start}; "
+        f"sessions start {args.start}, {'SDK on a core of its own' if args.pin else 'no pinning'}; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     head = (

@@ -12,7 +12,7 @@ import pytest
 from agentkv import AsyncCluster
 from agentkv._exceptions import ConnectError
 from agentkv._http import post_json
-from agentkv._transport import ServerPools
+from agentkv._transport import ClusterClient, ServerPools
 
 LIMITS = httpx.Limits(max_connections=8, max_keepalive_connections=8, keepalive_expiry=30.0)
 
@@ -139,8 +139,40 @@ async def test_a_closed_transport_opens_no_new_pool(servers: tuple[TinyServer, T
     assert a.connections == 0
 
 
-async def test_a_cluster_uses_per_server_pools_by_default() -> None:
+async def test_a_cluster_uses_its_client_on_per_server_pools_by_default() -> None:
     spec = {"model": "m", "pairs": [{"name": "p", "prefill": "http://a:1", "decode": "http://a:2"}]}
     async with AsyncCluster.from_dict(spec) as cluster:
-        transport = cluster.http_client._transport
-        assert isinstance(transport, ServerPools)
+        assert isinstance(cluster.http_client, ClusterClient)
+        assert isinstance(cluster.http_client._transport, ServerPools)
+    given = httpx.AsyncClient()
+    async with AsyncCluster.from_dict(spec, http_client=given) as cluster:
+        assert cluster.http_client is given  # a caller's client (auth, proxies, hooks) is kept
+    await given.aclose()
+
+
+async def test_the_cluster_client_reads_closes_and_reuses_like_httpx(
+    servers: tuple[TinyServer, TinyServer],
+) -> None:
+    a, _ = servers
+    async with ClusterClient(transport=ServerPools(LIMITS), base_url=a.url) as client:
+        first = await client.post("/x", content=b"{}")
+        assert first.is_closed
+        assert first.json() == {"port": a.port, "n": 1}
+        assert first.request.url == a.url + "/x"
+        async with client.stream("POST", "/x", content=b"{}") as streamed:
+            assert b"".join([part async for part in streamed.aiter_bytes()]) == (
+                f'{{"port": {a.port}, "n": 2}}'.encode()
+            )
+        assert (await client.get("/x")).json()["n"] == 3
+    assert a.connections == 1  # each answer handed its connection back
+    with pytest.raises(RuntimeError, match="closed"):
+        await client.post("/x", content=b"{}")
+
+
+async def test_the_cluster_client_refuses_auth_it_would_not_apply(
+    servers: tuple[TinyServer, TinyServer],
+) -> None:
+    a, _ = servers
+    async with ClusterClient(transport=ServerPools(LIMITS)) as client:
+        with pytest.raises(TypeError, match="without auth"):
+            await client.get(a.url + "/x", auth=("user", "secret"))

@@ -1,0 +1,139 @@
+"""CPU per request of the SDK's HTTP client against a local server, transport by transport.
+
+A uvicorn server in its own process answers every POST with a ~2 KB JSON body after SERVER_MS
+(so requests overlap, as a turn's legs do); this process sends CONCURRENCY loops of REQUESTS
+POSTs of a ~3 KB JSON body each and reports its own CPU time per request for:
+
+* ``httpx``: ``httpx.AsyncClient`` on httpx's default transport (httpcore's pool);
+* ``pools``: ``httpx.AsyncClient`` on ``agentkv._transport.ServerPools``;
+* ``cluster``: ``agentkv._transport.ClusterClient`` on ``ServerPools``, what a cluster builds.
+
+    .venv/bin/python benchmarks/transport_cpu.py [--concurrency 64] [--requests 30]
+        [--server-ms 100] [--clients httpx,pools,cluster]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from agentkv._transport import ClusterClient, ServerPools
+
+ANSWER = b'{"text": "' + b"a" * 2000 + b'"}'
+BODY = b'{"prompt": "' + b"1" * 3000 + b'"}'
+LIMITS = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+
+
+def _serve(port: int, delay_s: float) -> None:
+    import uvicorn
+
+    async def app(
+        scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
+    ) -> None:
+        if scope["type"] != "http":
+            return
+        more = True
+        while more:
+            more = bool((await receive()).get("more_body", False))
+        await asyncio.sleep(delay_s)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(ANSWER))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": ANSWER})
+
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        access_log=False,
+        timeout_keep_alive=75,
+    )
+
+
+def _client(kind: str) -> httpx.AsyncClient:
+    if kind == "httpx":
+        return httpx.AsyncClient(limits=LIMITS)
+    if kind == "pools":
+        return httpx.AsyncClient(transport=ServerPools(LIMITS))
+    if kind == "cluster":
+        return ClusterClient(transport=ServerPools(LIMITS))
+    raise SystemExit(f"unknown client {kind!r}")
+
+
+async def _measure(kind: str, url: str, args: argparse.Namespace) -> tuple[float, float]:
+    """(CPU microseconds per request, wall seconds) of one timed pass, after a warm-up pass."""
+    async with _client(kind) as client:
+
+        async def loop() -> None:
+            for _ in range(args.requests):
+                response = await client.post(
+                    url, content=BODY, headers={"content-type": "application/json"}
+                )
+                response.raise_for_status()
+                response.json()
+
+        await asyncio.gather(*(loop() for _ in range(args.concurrency)))  # connections, warm
+        cpu, wall = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(args.concurrency)))
+        n = args.concurrency * args.requests
+        return (time.process_time() - cpu) / n * 1e6, time.perf_counter() - wall
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=30, help="per concurrent loop")
+    parser.add_argument("--server-ms", type=float, default=100.0)
+    parser.add_argument("--clients", default="httpx,pools,cluster")
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        _serve(args.serve, args.server_ms / 1000)
+        return 0
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve", str(port), "--server-ms", str(args.server_ms)]
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/v1/x"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.post(url, content=b"{}")
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise SystemExit("the server did not start") from None
+                time.sleep(0.2)
+        print(
+            f"{args.concurrency} concurrent loops x {args.requests} POSTs, {args.server_ms:g} ms "
+            "server time; CPU of this process per request:"
+        )
+        for kind in args.clients.split(","):
+            try:
+                import uvloop
+            except ImportError:
+                cpu_us, wall_s = asyncio.run(_measure(kind, url, args))
+            else:
+                cpu_us, wall_s = uvloop.run(_measure(kind, url, args))
+            print(f"  {kind:8} {cpu_us:7.0f} us   (pass took {wall_s:.2f} s)", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
