@@ -12,18 +12,27 @@ Same conversations on both paths: a ~CONTEXT-token system prompt, then TURNS use
 CONCURRENCY sessions at a time. The sessions of a level start spread over one turn's server time,
 as independent agents arrive (``--start lockstep`` starts them together: with the same server time
 on every leg they then stay in step, and every leg becomes a burst of CONCURRENCY requests that
-one event loop serves one after another, a queueing test rather than the hop's cost). Columns:
+one event loop serves one after another, a queueing test rather than the hop's cost). The two
+paths alternate in rounds (at least MIN_ROUNDS a level), so that drifting machine load weighs on
+both alike. With ``--pin`` (the default on a machine with two cores or more) the fake pair, which
+stands for GPU servers on other machines, has a core to itself, so that it answers both paths
+equally fast; the application and the SDK share another core: in this one process (direct), or
+as this process's client and the proxy (proxied). Columns:
 
 * direct / proxy: per-turn latency as the caller sees it (median, p99);
 * overhead: proxy minus direct (median, p99): the HTTP hop, uvicorn, and the proxy's own work;
+* added: per proxied request, its latency minus the SDK's turn inside the proxy (``Server-Timing``
+  ``turn``): what the proxy path adds around the turn (the HTTP hop both ways, uvicorn and
+  Starlette, the proxy's code), measured on each request rather than across the two paths;
 * in-proxy: the proxy's own work per request as its ``Server-Timing`` header reports it (request
   arrival to answer, minus the SDK's turn): the part the proxy's code controls;
 * CPU/turn: CPU seconds per turn of the process running the SDK (this one for direct, the proxy
-  for proxy): their difference is the proxy's CPU cost, whatever else the machine is doing; and
-  the client's (an httpx client re-sending the history) for the proxied turns.
+  for proxy): their difference is the proxy's CPU cost, whatever else the machine is doing; the
+  client's (an httpx client re-sending the history) and the fake pair's, for the proxied turns.
 
     .venv/bin/python benchmarks/proxy_overhead.py [--concurrency 1,16,64] [--turns 6]
-        [--server-ms 100] [--context 1000] [--min-samples 120] [--start staggered|lockstep]
+        [--server-ms 100] [--context 1000] [--min-samples 120] [--min-rounds 3]
+        [--start staggered|lockstep] [--pin|--no-pin]
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ import orjson
 import structlog
 
 from agentkv import AsyncCluster, Message
-from agentkv._transport import ServerPools
+from agentkv._transport import ClusterClient, ServerPools
 from agentkv.proxy import ProxyConfig
 from agentkv.testing import FakeCluster, FakeServer
 
@@ -68,12 +77,12 @@ def _free_port() -> int:
         return port
 
 
-# With --pin (the default where the OS allows it): the process running the SDK has core 1 to
-# itself on both paths (this process for direct turns, the proxy for proxied ones); the fake pair,
-# which stands for servers on other machines, and the proxied path's client, which stands for an
-# application on another machine, share core 0.
+# With --pin (the default where the OS allows it): the fake pair, which stands for GPU servers on
+# other machines, has core 0 to itself on both paths, so that its answers are as fast for one
+# path as for the other. The application and the SDK share core 1: in this one process (direct),
+# or as this process's client and the proxy (proxied).
 # ("Core 0" and "core 1": the first two of the cores this process may run on.)
-SDK_CORE, REST_CORE = 1, 0
+APP_CORE, FAKE_CORE = 1, 0
 _CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
@@ -202,8 +211,10 @@ class Samples:
     def __init__(self) -> None:
         self.latency: list[float] = []
         self.in_proxy: list[float] = []
+        self.added: list[float] = []
         self.cpu = 0.0
         self.client_cpu = 0.0
+        self.fake_cpu = 0.0
 
 
 def _start_delay_s(args: argparse.Namespace, i: int, level: int) -> float:
@@ -233,17 +244,20 @@ async def _direct(
     into.cpu += time.process_time() - cpu
 
 
-def _in_proxy_s(header: str) -> float:
+def _timings_s(header: str) -> dict[str, float]:
+    """The proxy's ``Server-Timing`` header: ``turn`` (the SDK's) and ``proxy`` (around it)."""
+    timings = {}
     for part in header.split(","):
         name, _, dur = part.strip().partition(";dur=")
-        if name == "proxy":
-            return float(dur) / 1000
-    raise ValueError(f"no proxy timing in {header!r}")
+        timings[name] = float(dur) / 1000
+    if not {"turn", "proxy"} <= timings.keys():
+        raise ValueError(f"no turn and proxy timings in {header!r}")
+    return timings
 
 
 async def _proxied(
     args: argparse.Namespace,
-    client: httpx.AsyncClient,
+    client: ClusterClient,
     system: str,
     *,
     pid: int,
@@ -270,7 +284,9 @@ async def _proxied(
             into.latency.append(time.perf_counter() - start)
             if response.status_code != 200:
                 raise RuntimeError(f"proxy answered {response.status_code}: {data}")
-            into.in_proxy.append(_in_proxy_s(response.headers["server-timing"]))
+            timings = _timings_s(response.headers["server-timing"])
+            into.in_proxy.append(timings["proxy"])
+            into.added.append(into.latency[-1] - timings["turn"])
             messages.append(data["choices"][0]["message"])
         await client.delete(f"/v1/sessions/{tag}-{i}", headers=headers)
 
@@ -281,16 +297,16 @@ async def _proxied(
 
 
 async def _measure(
-    args: argparse.Namespace, system: str, url: str, pid: int
+    args: argparse.Namespace, system: str, url: str, pid: int, fake_pid: int
 ) -> list[tuple[int, Samples, Samples]]:
     rows = []
+    _pin(0, APP_CORE, args)  # after starting the children, which pin themselves
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    # The client stands for an OpenAI client on another machine; here it shares the two cores
-    # with the proxy, so it gets the SDK's lean transport (the cheap idle-connection check) to
-    # take as little CPU from the proxy as it can.
+    # The client stands for an OpenAI client (the application); it gets the SDK's client and
+    # transport, as the direct path's application does.
     async with (
         AsyncCluster.from_file(args.cluster_file) as cluster,
-        httpx.AsyncClient(base_url=url, transport=ServerPools(limits), timeout=120.0) as client,
+        ClusterClient(base_url=url, transport=ServerPools(limits), timeout=120.0) as client,
     ):
         # Warm both paths (template anchors, connections) outside the numbers.
         await _direct(args, cluster, system, level=4, into=Samples())
@@ -299,14 +315,16 @@ async def _measure(
             # Alternate the two paths in rounds, so that a machine whose load drifts (other
             # jobs) weighs on both alike.
             direct, proxied = Samples(), Samples()
-            rounds = max(1, math.ceil(args.min_samples / args.turns / level))
+            rounds = max(args.min_rounds, math.ceil(args.min_samples / args.turns / level))
             for r in range(rounds):
-                _pin(0, SDK_CORE, args)
+                fake_cpu = _cpu_seconds(fake_pid)
                 await _direct(args, cluster, system, level=level, into=direct)
-                _pin(0, REST_CORE, args)
+                direct.fake_cpu += _cpu_seconds(fake_pid) - fake_cpu
+                fake_cpu = _cpu_seconds(fake_pid)
                 await _proxied(
                     args, client, system, pid=pid, level=level, tag=f"c{level}-{r}", into=proxied
                 )
+                proxied.fake_cpu += _cpu_seconds(fake_pid) - fake_cpu
             rows.append((level, direct, proxied))
     return rows
 
@@ -355,7 +373,7 @@ def _run(args: argparse.Namespace) -> list[tuple[int, Samples, Samples]]:
         )
         try:
             # The same event loop as the proxy's (``agentkv proxy`` runs on uvloop when installed).
-            return _run_loop(_measure(args, system, url, proxy.pid))
+            return _run_loop(_measure(args, system, url, proxy.pid, fake.pid))
         finally:
             proxy.terminate()
             proxy.wait(timeout=30)
@@ -372,6 +390,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1000, help="system prompt tokens")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--min-samples", type=int, default=120, help="turns per level, at least")
+    parser.add_argument("--min-rounds", type=int, default=3, help="rounds per level, at least")
     parser.add_argument(
         "--start",
         choices=("staggered", "lockstep"),
@@ -382,7 +401,7 @@ def main() -> int:
         "--pin",
         action=argparse.BooleanOptionalAction,
         default=len(_CORES) >= 2,
-        help="give the process running the SDK a core of its own on both paths",
+        help="give the fake pair a core of its own; the application and the SDK share another",
     )
     parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-proxy", action="store_true", help=argparse.SUPPRESS)
@@ -390,14 +409,14 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fake:
-        _pin(0, REST_CORE, args)
+        _pin(0, FAKE_CORE, args)
         _silence_logs()
         # The fake stands in for servers on other machines: on uvloop it takes less of the CPU
         # the measured processes share with it here.
         _run_loop(_serve_fake(args))
         return 0
     if args.serve_proxy:
-        _pin(0, SDK_CORE, args)
+        _pin(0, APP_CORE, args)
         _serve_proxy(args)
         return 0
 
@@ -409,13 +428,15 @@ def main() -> int:
     print(
         f"proxy overhead per turn: {args.turns} turns a session, ~{args.context}-token system "
         f"prompt, fake P/D pair over HTTP with {args.server_ms:g} ms server time per chat leg, "
-        f"sessions start {args.start}, {'SDK on a core of its own' if args.pin else 'no pinning'}; "
+        f"sessions start {args.start}, "
+        f"{'fake pair on a core of its own' if args.pin else 'no pinning'}; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     head = (
         f"{'sessions':>8} {'turns':>5} | {'direct':>7} {'p99':>7} | {'proxy':>7} {'p99':>7} | "
-        f"{'overhead':>8} {'p99':>7} | {'in-proxy':>8} {'p99':>6} | {'CPU/turn':>8} {'proxy':>6} "
-        f"{'client':>6}"
+        f"{'overhead':>8} {'p99':>7} | {'added':>6} {'p99':>6} | {'in-proxy':>8} {'p99':>6} | "
+        f"{'CPU/turn':>8} {'proxy':>6} "
+        f"{'client':>6} {'fake':>5}"
     )
     print(head)
     print("-" * len(head))
@@ -424,15 +445,17 @@ def main() -> int:
         dm, dp = _ms(direct.latency)
         pm, pp = _ms(proxied.latency)
         im, ip = _ms(proxied.in_proxy)
+        am, ap = _ms(proxied.added)
         print(
             f"{level:>8} {n:>5} | {dm:>7.2f} {dp:>7.2f} | {pm:>7.2f} {pp:>7.2f} | "
-            f"{pm - dm:>8.2f} {pp - dp:>7.2f} | {im:>8.3f} {ip:>6.3f} | "
+            f"{pm - dm:>8.2f} {pp - dp:>7.2f} | {am:>6.2f} {ap:>6.2f} | {im:>8.3f} {ip:>6.3f} | "
             f"{direct.cpu / n * 1e3:>8.2f} {proxied.cpu / n * 1e3:>6.2f} "
-            f"{proxied.client_cpu / n * 1e3:>6.2f}"
+            f"{proxied.client_cpu / n * 1e3:>6.2f} {proxied.fake_cpu / n * 1e3:>5.2f}"
         )
     print(
         "(ms; CPU/turn: the process running the SDK, this one for direct, the proxy's for proxy; "
-        "client: this process's CPU sending the proxied turns)"
+        "client: this process's CPU sending the proxied turns; fake: the fake pair's, proxied "
+        "turns)"
     )
     return 0
 
