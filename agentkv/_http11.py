@@ -35,8 +35,8 @@ _HIGH_WATER = 1 << 20
 async def wait_for(
     future: asyncio.Future[T], timeout: float | None, error: Callable[[], Exception]
 ) -> T:
-    """Await ``future``; after ``timeout`` seconds raise ``error()`` instead (the future is left
-    pending; callers discard what it belonged to)."""
+    """Await ``future``; after ``timeout`` seconds cancel it and raise ``error()`` instead
+    (callers then discard what the future belonged to)."""
     if timeout is None:
         return await future
     loop = asyncio.get_running_loop()

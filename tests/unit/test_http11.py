@@ -107,6 +107,30 @@ async def test_a_streamed_response_arrives_piece_by_piece(client: httpx.AsyncCli
     assert seen == [1, 2]
 
 
+async def test_a_body_larger_than_the_read_buffer_arrives_whole_to_a_slow_reader(
+    client: httpx.AsyncClient,
+) -> None:
+    """Reading pauses while over a MiB waits for the reader, and resumes as it drains."""
+    body = bytes(range(256)) * (3 * 4096)  # 3 MiB
+
+    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(ok(body))
+        await writer.drain()
+        await keep_alive(reader, writer)
+
+    server = Scripted(big)
+    async with server as url:
+        async with client.stream("POST", url + "/x", content=b"{}") as response:
+            received = b""
+            async for part in response.aiter_raw():
+                received += part
+                await asyncio.sleep(0.01)
+        assert received == body
+        assert (await client.post(url + "/x", content=b"next")).content == b"next"
+    assert server.connections == 1
+
+
 async def test_a_body_ended_by_the_servers_close_is_whole_and_not_reused(
     client: httpx.AsyncClient,
 ) -> None:
