@@ -128,6 +128,9 @@ class _Pool:
         self._opening += 1
         try:
             connection = await self._connect(connect_timeout)
+        except BaseException:
+            self._wake_one()  # the place it held is free again (refused, timed out, cancelled)
+            raise
         finally:
             self._opening -= 1
         if self._closed:
@@ -142,11 +145,9 @@ class _Pool:
             async with asyncio.timeout(timeout):
                 _, connection = await loop.create_connection(Connection, self._host, self._port)
         except TimeoutError as exc:
-            self._wake_one()
             where = f"{self._host}:{self._port}"
             raise httpx.ConnectTimeout(f"timed out connecting to {where}") from exc
         except OSError as exc:
-            self._wake_one()
             raise httpx.ConnectError(str(exc)) from exc
         connection.on_lost = self._lost
         return connection

@@ -317,9 +317,7 @@ async def _measure(
             direct, proxied = Samples(), Samples()
             rounds = max(args.min_rounds, math.ceil(args.min_samples / args.turns / level))
             for r in range(rounds):
-                fake_cpu = _cpu_seconds(fake_pid)
                 await _direct(args, cluster, system, level=level, into=direct)
-                direct.fake_cpu += _cpu_seconds(fake_pid) - fake_cpu
                 fake_cpu = _cpu_seconds(fake_pid)
                 await _proxied(
                     args, client, system, pid=pid, level=level, tag=f"c{level}-{r}", into=proxied
