@@ -6,6 +6,7 @@ itself. When on, it
 
 * applies the idle-CPU settings (``_quiet``; ``AGENTKV_QUIET=0`` leaves vLLM's busy-waits as
   they are, for servers with cores to spare),
+* lets the server load its own compile cache instead of compiling again (``_compile_cache``),
 * installs the EngineCore utility that serves lease calls (``_engine_rpc``), and
 * refuses to start unless ``VLLM_PLUGINS`` names ``agentkv``: vLLM loads endpoint plugins (our
   lease routes and the stream patch, ``_endpoint``) only when allowlisted there, and a server
@@ -55,8 +56,9 @@ def register() -> None:
         return
     _check_allowlist()
     # Imported here: vLLM imports this module in every process, also where the plugin is off.
-    from agentkv.connector import _engine_rpc, _quiet
+    from agentkv.connector import _compile_cache, _engine_rpc, _quiet
 
+    _compile_cache.apply()
     if os.environ.get(QUIET_ENV, "1") != "0":
         _quiet.apply()
     _engine_rpc.install()
