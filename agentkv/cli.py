@@ -1,7 +1,7 @@
 """The ``agentkv`` command line: ``up``, ``down``, ``status``, ``demo``, ``proxy``, ``bench``.
 
-Environment variables are read here and nowhere else (``AGENTKV_CLUSTER``); everything below
-the CLI takes typed config objects.
+Environment variables are read here and nowhere else (``AGENTKV_CLUSTER``, ``AGENTKV_CPU_ISA``);
+everything below the CLI takes typed config objects.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -18,7 +19,8 @@ import structlog
 
 from agentkv._exceptions import AgentKVError
 from agentkv.local._config import ClusterRecord, LocalClusterConfig, default_cluster_file
-from agentkv.local._launch import _healthy, start_cluster, stop_cluster
+from agentkv.local._cpu import DTYPES, ISA_ENV
+from agentkv.local._launch import _healthy, serving_dtype, start_cluster, stop_cluster
 from agentkv.local._model import DEFAULT_MODEL, MODELS, prepare_model
 from agentkv.local._procs import group_cpu_percent, pid_alive
 
@@ -28,7 +30,8 @@ def _progress(message: str) -> None:
 
 
 def _cluster_file(args: argparse.Namespace) -> Path:
-    return Path(args.cluster_file) if args.cluster_file else default_cluster_file()
+    given = getattr(args, "cluster_file", None)
+    return Path(given) if given else default_cluster_file()
 
 
 def _local_config(args: argparse.Namespace) -> LocalClusterConfig:
@@ -36,9 +39,12 @@ def _local_config(args: argparse.Namespace) -> LocalClusterConfig:
     overrides = {
         name: getattr(args, name)
         for name in ("pairs", "model", "base_port", "base_side_channel_port", "kv_cache_gib",
-                     "decoder_kv_blocks_ttl", "max_model_len", "startup_timeout_s")
+                     "decoder_kv_blocks_ttl", "max_model_len", "startup_timeout_s", "dtype")
         if getattr(args, name, None) is not None
     }
+    isa = getattr(args, "cpu_isa", None) or os.environ.get(ISA_ENV) or None
+    if isa:
+        overrides["cpu_isa"] = isa
     if getattr(args, "stock_connector", False):
         overrides["agentkv_connector"] = False
     if getattr(args, "model_cache_dir", None):
@@ -58,8 +64,9 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
-    cache = Path(args.model_cache_dir) if args.model_cache_dir else None
-    print(prepare_model(args.model, cache_dir=cache, progress=_progress))
+    config = _local_config(args)
+    print(prepare_model(config.model, dtype=serving_dtype(config),
+                        cache_dir=config.model_cache_dir, progress=_progress))
     return 0
 
 
@@ -108,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log every turn to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def with_dtype(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--dtype", choices=DTYPES, help="serving dtype (default: bfloat16 where "
+                       "the CPU has AVX512-BF16 or AMX, float32 elsewhere; docs/cpu.md)")
+        p.add_argument("--cpu-isa", choices=("avx2",), help="run as on a CPU limited to this "
+                       f"ISA, to reproduce its kernels and numerics (default ${ISA_ENV})")
+
     def with_cluster_file(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument("--cluster-file", help="cluster file (default $AGENTKV_CLUSTER or "
                        ".agentkv/cluster.json)")
@@ -127,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--startup-timeout-s", type=float, help="default 900")
     up.add_argument("--stock-connector", action="store_true",
                     help="run vLLM's NixlConnector without the agentkv extension")
+    with_dtype(up)
     up.set_defaults(func=cmd_up)
 
     down = with_cluster_file(sub.add_parser("down", help="stop the servers `up` started"))
@@ -152,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare-model", help="prepare a local model into the cache")
     prep.add_argument("--model", choices=sorted(MODELS), default=DEFAULT_MODEL)
     prep.add_argument("--model-cache-dir")
+    with_dtype(prep)
     prep.set_defaults(func=cmd_prepare_model)
     return parser
 

@@ -37,6 +37,10 @@ class LocalClusterConfig:
     base_side_channel_port: int = 15600  # NIXL side channels, same layout
     max_model_len: int = 8192
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE per server
+    # The serving dtype; None picks per CPU (bf16 only where it is native, see _cpu.py).
+    dtype: str | None = None
+    # Run the servers as on a CPU limited to this ISA ("avx2"; AGENTKV_CPU_ISA, see _cpu.py).
+    cpu_isa: str | None = None
     decoder_kv_blocks_ttl: float = 480.0
     kv_recompute_threshold: int = 64
     startup_timeout_s: float = 900.0
@@ -80,10 +84,13 @@ class ClusterRecord:
 
     model: str
     pairs: tuple[PairRecord, ...]
+    # The dtype the servers run in (None: a cluster file written before it was recorded).
+    dtype: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
+            **({"dtype": self.dtype} if self.dtype else {}),
             "pairs": [
                 {
                     "name": pair.name,
@@ -130,6 +137,11 @@ class ClusterRecord:
                 )
                 for p in data["pairs"]
             )
-            return cls(model=str(data["model"]), pairs=pairs)
+            dtype = data.get("dtype")
+            return cls(
+                model=str(data["model"]),
+                pairs=pairs,
+                dtype=None if dtype is None else str(dtype),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"cluster file {path} is malformed: {exc!r}") from exc

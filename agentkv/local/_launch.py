@@ -17,6 +17,7 @@ from typing import Any
 
 from agentkv._exceptions import ConfigError
 from agentkv.local._config import ClusterRecord, LocalClusterConfig, PairRecord, ServerRecord
+from agentkv.local._cpu import default_dtype, isa_env, read_cpu_info
 from agentkv.local._model import prepare_model
 from agentkv.local._procs import pid_alive, stop_group
 from agentkv.local._quiet import quiet_env
@@ -77,9 +78,26 @@ def kv_transfer_config(*, role: str, config: LocalClusterConfig) -> dict[str, An
     return transfer
 
 
+def serving_dtype(config: LocalClusterConfig) -> str:
+    """``config.dtype``, or the dtype that is fast and numerically safe on this CPU."""
+    if config.dtype is not None:
+        return config.dtype
+    return default_dtype(read_cpu_info().limited_to(config.cpu_isa))
+
+
+def _prepared_model(config: LocalClusterConfig, say: Progress) -> Path:
+    return prepare_model(
+        config.model,
+        dtype=serving_dtype(config),
+        cache_dir=config.model_cache_dir,
+        progress=say,
+    )
+
+
 def plan_servers(config: LocalClusterConfig, *, model_path: Path) -> list[ServerPlan]:
     """Ports, cores, commands and environments for every server of the cluster."""
     cores = os.cpu_count() or 1
+    dtype = serving_dtype(config)
     plans = []
     for index in range(config.pairs):
         name = f"pair-{index}"
@@ -94,7 +112,7 @@ def plan_servers(config: LocalClusterConfig, *, model_path: Path) -> list[Server
                 "--host", config.host,
                 "--port", str(ports[offset]),
                 "--max-model-len", str(config.max_model_len),
-                "--dtype", "bfloat16",
+                "--dtype", dtype,
                 "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",
                 "--kv-transfer-config", json.dumps(kv_transfer_config(role=role, config=config)),
@@ -112,6 +130,8 @@ def plan_servers(config: LocalClusterConfig, *, model_path: Path) -> list[Server
             )
             if config.quiet:
                 env.update(quiet_env())
+            if config.cpu_isa is not None:
+                env.update(isa_env(config.cpu_isa, environ=env))
             plans.append(
                 ServerPlan(
                     role=role, pair=name, port=ports[offset], side_channel_port=channels[offset],
@@ -218,12 +238,15 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
         dead = [(pair, role) for pair, role, server in servers if not pid_alive(server.pid)]
         if len(dead) < len(servers):
             return _heal(config, record, dead, say)
-    model_path = prepare_model(config.model, cache_dir=config.model_cache_dir, progress=say)
+    model_path = _prepared_model(config, say)
     plans = plan_servers(config, model_path=model_path)
     check_preconditions(plans, config)
+    say(f"serving {config.model} in {serving_dtype(config)} on {read_cpu_info().model}"
+        + (f", limited to {config.cpu_isa}" if config.cpu_isa else ""))
     started = _launch(plans, config, say)
     record = ClusterRecord(
         model=config.model,
+        dtype=serving_dtype(config),
         pairs=tuple(
             PairRecord(
                 name=prefill.pair,
@@ -302,7 +325,7 @@ def _heal(
             )
         say(f"reusing the running cluster in {config.cluster_file} ({len(record.pairs)} pairs)")
         return record
-    model_path = prepare_model(config.model, cache_dir=config.model_cache_dir, progress=say)
+    model_path = _prepared_model(config, say)
     plans = restart_plans(
         record, dead, plan_servers(config, model_path=model_path), source=config.cluster_file
     )

