@@ -110,6 +110,8 @@ class DecodeResult:
     finish_reason: str
     prompt_tokens: int | None
     handle: KVHandle | None
+    # One per generated token, when the request asked for them (``logprobs: true``).
+    logprobs: tuple[float, ...] | None = None
 
 
 def prefill_body(request: TurnRequest, *, prompt_ids: Any, handle: KVHandle | None) -> bytes:
@@ -360,6 +362,20 @@ def _tool_calls(raw: object, url: str) -> tuple[ToolCall, ...]:
         raise _bad(url, "decode", f"bad tool call: {exc}") from exc
 
 
+def _logprobs(choice: Mapping[str, Any], url: str) -> list[float] | None:
+    """The sampled tokens' logprobs (``choices[0].logprobs.content[*].logprob``), if present."""
+    raw = choice.get("logprobs")
+    if raw is None:
+        return None
+    content = raw.get("content") if isinstance(raw, Mapping) else None
+    if not isinstance(content, list):
+        raise _bad(url, "decode", "choices[0].logprobs.content is not a list")
+    values = [entry.get("logprob") if isinstance(entry, Mapping) else None for entry in content]
+    if not all(isinstance(v, int | float) for v in values):
+        raise _bad(url, "decode", "a logprobs entry has no numeric logprob")
+    return [float(v) for v in values]  # type: ignore[arg-type]
+
+
 def _assistant(content: object, tool_calls: tuple[ToolCall, ...], url: str) -> Message:
     if content is not None and not isinstance(content, str):
         raise _bad(url, "decode", "message.content is not a string")
@@ -389,6 +405,7 @@ def parse_decode(
     params = _kv_params(data, url, leg)
     usage = data.get("usage")
     prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, Mapping) else None
+    logprobs = _logprobs(choice, url)
     return DecodeResult(
         message=_assistant(
             message.get("content"), _tool_calls(message.get("tool_calls"), url), url
@@ -397,6 +414,7 @@ def parse_decode(
         finish_reason=finish_reason,
         prompt_tokens=prompt_tokens if _int(prompt_tokens) else None,
         handle=_handle(params, url=url, pair=pair, issued_at=issued_at, deadline=deadline),
+        logprobs=None if logprobs is None else tuple(logprobs),
     )
 
 
@@ -410,6 +428,7 @@ class StreamAccumulator:
     __slots__ = (
         "_calls",
         "_finish",
+        "_logprobs",
         "_params",
         "_prompt_tokens",
         "_text",
@@ -426,6 +445,7 @@ class StreamAccumulator:
         self._finish: str | None = None
         self._params: Mapping[str, Any] | None = None
         self._prompt_tokens: int | None = None
+        self._logprobs: list[float] | None = None
         self.has_tokens = False
 
     def feed(self, chunk: Any) -> str:
@@ -454,10 +474,7 @@ class StreamAccumulator:
         if not isinstance(choices, list) or not isinstance(choices[0], Mapping):
             raise _bad(url, "decode", "stream chunk choices are malformed")
         choice = choices[0]
-        ids = choice.get("token_ids")
-        if ids is not None:
-            self._token_ids.extend(_token_ids(ids, url, "chunk token_ids"))
-            self.has_tokens = self.has_tokens or bool(ids)
+        self._feed_tokens(choice)
         finish = choice.get("finish_reason")
         if finish is not None:
             if not isinstance(finish, str):
@@ -473,6 +490,16 @@ class StreamAccumulator:
             self._text.append(text)
             return text
         return ""
+
+    def _feed_tokens(self, choice: Mapping[str, Any]) -> None:
+        url = self._url
+        ids = choice.get("token_ids")
+        if ids is not None:
+            self._token_ids.extend(_token_ids(ids, url, "chunk token_ids"))
+            self.has_tokens = self.has_tokens or bool(ids)
+        logprobs = _logprobs(choice, url)
+        if logprobs is not None:
+            self._logprobs = [*(self._logprobs or ()), *logprobs]
 
     def _add_call(self, call: object) -> None:
         if not isinstance(call, Mapping) or not _int(call.get("index", 0)):
@@ -507,6 +534,7 @@ class StreamAccumulator:
             finish_reason=self._finish,
             prompt_tokens=self._prompt_tokens,
             handle=self._stream_handle(pair=pair, issued_at=issued_at, deadline=deadline),
+            logprobs=None if self._logprobs is None else tuple(self._logprobs),
         )
 
     def _stream_handle(self, *, pair: str, issued_at: float, deadline: float) -> KVHandle | None:

@@ -234,6 +234,7 @@ class TurnRunner:
             token_ids=result.token_ids,
             finish_reason=result.finish_reason,
             stats=stats,
+            logprobs=result.logprobs,
         )
 
     def _leased(self, result: DecodeResult, *, issued_at: float) -> DecodeResult:

@@ -338,13 +338,15 @@ class TurnResult:
     """The answer of one turn: the assistant message as committed to the transcript, and stats.
 
     ``token_ids`` are the generated ids exactly as decode produced them (the stop token included);
-    ``result.text`` is the assistant's text.
+    ``result.text`` is the assistant's text. ``logprobs`` holds each generated token's logprob
+    when the turn asked for them (``extra_body={"logprobs": True}``), else ``None``.
     """
 
     message: Message
     token_ids: tuple[int, ...]
     finish_reason: str
     stats: TurnStats
+    logprobs: tuple[float, ...] | None = None
 
     @property
     def text(self) -> str:

@@ -32,6 +32,7 @@ Example:
     'http://fake-d0.test:8000'
 """
 
+from agentkv.testing._drift import DriftReport, logprob_drift, teacher_forced_logprobs, tie_gap
 from agentkv.testing._fake_clock import ManualClock
 from agentkv.testing._fake_cluster import FakeCluster
 from agentkv.testing._fake_http import ServedCluster
@@ -43,6 +44,7 @@ from agentkv.testing._fake_transport import FakeTransport
 
 __all__ = [
     "ChatTemplate",
+    "DriftReport",
     "FakeCluster",
     "FakeServer",
     "FakeTokenizer",
@@ -50,5 +52,8 @@ __all__ = [
     "FaultKind",
     "ManualClock",
     "ServedCluster",
+    "logprob_drift",
     "render_chat",
+    "teacher_forced_logprobs",
+    "tie_gap",
 ]

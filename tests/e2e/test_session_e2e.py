@@ -6,12 +6,17 @@ Reuse is read from the prefill server's own usage (``cached_tokens``), never fro
 from __future__ import annotations
 
 import itertools
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import agentkv
 from agentkv import CachePolicy, HandleState, Message
+from agentkv.local._config import ClusterRecord
+from agentkv.testing import logprob_drift, teacher_forced_logprobs, tie_gap
 
 pytestmark = pytest.mark.e2e
 
@@ -30,17 +35,67 @@ QUESTIONS = (
 NO_HANDLE = CachePolicy(min_reuse_tokens=10**9)
 
 
-def _conversation(cluster_file: Path, policy: CachePolicy) -> list[agentkv.TurnResult]:
+Turn = tuple[agentkv.TurnResult, list[int]]  # a turn's result and its exact prompt ids
+
+# How far decode's logprobs may lie from a cold, teacher-forced prefill of the same tokens, per
+# serving dtype. Measured with benchmarks/cpu_dtype.py (docs/cpu.md): at most 0.19 nats in bf16
+# and 3e-5 in fp32, with reuse and without alike; a turn sent with another prefix's handle moved
+# them by 3.0 nats. The tolerances sit ~3x above the drift and ~5x below wrong KV.
+DRIFT_TOLERANCE = {"bfloat16": 0.6, "float32": 0.01}
+OTHER_SYSTEM = "You are a librarian. Answer in one short sentence.\n" + "\n".join(
+    f"Row {i}: the book {i * 13 % 97} by author {chr(90 - i % 26)}{i * 3}." for i in range(40)
+)
+LOGPROBS = {"logprobs": True}
+
+
+def _prompt_of(session: agentkv.Session, result: agentkv.TurnResult) -> list[int]:
+    """The exact prompt of the turn just committed: the transcript minus the generated ids."""
+    tokens = session.transcript.token_ids
+    generated = result.token_ids
+    assert tokens[len(tokens) - len(generated):] == generated
+    return list(tokens[: len(tokens) - len(generated)])
+
+
+def _conversation(cluster_file: Path, policy: CachePolicy) -> list[Turn]:
     with agentkv.Cluster.from_file(cluster_file) as cluster, cluster.session(
-        max_tokens=24, policy=policy
+        max_tokens=24, policy=policy, extra_body=LOGPROBS
     ) as session:
         session.append(Message.system(SYSTEM))
-        return [session.send(question) for question in QUESTIONS]
+        turns = []
+        for question in QUESTIONS:
+            result = session.send(question)
+            turns.append((result, _prompt_of(session, result)))
+        return turns
+
+
+def _tolerance(cluster: ClusterRecord) -> float:
+    return DRIFT_TOLERANCE[cluster.dtype or "bfloat16"]
+
+
+def _reference(cluster: ClusterRecord, prompt: list[int], generated: Sequence[int]) -> Any:
+    return teacher_forced_logprobs(
+        cluster.pairs[0].prefill.url, model=cluster.model, prompt_ids=prompt,
+        generated_ids=generated,
+    )
+
+
+def _assert_no_wrong_kv(cluster: ClusterRecord, turns: list[Turn]) -> None:
+    """Every turn's logprobs lie within the dtype's drift of a cold recompute of its tokens."""
+    tolerance = _tolerance(cluster)
+    for number, (result, prompt) in enumerate(turns, start=1):
+        assert result.logprobs is not None
+        report = logprob_drift(
+            result.logprobs, _reference(cluster, prompt, result.token_ids), result.token_ids
+        )
+        assert report.within(tolerance), (
+            f"turn {number}: logprobs {report.max_abs:.3f} nats from a cold recompute at token "
+            f"{report.worst_position} (tolerance {tolerance}): wrong KV behind the prompt"
+        )
 
 
 def test_every_later_turn_reuses_the_block_aligned_ideal_per_prefill(cluster_file: Path) -> None:
     """Turns >= 2 reuse >= 99% of the previous turn's prompt + output, block-aligned, per P."""
-    results = _conversation(cluster_file, CachePolicy())
+    results = [result for result, _ in _conversation(cluster_file, CachePolicy())]
     for previous, result in itertools.pairwise(results):
         stats = result.stats
         ideal = previous.stats.prompt_tokens + previous.stats.generated_tokens - 1
@@ -50,12 +105,55 @@ def test_every_later_turn_reuses_the_block_aligned_ideal_per_prefill(cluster_fil
         assert stats.reused_tokens <= stats.prompt_tokens
 
 
-def test_greedy_outputs_are_identical_with_and_without_reuse(cluster_file: Path) -> None:
+def test_greedy_outputs_with_reuse_equal_outputs_without_it(
+    local_cluster: ClusterRecord, cluster_file: Path
+) -> None:
+    """Greedy answers with reuse are the answers without it, token for token, unless the first
+    difference is a near-tie that the dtype's rounding can flip; and no turn of either run has
+    logprobs further from a cold recompute than that rounding (wrong KV moves them by nats)."""
     with_reuse = _conversation(cluster_file, CachePolicy())
     without = _conversation(cluster_file, NO_HANDLE)
-    assert all(r.stats.handle_state is not HandleState.ATTACHED for r in without)
-    assert [r.message.content for r in with_reuse] == [r.message.content for r in without]
-    assert [r.token_ids for r in with_reuse] == [r.token_ids for r in without]
+    assert all(r.stats.handle_state is HandleState.ATTACHED for r, _ in with_reuse[1:])
+    assert all(r.stats.handle_state is not HandleState.ATTACHED for r, _ in without)
+    _assert_no_wrong_kv(local_cluster, with_reuse)
+    _assert_no_wrong_kv(local_cluster, without)
+    tolerance = _tolerance(local_cluster)
+    for number, ((a, prompt), (b, _)) in enumerate(zip(with_reuse, without, strict=True), 1):
+        if a.token_ids == b.token_ids:
+            assert a.message.content == b.message.content
+            continue
+        # The runs part here: later turns have different prompts and are not comparable.
+        # Both runs stop on the same max_tokens, so differing answers differ at some token.
+        pairs = zip(a.token_ids, b.token_ids, strict=False)
+        index = next(i for i, (x, y) in enumerate(pairs) if x != y)
+        at = _reference(local_cluster, prompt, a.token_ids[: index + 1])[index]
+        gap = tie_gap(at, a.token_ids[index], b.token_ids[index])
+        assert gap <= tolerance, (
+            f"turn {number} differs at token {index} ({a.message.content!r} vs "
+            f"{b.message.content!r}) and the two tokens are {gap:.3f} nats apart: no near-tie"
+        )
+        break
+
+
+def test_a_deliberately_wrong_handle_fails_the_drift_check(local_cluster: ClusterRecord) -> None:
+    """The check above is not vacuous: another session's handle behind a prompt fails it."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "cluster.json"
+        local_cluster.write(path)
+        with agentkv.Cluster.from_file(path) as cluster, cluster.session(
+            max_tokens=24, extra_body=LOGPROBS
+        ) as victim, cluster.session(max_tokens=24, extra_body=LOGPROBS) as donor:
+            victim.append(Message.system(SYSTEM))
+            donor.append(Message.system(OTHER_SYSTEM))
+            victim.send(QUESTIONS[0])
+            donor.send("Which book is in row 3?")
+            assert donor.handle is not None
+            victim._state.handle, donor._state.handle = donor.handle, None
+            wrong = victim.send(QUESTIONS[1])
+            assert wrong.stats.handle_state is HandleState.ATTACHED
+            prompt = _prompt_of(victim, wrong)
+    with pytest.raises(AssertionError, match="wrong KV behind the prompt"):
+        _assert_no_wrong_kv(local_cluster, [(wrong, prompt)])
 
 
 def test_an_edited_history_forks_and_never_sends_the_old_handle(cluster_file: Path) -> None:
