@@ -39,7 +39,8 @@ def _local_config(args: argparse.Namespace) -> LocalClusterConfig:
     overrides = {
         name: getattr(args, name)
         for name in ("pairs", "model", "base_port", "base_side_channel_port", "kv_cache_gib",
-                     "decoder_kv_blocks_ttl", "max_model_len", "startup_timeout_s", "dtype")
+                     "decoder_kv_blocks_ttl", "kv_recompute_threshold", "max_model_len",
+                     "startup_timeout_s", "dtype")
         if getattr(args, name, None) is not None
     }
     isa = getattr(args, "cpu_isa", None) or os.environ.get(ISA_ENV) or None
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-gib", type=int, help="KV cache per server in GiB (default 1)")
     up.add_argument("--decoder-kv-blocks-ttl", type=float,
                     help="seconds decode pins turn-end KV (default 480)")
+    up.add_argument("--kv-recompute-threshold", type=int, help="below this many missing tokens "
+                    "prefill recomputes instead of pulling from decode (default "
+                    f"{LocalClusterConfig.kv_recompute_threshold}; docs/operations.md)")
     up.add_argument("--max-model-len", type=int, help="default 8192")
     up.add_argument("--startup-timeout-s", type=float, help="default 900")
     up.add_argument("--stock-connector", action="store_true",

@@ -42,7 +42,9 @@ class LocalClusterConfig:
     # Run the servers as on a CPU limited to this ISA ("avx2"; AGENTKV_CPU_ISA, see _cpu.py).
     cpu_isa: str | None = None
     decoder_kv_blocks_ttl: float = 480.0
-    kv_recompute_threshold: int = 64
+    # Pull whatever prefill lacks: on loopback a pull costs less than recomputing even a few
+    # tokens (benchmarks/pull_vs_recompute.py, docs/cpu.md); vLLM's default is 64.
+    kv_recompute_threshold: int = 1
     startup_timeout_s: float = 900.0
     # The agentkv connector (NixlConnector + agentkv policy hooks); False runs stock vLLM.
     agentkv_connector: bool = True
