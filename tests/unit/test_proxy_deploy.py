@@ -26,6 +26,9 @@ DEPLOYMENT_FLAGS = {"--model", "--served-model-name", "--host", "--port", "--max
 LOCAL_ONLY_ENV = {"VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "HF_HUB_OFFLINE"}
 # NIXL stages KV through host memory on the CPU build only; on GPUs it moves device memory.
 LOCAL_ONLY_TRANSFER = {"kv_buffer_device"}
+# A GPU recomputes a missing tail in well under the round trip of a pull, so deployments keep vLLM's
+# default threshold; a CPU pair pulls whatever it lacks (docs/operations.md, "Recompute threshold").
+GPU_RECOMPUTE_THRESHOLD = 64
 
 
 def _documents() -> list[dict[str, Any]]:
@@ -87,6 +90,8 @@ def test_kv_transfer_config_matches_agentkv_up(role):
     local = kv_transfer_config(role=role, config=LocalClusterConfig())
     for key in LOCAL_ONLY_TRANSFER:
         local.pop(key, None)
+    assert local["kv_connector_extra_config"]["kv_recompute_threshold"] == 1
+    local["kv_connector_extra_config"]["kv_recompute_threshold"] = GPU_RECOMPUTE_THRESHOLD
     assert deployed == local
     assert deployed["kv_role"] == ("kv_producer" if role == "prefill" else "kv_consumer")
     assert deployed["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
