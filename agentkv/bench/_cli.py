@@ -153,8 +153,8 @@ def summary_table(report: Mapping[str, Any]) -> str:
     for name, block in report.get("ratios", {}).items():
         turns = ", ".join("-" if r is None else f"{r:.2f}" for r in block["by_turn"])
         overall = block["ttft_p50_after_first_turn"]
-        lines.append(f"{name.replace('_vs_', ' / ')} TTFT: p50 {_fmt(overall)}; "
-                     f"by turn {turns}")
+        p50 = "-" if overall is None else f"{overall:.2f}"
+        lines.append(f"{name.replace('_vs_', ' / ')} TTFT: p50 {p50}; by turn {turns}")
     return "\n".join(lines)
 
 
