@@ -218,7 +218,10 @@ def _forwarded_ids(ctx: ServerContext, ids: Any) -> list[int]:
 
 
 def _tool_spec(ctx: ServerContext, request: ChatRequest) -> ToolSpec | None:
-    """What structured outputs force: only ``required`` and named choices constrain."""
+    """What structured outputs force: a ``structured_outputs.json`` schema, else only
+    ``required`` and named choices constrain."""
+    if isinstance(request.json_schema, dict):
+        return ToolSpec(mode="json", schema=request.json_schema)
     if ctx.tool_call_parser is None or not request.tools:
         return None
     choice = request.tool_choice

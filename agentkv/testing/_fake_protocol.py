@@ -141,6 +141,8 @@ class ChatRequest:
     cache_salt: str | None = None
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    # ``structured_outputs.json``: the schema decoding is constrained to.
+    json_schema: Any = None
 
 
 _TYPE_ERRORS: Final[dict[type, tuple[str, str]]] = {
@@ -227,6 +229,7 @@ def parse_chat_request(data: Any) -> ChatRequest:
         request_id=_field(data, "request_id", str, None),
         cache_salt=_field(data, "cache_salt", str, None),
         stop=_stop(data.get("stop")),
+        json_schema=(_field(data, "structured_outputs", dict, None) or {}).get("json"),
         include_stop_str_in_output=bool(_field(data, "include_stop_str_in_output", bool, False)),
         chat_template=data.get("chat_template"),
         chat_template_kwargs=data.get("chat_template_kwargs"),

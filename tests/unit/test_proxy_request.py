@@ -102,6 +102,14 @@ def test_every_field_vllm_accepts_is_passed_ignored_or_refused_never_unknown():
     assert set(request.ignored) == set(ignored)
 
 
+def test_sampling_fields_pass_to_decode_and_openai_only_fields_are_ignored_with_a_warning():
+    with capture_logs() as logs:
+        request = parse(top_p=0.9, seed=3, stop=["\n"], user="u1", store=False, metadata={})
+    assert dict(request.extra) == {"top_p": 0.9, "seed": 3, "stop": ["\n"]}
+    [event] = [e for e in logs if e["event"] == "agentkv.proxy.fields_ignored"]
+    assert event["fields"] == ["metadata", "store", "user"]
+
+
 def test_max_completion_tokens_wins_and_the_default_fills_in():
     assert parse().max_tokens == 64
     assert parse(max_tokens=10).max_tokens == 10
