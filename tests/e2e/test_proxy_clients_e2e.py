@@ -178,7 +178,8 @@ def test_openai_async_tools_and_a_stop_string(
             assert first.choices[0].finish_reason == "tool_calls"
             tool_calls = [c.model_dump() for c in first.choices[0].message.tool_calls]
             messages.append(first.choices[0].message.model_dump(exclude_none=True))
-        assert tool_calls and tool_calls[0]["function"]["name"] == "get_weather"
+        assert tool_calls
+        assert tool_calls[0]["function"]["name"] == "get_weather"
         for call in tool_calls:
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": "Rain"})
         # A ReAct-style stop string on the next turn: a normal turn, no handle after it.
@@ -232,7 +233,8 @@ def test_langchain_bind_tools_loop(proxy: ProxyServer, model: str) -> None:
     ).bind_tools([get_weather], tool_choice="get_weather")
     messages: list[Any] = [SystemMessage(SYSTEM), HumanMessage("Weather in Oslo?")]
     first = llm.invoke(messages)
-    assert first.tool_calls and first.tool_calls[0]["name"] == "get_weather"
+    assert first.tool_calls
+    assert first.tool_calls[0]["name"] == "get_weather"
     messages.append(first)
     for call in first.tool_calls:
         messages.append(ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]))

@@ -174,7 +174,8 @@ async def test_conversations_sharing_a_prompt_cache_key_do_not_fork_each_other(c
 
 
 @pytest.mark.parametrize(
-    "extra", [{"echo": True}, {"chat_template_kwargs": {"x": 1}}, {"n": 2}, {"prompt_token_ids": [1]}]
+    "extra",
+    [{"echo": True}, {"chat_template_kwargs": {"x": 1}}, {"n": 2}, {"prompt_token_ids": [1]}],
 )
 async def test_the_sdk_refuses_token_changing_fields_on_every_path(fake, extra):
     """Before: echo/n/chat_template_kwargs went to vLLM and put wrong KV behind the transcript."""
