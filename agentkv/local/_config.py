@@ -88,11 +88,19 @@ class ClusterRecord:
     pairs: tuple[PairRecord, ...]
     # The dtype the servers run in (None: a cluster file written before it was recorded).
     dtype: str | None = None
+    # The servers' kv_recompute_threshold: the SDK attaches handles down to it (None: not
+    # recorded, the SDK assumes vLLM's default).
+    kv_recompute_threshold: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             **({"dtype": self.dtype} if self.dtype else {}),
+            **(
+                {"kv_recompute_threshold": self.kv_recompute_threshold}
+                if self.kv_recompute_threshold is not None
+                else {}
+            ),
             "pairs": [
                 {
                     "name": pair.name,
@@ -140,10 +148,12 @@ class ClusterRecord:
                 for p in data["pairs"]
             )
             dtype = data.get("dtype")
+            threshold = data.get("kv_recompute_threshold")
             return cls(
                 model=str(data["model"]),
                 pairs=pairs,
                 dtype=None if dtype is None else str(dtype),
+                kv_recompute_threshold=None if threshold is None else int(threshold),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"cluster file {path} is malformed: {exc!r}") from exc

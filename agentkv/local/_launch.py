@@ -247,6 +247,7 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
     record = ClusterRecord(
         model=config.model,
         dtype=serving_dtype(config),
+        kv_recompute_threshold=config.kv_recompute_threshold,
         pairs=tuple(
             PairRecord(
                 name=prefill.pair,
