@@ -24,6 +24,7 @@ import httpx
 import structlog
 
 from agentkv._exceptions import ConfigError, NoHealthyPairError, SessionClosedError
+from agentkv._fields import check_extra_body
 from agentkv._http import get_ok
 from agentkv._json import JSONDecodeError, loads
 from agentkv._leasing import LeaseCalls
@@ -96,6 +97,15 @@ def _parse_spec(spec: object, source: str) -> tuple[list[Pair], str, dict[str, A
     extra: dict[str, Any] = {}
     if "block_size" in spec:
         extra["block_size"] = spec["block_size"]
+    threshold = spec.get("kv_recompute_threshold")
+    if threshold is not None:
+        # The servers' own threshold: handles are worth attaching down to it (the local pair
+        # pulls whatever prefill lacks: 1), not only down to vLLM's default 64.
+        if type(threshold) is not int or threshold < 0:
+            raise ConfigError(
+                f"{source}: 'kv_recompute_threshold' must be a non-negative integer"
+            )
+        extra["policy"] = CachePolicy(recompute_threshold=threshold)
     return pairs, model, extra
 
 
@@ -223,13 +233,17 @@ class AsyncCluster:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,
         extra_body: Mapping[str, Any] | None = None,
+        placement_key: str | None = None,
     ) -> AsyncSession:
         """Open a session, placed on a pair by its id. Use it as an async context manager.
 
         ``max_tokens``, ``temperature``, ``tools``, ``tool_choice`` and ``extra_body`` (more
         sampling fields for the decode request) are defaults that each turn can override.
+        ``placement_key`` places the session by that key instead of its id: sessions that share
+        a prompt prefix and a key land on the same pair, whose prefill cache holds the prefix.
         """
         self._check_open()
+        check_extra_body(extra_body or {})
         options = SessionOptions(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -238,7 +252,11 @@ class AsyncCluster:
             extra_body=types.MappingProxyType(dict(extra_body or {})),
         )
         return AsyncSession._open(
-            self, session_id=session_id, policy=policy or self.policy, options=options
+            self,
+            session_id=session_id,
+            policy=policy or self.policy,
+            options=options,
+            placement_key=placement_key,
         )
 
     # --- used by sessions ----------------------------------------------------------------------
