@@ -6,7 +6,6 @@ reuses exactly the ideal (the previous prompt and what was generated, less the l
 from __future__ import annotations
 
 import contextlib
-
 import itertools
 from typing import Any
 
