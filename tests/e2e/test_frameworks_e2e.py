@@ -1,0 +1,171 @@
+"""Agent frameworks on ``agentkv.OpenAI`` / ``agentkv.AsyncOpenAI`` on the real local pair.
+
+Each framework runs its own agent loop, unmodified, on the calculator task of ``agentkv demo``
+(after the same worked example, given as conversation history in the framework's own message
+types). Every run must make at least two tool calls; no call may fork its session; every call
+from the 2nd on must reuse >= 95% of the ideal (the previous prompt + generated - 1 tokens); and
+the greedy run must answer exactly as a run without reuse does (handles never sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import agentkv
+from agentkv import AsyncCluster, CachePolicy, Cluster
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM = "You are a careful calculator. Do one operation per step."
+EXAMPLE_TASK = "Compute (2 + 3) * 4 - 1."
+EXAMPLE_STEPS = (("add", {"a": 2, "b": 3}, "5"), ("multiply", {"a": 5, "b": 4}, "20"))
+EXAMPLE_ANSWER = "20 - 1 = 19."
+TASK = "Compute (17 + 25) * 3."
+NO_HANDLE = CachePolicy(min_reuse_tokens=10**9)
+MAX_CALLS = 6
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers."""
+    return a + b
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two numbers."""
+    return a * b
+
+
+def subtract(a: int, b: int) -> int:
+    """Subtract b from a."""
+    return a - b
+
+
+def check_session(name: str, session: Any) -> None:
+    turns = session["turns"]
+    sys.stderr.write(f"[reuse] {name}: {len(turns)} calls, forks {session['forks']}\n")
+    assert session["forks"] == 0
+    for previous, turn in itertools.pairwise(turns):
+        ideal = previous["prompt_tokens"] + previous["generated_tokens"] - 1
+        sys.stderr.write(f"[reuse] {name}: cached {turn['reused_tokens']} of ideal {ideal}\n")
+        assert turn["reused_tokens"] >= 0.95 * ideal, turn
+
+
+# --- LangChain: create_agent on ChatOpenAI(client=agentkv.OpenAI(...)) -------------------------
+
+
+def _langchain_run(cluster_file: Path, policy: CachePolicy) -> tuple[list[Any], Any]:
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import ModelCallLimitMiddleware
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    history: list[Any] = [HumanMessage(EXAMPLE_TASK)]
+    for index, (name, args, result) in enumerate(EXAMPLE_STEPS):
+        call_id = f"example_{index}"
+        history += [
+            AIMessage("", tool_calls=[{"name": name, "args": args, "id": call_id}]),
+            ToolMessage(result, tool_call_id=call_id),
+        ]
+    history += [AIMessage(EXAMPLE_ANSWER), HumanMessage(TASK)]
+    with (
+        Cluster.from_file(cluster_file, policy=policy) as cluster,
+        agentkv.OpenAI(cluster, session_id="langchain", max_retries=0) as client,
+    ):
+        llm = ChatOpenAI(
+            model=client.model,
+            api_key="unused",
+            client=client.chat.completions,
+            root_client=client,
+            max_tokens=96,
+            temperature=0,
+            model_kwargs={"parallel_tool_calls": False},
+        )
+        agent = create_agent(
+            llm,
+            tools=[tool(add), tool(multiply), tool(subtract)],
+            system_prompt=SYSTEM,
+            middleware=[ModelCallLimitMiddleware(run_limit=MAX_CALLS, exit_behavior="end")],
+        )
+        result = agent.invoke({"messages": history}, {"recursion_limit": 100})
+        session = client.get("/sessions/langchain", cast_to=object)
+    return result["messages"][len(history) :], session
+
+
+def test_langchain_create_agent_on_the_drop_in_reuses_every_call(cluster_file: Path) -> None:
+    pytest.importorskip("langchain.agents")
+    messages, session = _langchain_run(cluster_file, CachePolicy())
+    calls = [call for m in messages for call in getattr(m, "tool_calls", None) or ()]
+    assert len(calls) >= 2, messages
+    check_session("langchain create_agent", session)
+    baseline, _ = _langchain_run(cluster_file, NO_HANDLE)
+    assert [(m.content, getattr(m, "tool_calls", None)) for m in messages] == [
+        (m.content, getattr(m, "tool_calls", None)) for m in baseline
+    ]
+
+
+# --- pydantic-ai: OpenAIChatModel on OpenAIProvider(openai_client=agentkv.AsyncOpenAI(...)) ----
+
+
+async def _pydantic_ai_run(cluster_file: Path, policy: CachePolicy) -> tuple[list[Any], Any]:
+    from pydantic_ai import Agent, UsageLimits
+    from pydantic_ai.messages import (
+        ModelRequest,
+        ModelResponse,
+        TextPart,
+        ToolCallPart,
+        ToolReturnPart,
+        UserPromptPart,
+    )
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    history: list[Any] = [ModelRequest(parts=[UserPromptPart(EXAMPLE_TASK)])]
+    for index, (name, args, result) in enumerate(EXAMPLE_STEPS):
+        call_id = f"example_{index}"
+        history += [
+            ModelResponse(parts=[ToolCallPart(name, args, tool_call_id=call_id)]),
+            ModelRequest(parts=[ToolReturnPart(name, result, tool_call_id=call_id)]),
+        ]
+    history.append(ModelResponse(parts=[TextPart(EXAMPLE_ANSWER)]))
+    async with (
+        AsyncCluster.from_file(cluster_file, policy=policy) as cluster,
+        agentkv.AsyncOpenAI(cluster, session_id="pydantic-ai", max_retries=0) as client,
+    ):
+        model = OpenAIChatModel(client.model, provider=OpenAIProvider(openai_client=client))
+        agent = Agent(
+            model,
+            tools=[add, multiply, subtract],
+            system_prompt=SYSTEM,
+            model_settings={"max_tokens": 96, "temperature": 0, "parallel_tool_calls": False},
+        )
+        result = await agent.run(
+            TASK, message_history=history, usage_limits=UsageLimits(request_limit=MAX_CALLS)
+        )
+        session = await client.get("/sessions/pydantic-ai", cast_to=object)
+    return result.new_messages(), session
+
+
+def test_pydantic_ai_on_the_drop_in_reuses_every_call(cluster_file: Path) -> None:
+    pytest.importorskip("pydantic_ai")
+    messages, session = asyncio.run(_pydantic_ai_run(cluster_file, CachePolicy()))
+    calls = [p for m in messages for p in m.parts if p.part_kind == "tool-call"]
+    assert len(calls) >= 2, messages
+    check_session("pydantic-ai", session)
+    baseline, _ = asyncio.run(_pydantic_ai_run(cluster_file, NO_HANDLE))
+
+    def said(run: list[Any]) -> list[Any]:
+        return [
+            (p.part_kind, getattr(p, "content", None), getattr(p, "args", None))
+            for m in run
+            for p in m.parts
+            if p.part_kind in ("text", "tool-call")
+        ]
+
+    assert said(messages) == said(baseline)
