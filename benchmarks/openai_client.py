@@ -234,7 +234,8 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     print(
         "| sessions | direct median | drop-in median | added median (p90) "
-        "| openai floor | agentkv added | in-app | CPU/call direct | CPU/call drop-in | CPU added |"
+        "| openai floor | agentkv added | in-app | CPU/call direct | CPU/call drop-in | CPU added "
+        "| agentkv CPU |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for level in (int(c) for c in args.concurrency.split(",")):
