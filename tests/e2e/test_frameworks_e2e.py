@@ -10,15 +10,18 @@ the greedy run must answer exactly as a run without reuse does (handles never se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 import agentkv
-from agentkv import AsyncCluster, CachePolicy, Cluster
+from agentkv import AsyncCluster, CachePolicy, Cluster, HandleState
 
 pytestmark = pytest.mark.e2e
 
@@ -56,15 +59,84 @@ def check_session(name: str, session: Any) -> None:
         assert turn["reused_tokens"] >= 0.95 * ideal, turn
 
 
-# --- LangChain: create_agent on ChatOpenAI(client=agentkv.OpenAI(...)) -------------------------
+# --- LangChain: create_agent on ChatOpenAI(client=agentkv.OpenAI(...)), via the proxy, ChatAgentKV
 
 
-def _langchain_run(cluster_file: Path, policy: CachePolicy) -> tuple[list[Any], Any]:
+def _turns_of(stats: Any) -> dict[str, Any]:
+    turns = [
+        {
+            "prompt_tokens": t.prompt_tokens,
+            "generated_tokens": t.generated_tokens,
+            "reused_tokens": t.reused_tokens,
+        }
+        for t in stats
+    ]
+    forks = sum(1 for t in stats if t.handle_state == HandleState.DIVERGED)
+    return {"turns": turns, "forks": forks}
+
+
+@contextlib.contextmanager
+def _langchain_model(cluster_file: Path, policy: CachePolicy, wiring: str) -> Iterator[Any]:
+    """A LangChain chat model, wired as ``wiring`` says, and how to read its session after."""
+    from langchain_openai import ChatOpenAI
+
+    from agentkv._tool_calling import JsonToolCalling
+    from agentkv.integrations.langchain import ChatAgentKV
+    from agentkv.proxy import ProxyConfig, ProxyServer
+
+    options: dict[str, Any] = {"max_tokens": 96, "temperature": 0}
+    parallel = {"parallel_tool_calls": False}
+    if wiring == "drop-in":
+        with (
+            Cluster.from_file(cluster_file, policy=policy) as cluster,
+            agentkv.OpenAI(cluster, session_id="langchain", max_retries=0) as client,
+        ):
+            llm = ChatOpenAI(
+                model=client.model,
+                api_key="unused",
+                client=client.chat.completions,
+                root_client=client,
+                model_kwargs=parallel,
+                **options,
+            )
+            yield llm, lambda: client.get("/sessions/langchain", cast_to=object)
+    elif wiring == "proxy":
+
+        def make() -> AsyncCluster:
+            return AsyncCluster.from_file(cluster_file, policy=policy)
+
+        with ProxyServer(make, ProxyConfig(port=0)) as server:
+            llm = ChatOpenAI(
+                model=Cluster.from_file(cluster_file).model,
+                base_url=f"{server.url}/v1",
+                api_key="sk-test",
+                default_headers={"X-Session-ID": "langchain"},
+                max_retries=0,
+                model_kwargs=parallel,
+                **options,
+            )
+
+            def read() -> Any:
+                response = httpx.get(
+                    f"{server.url}/v1/sessions/langchain",
+                    headers={"Authorization": "Bearer sk-test"},
+                )
+                response.raise_for_status()
+                return response.json()
+
+            yield llm, read
+    else:
+        with Cluster.from_file(cluster_file, policy=policy) as cluster:
+            kv = ChatAgentKV(cluster=cluster, tool_calling=JsonToolCalling(max_calls=1), **options)
+            yield kv, lambda: _turns_of(kv.session.turns if kv.session else ())
+            kv.close()
+
+
+def _langchain_run(cluster_file: Path, policy: CachePolicy, wiring: str) -> tuple[list[Any], Any]:
     from langchain.agents import create_agent
     from langchain.agents.middleware import ModelCallLimitMiddleware
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
     from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
 
     history: list[Any] = [HumanMessage(EXAMPLE_TASK)]
     for index, (name, args, result) in enumerate(EXAMPLE_STEPS):
@@ -74,19 +146,7 @@ def _langchain_run(cluster_file: Path, policy: CachePolicy) -> tuple[list[Any], 
             ToolMessage(result, tool_call_id=call_id),
         ]
     history += [AIMessage(EXAMPLE_ANSWER), HumanMessage(TASK)]
-    with (
-        Cluster.from_file(cluster_file, policy=policy) as cluster,
-        agentkv.OpenAI(cluster, session_id="langchain", max_retries=0) as client,
-    ):
-        llm = ChatOpenAI(
-            model=client.model,
-            api_key="unused",
-            client=client.chat.completions,
-            root_client=client,
-            max_tokens=96,
-            temperature=0,
-            model_kwargs={"parallel_tool_calls": False},
-        )
+    with _langchain_model(cluster_file, policy, wiring) as (llm, read_session):
         agent = create_agent(
             llm,
             tools=[tool(add), tool(multiply), tool(subtract)],
@@ -94,20 +154,26 @@ def _langchain_run(cluster_file: Path, policy: CachePolicy) -> tuple[list[Any], 
             middleware=[ModelCallLimitMiddleware(run_limit=MAX_CALLS, exit_behavior="end")],
         )
         result = agent.invoke({"messages": history}, {"recursion_limit": 100})
-        session = client.get("/sessions/langchain", cast_to=object)
+        session = read_session()
     return result["messages"][len(history) :], session
 
 
-def test_langchain_create_agent_on_the_drop_in_reuses_every_call(cluster_file: Path) -> None:
+@pytest.mark.parametrize("wiring", ["drop-in", "proxy", "chat-agentkv"])
+def test_langchain_create_agent_reuses_every_call(cluster_file: Path, wiring: str) -> None:
     pytest.importorskip("langchain.agents")
-    messages, session = _langchain_run(cluster_file, CachePolicy())
+    messages, session = _langchain_run(cluster_file, CachePolicy(), wiring)
     calls = [call for m in messages for call in getattr(m, "tool_calls", None) or ()]
     assert len(calls) >= 2, messages
-    check_session("langchain create_agent", session)
-    baseline, _ = _langchain_run(cluster_file, NO_HANDLE)
-    assert [(m.content, getattr(m, "tool_calls", None)) for m in messages] == [
-        (m.content, getattr(m, "tool_calls", None)) for m in baseline
-    ]
+    check_session(f"langchain create_agent ({wiring})", session)
+    baseline, _ = _langchain_run(cluster_file, NO_HANDLE, wiring)
+
+    def said(run: list[Any]) -> list[Any]:
+        return [
+            (m.content, [(c["name"], c["args"]) for c in getattr(m, "tool_calls", None) or ()])
+            for m in run
+        ]
+
+    assert said(messages) == said(baseline)
 
 
 # --- pydantic-ai: OpenAIChatModel on OpenAIProvider(openai_client=agentkv.AsyncOpenAI(...)) ----
