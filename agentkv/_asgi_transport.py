@@ -138,8 +138,15 @@ class _Exchange:
         while True:
             message = await self._get()
             if message["type"] != "http.response.body":
-                await self._task
-                return
+                # The app ended the response without its last body message: over a socket the
+                # client would see a connection cut mid-body, and so it does here.
+                try:
+                    await self._task
+                except Exception as exc:
+                    raise httpx2.RemoteProtocolError(
+                        f"the response ended before its body did ({type(exc).__name__})"
+                    ) from exc
+                raise httpx2.RemoteProtocolError("the response ended before its body did")
             body = message.get("body", b"")
             if body:
                 yield body

@@ -68,6 +68,28 @@ async def test_closing_an_async_response_early_tells_the_app():
         assert app.errors == ["the client closed the response"]
 
 
+async def test_an_app_failing_mid_body_is_a_cut_connection():
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        raise RuntimeError("decode failed")
+
+    @contextlib.asynccontextmanager
+    async def nothing() -> AsyncIterator[None]:
+        yield
+
+    transport = AsyncAppTransport(app, model="m", lifespan=nothing)
+    async with (
+        httpx2.AsyncClient(transport=transport, base_url="http://x") as client,
+        client.stream("POST", "/p", content=b"") as response,
+    ):
+        chunks = response.aiter_bytes()
+        assert await anext(chunks) == b"data: 1\n\n"
+        with pytest.raises(httpx2.RemoteProtocolError):
+            await anext(chunks)
+
+
 def test_a_sync_response_streams_from_the_portals_loop_and_close_ends_the_lifespan():
     portal = Portal()
     try:
