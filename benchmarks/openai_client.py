@@ -182,34 +182,39 @@ async def _level(args: argparse.Namespace, concurrency: int) -> dict[str, float]
     fake = FakeCluster(pairs=2)
     system = _system_prompt(fake, args.context)
     direct, drop_in, floor = Samples(), Samples(), Samples()
-    async with _floor_client(fake.model) as canned:
-        await _round(_floor, canned, concurrency=2, turns=2, out=Samples(), system=system)
-        for _ in range(args.rounds):
-            await _round(_floor, canned, concurrency=1, turns=args.turns, out=floor, system=system)
-    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        client = agentkv.AsyncOpenAI(
+    async with (
+        AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster,
+        agentkv.AsyncOpenAI(
             cluster, config=ProxyConfig(max_sessions=100_000), max_retries=0
-        )
-        async with client:
-            # Warm both paths (templates, the app's lifespan, pydantic's validators).
-            await _round(_direct, cluster, concurrency=2, turns=2, out=Samples(), system=system)
-            await _round(_drop_in, client, concurrency=2, turns=2, out=Samples(), system=system)
-            for _ in range(args.rounds):
+        ) as client,
+        _floor_client(fake.model) as canned,
+    ):
+        # Warm every path (templates, the app's lifespan, pydantic's validators).
+        await _round(_direct, cluster, concurrency=2, turns=2, out=Samples(), system=system)
+        await _round(_drop_in, client, concurrency=2, turns=2, out=Samples(), system=system)
+        await _round(_floor, canned, concurrency=2, turns=2, out=Samples(), system=system)
+        # The paths alternate, so that drifting machine load weighs on all of them alike. The
+        # floor runs one conversation at a time: its latency is the SDK's work, not a queue.
+        for _ in range(args.rounds):
+            await _round(
+                _direct,
+                cluster,
+                concurrency=concurrency,
+                turns=args.turns,
+                out=direct,
+                system=system,
+            )
+            await _round(
+                _drop_in,
+                client,
+                concurrency=concurrency,
+                turns=args.turns,
+                out=drop_in,
+                system=system,
+            )
+            for _ in range(max(1, concurrency // 4)):
                 await _round(
-                    _direct,
-                    cluster,
-                    concurrency=concurrency,
-                    turns=args.turns,
-                    out=direct,
-                    system=system,
-                )
-                await _round(
-                    _drop_in,
-                    client,
-                    concurrency=concurrency,
-                    turns=args.turns,
-                    out=drop_in,
-                    system=system,
+                    _floor, canned, concurrency=1, turns=args.turns, out=floor, system=system
                 )
     return {
         "direct_ms": statistics.median(direct.latency_s) * 1e3,
