@@ -241,4 +241,3 @@ def plan_tools(
         extra={**extra, **options.get("extra_body", {})},
         protocol=None if choice == NONE else protocol,
     )
-
