@@ -59,6 +59,7 @@ def test_the_clients_are_the_openai_sdks_own(cluster):
     with agentkv.OpenAI(cluster) as client:
         assert isinstance(client, openai.OpenAI)
         assert client.model == cluster.model
+        assert [model.id for model in client.models.list()] == [cluster.model]
         copy = client.with_options(timeout=5)
         assert isinstance(copy, agentkv.OpenAI)
         assert copy.model == cluster.model
