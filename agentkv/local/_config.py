@@ -90,12 +90,20 @@ class ClusterRecord:
     dtype: str | None = None
     # The ISA the servers were limited to (``--cpu-isa``); None: the CPU's own.
     cpu_isa: str | None = None
+    # The servers' kv_recompute_threshold: the SDK attaches handles down to it (None: not
+    # recorded, the SDK assumes vLLM's default).
+    kv_recompute_threshold: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             **({"dtype": self.dtype} if self.dtype else {}),
             **({"cpu_isa": self.cpu_isa} if self.cpu_isa else {}),
+            **(
+                {"kv_recompute_threshold": self.kv_recompute_threshold}
+                if self.kv_recompute_threshold is not None
+                else {}
+            ),
             "pairs": [
                 {
                     "name": pair.name,
@@ -143,11 +151,13 @@ class ClusterRecord:
                 for p in data["pairs"]
             )
             dtype, cpu_isa = data.get("dtype"), data.get("cpu_isa")
+            threshold = data.get("kv_recompute_threshold")
             return cls(
                 model=str(data["model"]),
                 pairs=pairs,
                 dtype=None if dtype is None else str(dtype),
                 cpu_isa=None if cpu_isa is None else str(cpu_isa),
+                kv_recompute_threshold=None if threshold is None else int(threshold),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"cluster file {path} is malformed: {exc!r}") from exc

@@ -7,11 +7,12 @@ import json
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from agentkv import ConfigError
+from agentkv import AsyncCluster, ConfigError
 from agentkv.local._config import ClusterRecord, LocalClusterConfig, PairRecord, ServerRecord
 from agentkv.local._launch import (
     ServerPlan,
@@ -59,6 +60,20 @@ def test_the_cluster_file_records_dtype_and_an_emulated_isa(tmp_path: Path) -> N
     data = json.loads(path.read_text())
     assert (data["dtype"], data["cpu_isa"]) == ("float32", "avx2")
     assert ClusterRecord.read(path) == record
+
+
+def test_the_servers_recompute_threshold_reaches_the_sdks_policy(tmp_path: Path) -> None:
+    """The local pair pulls down to 1 token; a default policy would skip handles below 64."""
+    path = tmp_path / "cluster.json"
+    record = replace(_record(), kv_recompute_threshold=1)
+    record.write(path)
+    assert ClusterRecord.read(path) == record
+    assert AsyncCluster.from_file(path).policy.recompute_threshold == 1
+    _record().write(path)  # not recorded: vLLM's default
+    assert AsyncCluster.from_file(path).policy.recompute_threshold == 64
+    bad = {**record.to_json(), "kv_recompute_threshold": "1"}
+    with pytest.raises(ConfigError, match="kv_recompute_threshold"):
+        AsyncCluster.from_dict(bad)
 
 
 @pytest.mark.parametrize(
