@@ -58,6 +58,12 @@ def _is_copy(cluster: object, options: dict[str, Any]) -> bool:
     return cluster is None and options.get("http_client") is not None
 
 
+def _check_options(options: dict[str, Any]) -> None:
+    for name in ("http_client", "base_url"):
+        if options.get(name) is not None:
+            raise TypeError(f"{name} is agentkv's: requests are served in-process by the cluster")
+
+
 def _served_model(http_client: object) -> str:
     transport = getattr(http_client, "_transport", None)
     return transport.model if isinstance(transport, AppTransport | AsyncAppTransport) else ""
@@ -95,6 +101,7 @@ class AsyncOpenAI(openai.AsyncOpenAI):
             return
         if cluster is None:
             raise TypeError("AsyncOpenAI needs a cluster: an AsyncCluster or a cluster file path")
+        _check_options(options)
         owned = not isinstance(cluster, AsyncCluster)
         source = cluster if isinstance(cluster, AsyncCluster) else AsyncCluster.from_file(cluster)
         app = create_app(source, config)
@@ -106,7 +113,7 @@ class AsyncOpenAI(openai.AsyncOpenAI):
         )
         self.model = source.model
         options.setdefault("api_key", API_KEY)
-        options.setdefault("base_url", BASE_URL)
+        options["base_url"] = BASE_URL
         super().__init__(
             default_headers=_headers(session_id, options),
             http_client=httpx2.AsyncClient(transport=transport, base_url=BASE_URL),
@@ -144,6 +151,7 @@ class OpenAI(openai.OpenAI):
             return
         if cluster is None:
             raise TypeError("OpenAI needs a cluster: a Cluster or a cluster file path")
+        _check_options(options)
         owned = not isinstance(cluster, Cluster)
         source = cluster if isinstance(cluster, Cluster) else Cluster.from_file(cluster)
         app = create_app(source._async, config)
@@ -156,7 +164,7 @@ class OpenAI(openai.OpenAI):
         )
         self.model = source.model
         options.setdefault("api_key", API_KEY)
-        options.setdefault("base_url", BASE_URL)
+        options["base_url"] = BASE_URL
         super().__init__(
             default_headers=_headers(session_id, options),
             http_client=httpx2.Client(transport=transport, base_url=BASE_URL),

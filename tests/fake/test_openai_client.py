@@ -66,6 +66,8 @@ def test_the_clients_are_the_openai_sdks_own(cluster):
     assert issubclass(agentkv.AsyncOpenAI, openai.AsyncOpenAI)
     with pytest.raises(TypeError):
         agentkv.OpenAI()
+    with pytest.raises(TypeError, match="base_url"):
+        agentkv.OpenAI(cluster, base_url="http://elsewhere/v1")
 
 
 def test_a_sync_conversation_reuses_exactly_and_close_releases_the_pin(cluster, fake):
