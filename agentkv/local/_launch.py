@@ -94,6 +94,10 @@ def _prepared_model(config: LocalClusterConfig, say: Progress) -> Path:
     )
 
 
+STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
+"""The local pair's ``--structured-outputs-config`` (see ``plan_servers``)."""
+
+
 def plan_servers(config: LocalClusterConfig, *, model_path: Path) -> list[ServerPlan]:
     """Ports, cores, commands and environments for every server of the cluster."""
     cores = os.cpu_count() or 1
@@ -116,6 +120,13 @@ def plan_servers(config: LocalClusterConfig, *, model_path: Path) -> list[Server
                 "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",
                 "--kv-transfer-config", json.dumps(kv_transfer_config(role=role, config=config)),
+                # Structured outputs without free whitespace: under a JSON schema SmolLM2 pads
+                # with newlines and indentation (a one-call tool reply took 32 tokens, not 17,
+                # and ran out of max_tokens). vLLM reads this from the server config only (the
+                # request field of that name is ignored) and only for a named backend: xgrammar,
+                # what "auto" picks for every schema agentkv sends.
+                "--structured-outputs-config",
+                json.dumps(STRUCTURED_OUTPUTS, separators=(",", ":")),
                 *config.extra_args,
             )
             env = dict(os.environ)

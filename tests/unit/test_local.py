@@ -112,6 +112,8 @@ def test_every_server_gets_distinct_ports_and_a_role(tmp_path: Path) -> None:
         assert transfer["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
         assert "--enable-prefix-caching" in argv
         assert "--enable-prompt-tokens-details" in argv
+        outputs = json.loads(argv[argv.index("--structured-outputs-config") + 1])
+        assert outputs == {"backend": "xgrammar", "disable_any_whitespace": True}
         assert plan.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(plan.side_channel_port)
         assert plan.env["VLLM_CPU_OMP_THREADS_BIND"] == str(plan.core)
         assert plan.log.parent == (tmp_path / "logs").resolve()
