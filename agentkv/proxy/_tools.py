@@ -248,3 +248,4 @@ def plan_tools(
         extra={**extra, **options.get("extra_body", {})},
         protocol=None if choice == NONE else protocol,
     )
+
