@@ -6,7 +6,8 @@
 >>> cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
 >>> app = create_app(cluster, ProxyConfig())
 >>> sorted(route.path for route in app.routes)  # doctest: +NORMALIZE_WHITESPACE
-['/healthz', '/metrics', '/v1/chat/completions', '/v1/models', '/v1/sessions/{session_id:path}']
+['/healthz', '/metrics', '/v1/chat/completions', '/v1/models', '/v1/responses',
+ '/v1/sessions/{session_id:path}']
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from agentkv.proxy._config import ProxyConfig, key_digest
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import CONTENT_TYPE, ProxyMetrics
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
+from agentkv.proxy._responses import ResponsesService
 from agentkv.proxy._shape import turn_stats_json
 
 __all__ = ["create_app"]
@@ -104,6 +106,11 @@ class _Proxy:
         )
         self.metrics.bind(sessions=lambda: len(self.registry), pair_sessions=cluster.loads)
         self.chat = ChatService(cluster, self.registry, config=config, metrics=self.metrics)
+        # A stored response holds references to its session's messages, not copies: a few
+        # per session cost little.
+        self.responses = ResponsesService(
+            self.chat, self.registry, model=cluster.model, max_entries=4 * config.max_sessions
+        )
 
     def endpoint(self, name: str, handler: Handler) -> Handler:
         """Wrap ``handler``: every exception becomes an OpenAI-style error with its status."""
@@ -141,6 +148,17 @@ class _Proxy:
         principal = _principal(request, self.config)
         body = await _read_json(request, self.config.max_body_bytes)
         return await self.chat.complete(
+            body,
+            principal=principal,
+            session_header=request.headers.get("x-session-id"),
+            started=started,
+        )
+
+    async def create_response(self, request: Request) -> Response:
+        started = time.perf_counter()
+        principal = _principal(request, self.config)
+        body = await _read_json(request, self.config.max_body_bytes)
+        return await self.responses.create(
             body,
             principal=principal,
             session_header=request.headers.get("x-session-id"),
@@ -294,6 +312,9 @@ def create_app(
     routes = [
         Route(
             "/v1/chat/completions", proxy.endpoint("chat", proxy.chat_completions), methods=["POST"]
+        ),
+        Route(
+            "/v1/responses", proxy.endpoint("responses", proxy.create_response), methods=["POST"]
         ),
         Route("/v1/models", proxy.endpoint("models", proxy.models), methods=["GET"]),
         Route(

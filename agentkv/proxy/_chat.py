@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from starlette.requests import ClientDisconnect
@@ -42,7 +42,7 @@ from agentkv.proxy._shape import (
 )
 from agentkv.proxy._tools import HEADER_TOOL_CALLING, ToolModes, ToolPlan, plan_tools
 
-__all__ = ["ChatService", "json_response"]
+__all__ = ["AnswerShape", "ChatService", "json_response"]
 
 logger = structlog.get_logger("agentkv")
 
@@ -74,6 +74,79 @@ async def _aclose(events: AsyncIterator[object]) -> None:
     close = getattr(events, "aclose", None)
     if close is not None:
         await close()
+
+
+class AnswerShape(Protocol):
+    """How a turn's answer is written: a chat completion, or a Responses API response.
+
+    One request, one shape: the mapping onto a session and the turn are the same for both.
+    """
+
+    def body(self, result: TurnResult, *, message: Message, finish: str) -> dict[str, Any]:
+        """The non-streamed answer."""
+        ...
+
+    def opening(self) -> list[bytes]:
+        """Stream events before the first text."""
+        ...
+
+    def delta(self, text: str) -> bytes:
+        """A stream event carrying text as decode produced it."""
+        ...
+
+    def closing(
+        self,
+        result: TurnResult,
+        *,
+        message: Message,
+        finish: str,
+        translated: bool,
+        include_usage: bool,
+    ) -> list[bytes]:
+        """Stream events after the text (``translated``: the text was held back, ``message``
+        is what to show for it)."""
+        ...
+
+    def answered(self, request: ChatRequest, message: Message, *, session_id: str | None) -> None:
+        """The turn committed ``message`` as the answer to ``request`` (on session
+        ``session_id``; ``None`` for a one-shot request)."""
+        ...
+
+
+class ChatShape:
+    """``chat.completion`` bodies and ``chat.completion.chunk`` streams."""
+
+    def __init__(self, *, model: str) -> None:
+        self._completion = Completion(model=model)
+
+    def body(self, result: TurnResult, *, message: Message, finish: str) -> dict[str, Any]:
+        return self._completion.body(result, message=message, finish_reason=finish)
+
+    def opening(self) -> list[bytes]:
+        return [_sse(self._completion.chunk({"role": "assistant", "content": ""}))]
+
+    def delta(self, text: str) -> bytes:
+        return _sse(self._completion.chunk({"content": text}))
+
+    def closing(
+        self,
+        result: TurnResult,
+        *,
+        message: Message,
+        finish: str,
+        translated: bool,
+        include_usage: bool,
+    ) -> list[bytes]:
+        chunks = self._completion.final_chunks(
+            result,
+            include_usage=include_usage,
+            message=message if translated else None,
+            finish_reason=finish,
+        )
+        return [*(_sse(chunk) for chunk in chunks), _DONE]
+
+    def answered(self, request: ChatRequest, message: Message, *, session_id: str | None) -> None:
+        del request, message, session_id
 
 
 class _Lease:
@@ -166,16 +239,25 @@ class ChatService:
         self._histories = HistoryIndex(max_entries=config.max_sessions)
 
     async def complete(
-        self, body: object, *, principal: str, session_header: str | None, started: float
+        self,
+        body: object,
+        *,
+        principal: str,
+        session_header: str | None,
+        started: float,
+        shape: AnswerShape | None = None,
     ) -> Response:
         """Answer one chat completion request (``ProxyError`` or agentkv errors on failure).
 
         ``started`` is when the request arrived (``time.perf_counter()``): a plain answer says in
         ``Server-Timing`` how long the SDK's turn took and how long the proxy added around it.
+        ``shape`` writes the answer (default: a chat completion; ``/v1/responses`` passes its
+        own after translating its request into a chat completion request).
         """
         request = parse_chat_request(
             body, model=self._cluster.model, default_max_tokens=self._config.default_max_tokens
         )
+        shape = shape or ChatShape(model=self._cluster.model)
         mode = await self.tool_modes.mode() if request.tools else None
         tools = plan_tools(
             mode=mode,
@@ -212,7 +294,7 @@ class ChatService:
         }
         if request.stream:
             return await self._stream(
-                lease, request, tools, overrides, started=started, principal=principal
+                lease, request, tools, overrides, started=started, principal=principal, shape=shape
             )
         turn_started = time.perf_counter()
         try:
@@ -221,16 +303,15 @@ class ChatService:
             await lease.release(failed=True)
             raise
         turn_s = time.perf_counter() - turn_started
-        message, finish = self._answered(lease, request, tools, result, principal)
+        message, finish = self._answered(
+            lease, request, tools, result, principal=principal, shape=shape
+        )
         await lease.release(failed=False)
         headers = lease.headers(pair=result.stats.pair, handle=result.stats.handle_state)
         if tools.mode is not None:
             headers[HEADER_TOOL_CALLING] = tools.mode.value
         response = json_response(
-            Completion(model=self._cluster.model).body(
-                result, message=message, finish_reason=finish
-            ),
-            headers=headers,
+            shape.body(result, message=message, finish=finish), headers=headers
         )
         total_s = time.perf_counter() - started
         response.headers["Server-Timing"] = (
@@ -246,11 +327,14 @@ class ChatService:
         request: ChatRequest,
         tools: ToolPlan,
         result: TurnResult,
+        *,
         principal: str,
+        shape: AnswerShape,
     ) -> tuple[Message, str]:
         """Commit the turn's bookkeeping; the message and finish reason the client gets."""
         message, finish = tools.answer(result)
         lease.committed(request, view=message if message is not result.message else None)
+        shape.answered(request, message, session_id=lease.entry.session_id if lease.entry else None)
         if request.prompt_cache_key is not None and lease.entry is not None:
             self._histories.remember(
                 principal,
@@ -327,6 +411,7 @@ class ChatService:
         *,
         started: float,
         principal: str,
+        shape: AnswerShape,
     ) -> Response:
         session = lease.session
         handle = self._predicted_handle(session)
@@ -341,17 +426,17 @@ class ChatService:
             await _aclose(events)
             await lease.release(failed=True)
             raise
-        completion = Completion(model=self._cluster.model)
         state: dict[str, TurnResult] = {}
 
         async def chunks() -> AsyncGenerator[bytes, None]:
-            yield _sse(completion.chunk({"role": "assistant", "content": ""}))
+            for opening in shape.opening():
+                yield opening
             event: TextDelta | TurnResult = first
             try:
                 while isinstance(event, TextDelta):
                     # A reply to be translated (JSON tool calls) is held back until it ends.
                     if tools.protocol is None:
-                        yield _sse(completion.chunk({"content": event.text}))
+                        yield shape.delta(event.text)
                     event = await anext(events)
             except Exception as exc:
                 # Too late for a status: the connection is cut without [DONE] (module docstring).
@@ -364,15 +449,17 @@ class ChatService:
                 )
                 raise
             state["result"] = event
-            message, finish = self._answered(lease, request, tools, event, principal)
-            for chunk in completion.final_chunks(
+            message, finish = self._answered(
+                lease, request, tools, event, principal=principal, shape=shape
+            )
+            for closing in shape.closing(
                 event,
+                message=message,
+                finish=finish,
+                translated=tools.protocol is not None,
                 include_usage=request.include_usage,
-                message=message if tools.protocol is not None else None,
-                finish_reason=finish,
             ):
-                yield _sse(chunk)
-            yield _DONE
+                yield closing
 
         body = chunks()
 
