@@ -42,6 +42,7 @@ from agentkv._exceptions import (
     UpstreamStatusError,
 )
 from agentkv._leasing import ToolWait
+from agentkv._placement import PrefillWeights
 from agentkv._policy import AttachDecision, CachePolicy, ExtendDecision, RetryPolicy
 from agentkv._session import AsyncSession, Session, TurnOverrides
 from agentkv._tool_calling import (
@@ -105,6 +106,7 @@ __all__ = [
     "NativeToolCalling",
     "NoHealthyPairError",
     "Pair",
+    "PrefillWeights",
     "PrefixDivergedError",
     "RequestTimeoutError",
     "RetryPolicy",

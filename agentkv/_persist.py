@@ -103,6 +103,7 @@ def snapshot(state: SessionState, *, now: float, wall: float) -> dict[str, Any]:
         ],
         "ideal_base": state.ideal_base,
         "prefilled": state.prefilled,
+        "last_prefill": state.last_prefill,
         "tools_key": state.tools_key,
         "wait_note": state.wait_note,
     }
@@ -263,6 +264,7 @@ def load_state(
         turns = [_turn_stats(t) for t in _field(data, "turns", list)]
         ideal_base = _field(data, "ideal_base", int)
         prefilled = _field(data, "prefilled", int)
+        last_prefill = _optional(data, "last_prefill", str)
         tools_key = _optional(data, "tools_key", str)
         wait_note = _optional(data, "wait_note", str)
     except SessionLoadError:
@@ -286,6 +288,7 @@ def load_state(
     state.tools_key = tools_key
     state.wait_note = wait_note
     state.handle = handle
+    state.last_prefill = last_prefill
     if pair.name == saved_pair:
         state.prefilled = prefilled
     else:

@@ -102,7 +102,11 @@ class _Proxy:
             metrics=self.metrics,
             clock=clock,
         )
-        self.metrics.bind(sessions=lambda: len(self.registry), pair_sessions=cluster.loads)
+        self.metrics.bind(
+            sessions=lambda: len(self.registry),
+            pair_sessions=cluster.loads,
+            prefill_tokens=cluster.prefill_loads,
+        )
         self.chat = ChatService(cluster, self.registry, config=config, metrics=self.metrics)
 
     def endpoint(self, name: str, handler: Handler) -> Handler:

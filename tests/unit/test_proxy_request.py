@@ -236,7 +236,11 @@ def test_an_upstream_400_keeps_vllms_message():
 
 def test_metrics_render_in_prometheus_text_format():
     metrics = ProxyMetrics()
-    metrics.bind(sessions=lambda: 3, pair_sessions=lambda: {"pair-0": 2})
+    metrics.bind(
+        sessions=lambda: 3,
+        pair_sessions=lambda: {"pair-0": 2},
+        prefill_tokens=lambda: {"p1": 4096},
+    )
     metrics.requests.inc("chat", "200")
     metrics.request_seconds.observe(0.02, "false")
     metrics.reused_tokens.inc(amount=128)
@@ -248,4 +252,5 @@ def test_metrics_render_in_prometheus_text_format():
     assert "agentkv_proxy_reused_tokens_total 128" in text
     assert "agentkv_proxy_sessions 3" in text
     assert 'agentkv_proxy_pair_sessions{pair="pair-0"} 2' in text
+    assert 'agentkv_proxy_prefill_outstanding_tokens{prefill="p1"} 4096' in text
     assert "# TYPE agentkv_proxy_ttft_seconds histogram" in text
