@@ -36,6 +36,7 @@ test: setup lint
 	@# The real-pair fault tests kill servers of a two-pair cluster of their own: they run after
 	@# the shared test pair has stopped, so a 2-core CI machine never hosts six servers at once.
 	AGENTKV_FAULT_E2E=1 $(BIN)/python -m pytest tests/e2e/test_faults_e2e.py
+	AGENTKV_POOL_E2E=1 $(BIN)/python -m pytest tests/e2e/test_pool_e2e.py
 
 lint: setup
 	$(BIN)/ruff check agentkv tests examples benchmarks
