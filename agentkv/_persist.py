@@ -38,7 +38,7 @@ from agentkv._types import HandleState, KVHandle, Message, TurnStats
 if TYPE_CHECKING:
     from agentkv._cluster import AsyncCluster
 
-__all__ = ["FORMAT", "VERSION", "load_state", "save_state", "write_atomic"]
+__all__ = ["FORMAT", "VERSION", "load_state", "restore", "save_state", "snapshot", "write_atomic"]
 
 FORMAT = "agentkv.session"
 VERSION = 1
@@ -178,11 +178,15 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SessionLoadError(f"saved session {os.fspath(path)} is not JSON: {exc}") from exc
+    return _checked(data, os.fspath(path))
+
+
+def _checked(data: object, source: str) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise SessionLoadError(f"{os.fspath(path)} is not a saved agentkv session")
+        raise SessionLoadError(f"{source} is not a saved agentkv session")
     if data.get("version") != VERSION:
         raise SessionLoadError(
-            f"saved session {os.fspath(path)} has schema version {data.get('version')!r}; "
+            f"saved session {source} has schema version {data.get('version')!r}; "
             f"this agentkv reads version {VERSION}"
         )
     return data
@@ -249,7 +253,18 @@ def load_state(
     Raises ``SessionLoadError`` for a missing, corrupt or unknown-version file. Call it on the
     cluster's event loop (it takes a place on a pair).
     """
-    data = _read(path)
+    return restore(_read(path), cluster, wall_clock=wall_clock, source=os.fspath(path))
+
+
+def restore(
+    data: object,
+    cluster: AsyncCluster,
+    *,
+    wall_clock: Callable[[], float] = time.time,
+    source: str = "saved session",
+) -> SessionState:
+    """A session from ``snapshot``'s dict, placed on ``cluster`` as ``load_state`` does."""
+    data = _checked(data, source)
     now, wall = cluster.clock(), wall_clock()
     try:
         session_id = _field(data, "session_id", str)
@@ -270,7 +285,7 @@ def load_state(
     except SessionLoadError:
         raise
     except (AgentKVError, KeyError, IndexError, TypeError, ValueError) as exc:
-        raise SessionLoadError(f"saved session {os.fspath(path)} is corrupt: {exc}") from exc
+        raise SessionLoadError(f"saved session {source} is corrupt: {exc}") from exc
     known = {pair.name: pair for pair in cluster.pairs}
     cluster._check_open()
     pair = cluster._acquire(session_id, near=known.get(saved_pair))
