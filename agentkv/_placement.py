@@ -74,13 +74,15 @@ class PrefillWeights:
     least)``; otherwise the least loaded prefill wins. ``slack_tokens=0, slack_ratio=0`` is pure
     load (warmth counts for nothing, not even between equals).
 
-    Defaults: 2,048 tokens is about what a CPU core prefills in a few seconds and a GPU in a few
-    milliseconds, so the warm prefill is left only when another is idle by more than a turn's
-    worth of new tokens; the ratio keeps the rule proportionate on busy pools.
+    What warmth saves is transfer, not compute: a prefill that lacks the prefix pulls all of it
+    from decode (every turn's cached tokens are the same either way). On GPUs with RDMA a pull of
+    a long context takes a few tens of milliseconds, about what 512 queued tokens of prefill cost,
+    so the defaults keep the warm prefill while it is at most 512 tokens (or 10% on a busy pool)
+    behind the least loaded. ``benchmarks/placement_sim.py`` measures the balance they give.
     """
 
-    slack_tokens: int = 2048
-    slack_ratio: float = 0.25
+    slack_tokens: int = 512
+    slack_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         if self.slack_tokens < 0 or self.slack_ratio < 0:

@@ -167,18 +167,23 @@ class TurnRunner:
         finally:
             self._prefill_name = None  # a retry chooses again, by the load it then sees
 
-    async def _on_prefill(self, pair: Pair, call: Callable[[str], Awaitable[T]]) -> T:
-        """Run ``call`` with this turn's prefill URL; in a pool, another prefill if it refuses."""
+    async def _on_prefill(
+        self, pair: Pair, call: Callable[[str], Awaitable[T]], *, cost: int = 0
+    ) -> T:
+        """Run ``call`` on a prefill chosen now; in a pool, another prefill if it refuses.
+
+        ``cost`` (tokens) counts as the prefill's load while ``call`` runs. It is added in the
+        same step as the choice, with no await between: turns that start together see each
+        other's load instead of all choosing the same idle prefill.
+        """
         state = self._state
         cluster = state.cluster
         tried: set[str] = set()
+        key = f"{state.session_id}/{state.transcript.version + 1}"
         while True:
-            if self._prefill_name is None:
-                key = f"{state.session_id}/{state.transcript.version + 1}"
-                self._prefill_name = cluster._choose_prefill(
-                    key, pair, warm=state.last_prefill, exclude=tried
-                )
-            name = self._prefill_name
+            name = cluster._choose_prefill(key, pair, warm=state.last_prefill, exclude=tried)
+            self._prefill_name = name
+            cluster._prefill_begin(name, cost)
             try:
                 return await call(cluster._prefill_url(name))
             except ConnectError as exc:
@@ -186,10 +191,11 @@ class TurnRunner:
                     raise
                 cluster._mark_prefill_down(name, reason=str(exc))
                 tried.add(name)
-                self._prefill_name = None
                 logger.warning(
                     "agentkv.prefill_refused", session_id=state.session_id, prefill=name
                 )
+            finally:
+                cluster._prefill_end(name, cost)
 
     async def _prompt_for(self, pair: Pair) -> TurnPrompt:
         # Built once per turn: every server serves the same model, so the tokens hold on any.
@@ -217,7 +223,7 @@ class TurnRunner:
         # Outstanding tokens: what the prefill computes (the handle's tokens are pulled).
         cost = max(1, len(prompt) - (sent.num_tokens if sent is not None else 0))
         prefill = await self._on_prefill(
-            pair, lambda url: self._prefill(url, request, ids, sent, cost=cost)
+            pair, lambda url: self._prefill(url, request, ids, sent), cost=cost
         )
         prefill_name = self._prefill_name
         assert prefill_name is not None
@@ -321,20 +327,13 @@ class TurnRunner:
         return (handle if decision.attach else None), handle_state, reason, extends, unsent
 
     async def _prefill(
-        self, base: str, request: TurnRequest, ids: object, sent: KVHandle | None, *, cost: int
+        self, base: str, request: TurnRequest, ids: object, sent: KVHandle | None
     ) -> PrefillResult:
-        cluster = self._state.cluster
-        name = self._prefill_name
-        assert name is not None
         url = base + _CHAT_PATH
-        cluster._prefill_begin(name, cost)
-        try:
-            data = await post_json(
-                cluster.http_client,
-                url,
-                prefill_body(request, prompt_ids=ids, handle=sent),
-                summary=request.summary("prefill"),
-            )
-        finally:
-            cluster._prefill_end(name, cost)
+        data = await post_json(
+            self._state.cluster.http_client,
+            url,
+            prefill_body(request, prompt_ids=ids, handle=sent),
+            summary=request.summary("prefill"),
+        )
         return parse_prefill(data, url=url)
