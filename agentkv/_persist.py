@@ -66,6 +66,14 @@ def _handle_json(handle: KVHandle, *, now: float, wall: float) -> dict[str, Any]
     }
 
 
+def _flat(stats: TurnStats) -> dict[str, Any]:
+    # dataclasses.asdict deep-copies every value; TurnStats holds only scalars.
+    return {f.name: getattr(stats, f.name) for f in _TURN_FIELDS}
+
+
+_TURN_FIELDS = dataclasses.fields(TurnStats)
+
+
 def _options_json(options: SessionOptions) -> dict[str, Any]:
     return {
         "max_tokens": options.max_tokens,
@@ -99,7 +107,7 @@ def snapshot(state: SessionState, *, now: float, wall: float) -> dict[str, Any]:
         "handle": None if state.handle is None else _handle_json(state.handle, now=now, wall=wall),
         "lost": None if state.lost is None else [state.lost[0].value, state.lost[1]],
         "turns": [
-            {**dataclasses.asdict(t), "handle_state": t.handle_state.value} for t in state.turns
+            {**_flat(t), "handle_state": t.handle_state.value} for t in state.turns
         ],
         "ideal_base": state.ideal_base,
         "prefilled": state.prefilled,
@@ -195,7 +203,8 @@ def _checked(data: object, source: str) -> dict[str, Any]:
 def _transcript(data: Mapping[str, Any]) -> Transcript:
     spans = [Span(int(start), int(end)) for start, end in _field(data, "spans", list)]
     token_ids = _field(data, "token_ids", list)
-    if not all(type(t) is int for t in token_ids):
+    # set(map(type, ...)) runs in C: a shared proxy state loads a transcript on every turn.
+    if not set(map(type, token_ids)) <= {int}:
         raise SessionLoadError("saved session: token_ids holds non-integers")
     return Transcript.restore(
         messages=[Message.from_openai(m) for m in _field(data, "messages", list)],
