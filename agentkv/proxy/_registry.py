@@ -200,12 +200,16 @@ class SessionRegistry:
             entry.version = version
         return entry
 
-    def _new_entry(self, key: Key, *, placement_key: str | None) -> SessionEntry:
+    def _fresh_session(self, key: Key, *, placement_key: str | None) -> AsyncSession:
         principal, session_id = key
-        session = self._cluster.session(
+        return self._cluster.session(
             session_id=f"{principal}:{session_id}", placement_key=placement_key
         )
-        entry = SessionEntry(key, session, now=self._clock())
+
+    def _new_entry(self, key: Key, *, placement_key: str | None) -> SessionEntry:
+        entry = SessionEntry(
+            key, self._fresh_session(key, placement_key=placement_key), now=self._clock()
+        )
         self._entries[key] = entry
         return entry
 
@@ -274,10 +278,8 @@ class SessionRegistry:
         elif claim.version == 0 and entry.version != 0:
             # Deleted or expired elsewhere since this copy was made: a new session starts.
             entry.session._detach()
-            fresh = self._new_entry(entry.key, placement_key=placement_key)
-            self._entries[entry.key] = entry
-            entry.session, entry.generated, entry.views = fresh.session, set(), {}
-            entry.tools_key, entry.forks = None, 0
+            entry.session = self._fresh_session(entry.key, placement_key=placement_key)
+            entry.generated, entry.views, entry.tools_key, entry.forks = set(), {}, None, 0
         if claim.version == 0:
             self._opened(entry)
         entry.version = claim.version
@@ -286,7 +288,7 @@ class SessionRegistry:
     async def _renew(self, entry: SessionEntry, claim: Claim) -> None:
         store = self._store
         assert store is not None
-        period = getattr(store, "lease_s", 30.0) / 3
+        period = store.lease_s / 3
         while True:
             await asyncio.sleep(period)
             if not await store.renew(claim):
@@ -357,7 +359,10 @@ class SessionRegistry:
         store = self._store
         assert store is not None
         key = (principal, session_id)
-        entry = self._entries.get(key) or self._new_entry(key, placement_key=None)
+        cached = self._entries.get(key)
+        if idle_before is not None and cached is not None and cached.users:
+            return False  # in use here: not idle (and the sweep must not wait for it)
+        entry = cached or self._new_entry(key, placement_key=None)
         entry.users += 1
         await entry.lock.acquire()
         try:

@@ -48,6 +48,9 @@ class Claim:
 class SessionStore(Protocol):
     """Where replicas keep sessions (see the module docstring for the guarantees)."""
 
+    lease_s: float
+    """How long a claim holds without ``renew`` (holders renew every third of it)."""
+
     async def claim(self, key: str, *, known_version: int, wait_s: float) -> Claim:
         """Claim ``key``, waiting up to ``wait_s`` for another holder; ``TimeoutError`` then."""
         ...
