@@ -136,6 +136,8 @@ class ClusterRecord:
     pool: tuple[PoolServerRecord, ...] = ()
     # The dtype the servers run in (None: a cluster file written before it was recorded).
     dtype: str | None = None
+    # The ISA the servers were limited to (``--cpu-isa``); None: the CPU's own.
+    cpu_isa: str | None = None
 
     @property
     def servers(self) -> list[tuple[str, str, ServerRecord]]:
@@ -171,7 +173,11 @@ class ClusterRecord:
         )
 
     def to_json(self) -> dict[str, Any]:
-        head = {"model": self.model, **({"dtype": self.dtype} if self.dtype else {})}
+        head = {
+            "model": self.model,
+            **({"dtype": self.dtype} if self.dtype else {}),
+            **({"cpu_isa": self.cpu_isa} if self.cpu_isa else {}),
+        }
         if self.pool:
             return {
                 **head,
@@ -231,9 +237,12 @@ class ClusterRecord:
                     for role in ("prefill", "decode")
                     for s in data[role]
                 )
-                dtype = data.get("dtype")
+                dtype, cpu_isa = data.get("dtype"), data.get("cpu_isa")
                 return cls(
-                    model=str(data["model"]), pool=pool, dtype=None if dtype is None else str(dtype)
+                    model=str(data["model"]),
+                    pool=pool,
+                    dtype=None if dtype is None else str(dtype),
+                    cpu_isa=None if cpu_isa is None else str(cpu_isa),
                 )
             pairs = tuple(
                 PairRecord(
@@ -249,11 +258,12 @@ class ClusterRecord:
                 )
                 for p in data["pairs"]
             )
-            dtype = data.get("dtype")
+            dtype, cpu_isa = data.get("dtype"), data.get("cpu_isa")
             return cls(
                 model=str(data["model"]),
                 pairs=pairs,
                 dtype=None if dtype is None else str(dtype),
+                cpu_isa=None if cpu_isa is None else str(cpu_isa),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"cluster file {path} is malformed: {exc!r}") from exc

@@ -250,6 +250,7 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
         record = ClusterRecord(
             model=config.model,
             dtype=serving_dtype(config),
+            cpu_isa=config.cpu_isa,
             pool=tuple(
                 PoolServerRecord(
                     name=plan.pair,
@@ -264,6 +265,7 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
     record = ClusterRecord(
         model=config.model,
         dtype=serving_dtype(config),
+        cpu_isa=config.cpu_isa,
         pairs=tuple(
             PairRecord(
                 name=prefill.pair,
