@@ -87,7 +87,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     fake = FakeCluster(
         prefills=args.prefill,
         decodes=args.decode,
-        num_kv_blocks=60_000,
+        num_kv_blocks=250_000,  # 4M tokens a server: every session pinned at once
         kv_recompute_threshold=1,
     )
     weights = PrefillWeights(slack_tokens=args.slack_tokens, slack_ratio=args.slack_ratio)

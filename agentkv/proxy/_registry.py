@@ -222,7 +222,12 @@ class SessionRegistry:
         ``SessionClosedError`` when the session was deleted while this request waited.
         """
         key = (principal, session_id)
-        entry = await self.lookup(principal, session_id)
+        if self._store is not None:
+            # The claim brings the stored session when this copy is stale: no lookup first,
+            # so a turn costs two round trips (claim, commit).
+            entry = self._entries.get(key)
+        else:
+            entry = await self.lookup(principal, session_id)
         if entry is None:
             await self._make_room()
             # Making room may have waited (closing a session), and another request for the same
