@@ -193,3 +193,29 @@ async def test_idle_expiry_releases_the_pin_exactly_once_whichever_replica_sweep
     assert fake.decode(0).pinned_handles + fake.decode(1).pinned_handles == 0
     auth = {"Authorization": "Bearer sk-test"}
     assert (await b.http.get("/v1/sessions/idle", headers=auth)).status_code == 404
+
+
+async def test_a_turn_costs_two_redis_round_trips_on_the_same_or_the_other_replica(
+    replicas, redis_url
+):
+    """The hot path: one claim (with the snapshot only when the copy is stale), one commit."""
+    import redis
+
+    admin = redis.Redis.from_url(redis_url)
+
+    def commands():
+        # Requests the proxy sent: its scripts and its plain reads (a script's own commands are
+        # counted too by INFO, but run inside the one round trip).
+        stats = admin.info("commandstats")
+        sent = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_hmget", "cmdstat_zrangebyscore")
+        return sum(int(v["calls"]) for k, v in stats.items() if k in sent)
+
+    a, b = replicas
+    messages = [{"role": "system", "content": SYSTEM}]
+    await _ask(a, "rtt", messages, QUESTIONS[0])
+    await _ask(b, "rtt", messages, QUESTIONS[1])  # both replicas have connected and loaded scripts
+    for replica, question in ((b, QUESTIONS[2]), (a, QUESTIONS[3])):
+        admin.config_resetstat()
+        await _ask(replica, "rtt", messages, question)
+        assert commands() == 2  # claim, commit
+    admin.close()
