@@ -43,20 +43,20 @@ def replicas(cluster_file: Path, redis_url: str) -> Iterator[list[ProxyServer]]:
 def test_an_openai_client_alternating_two_replicas_keeps_the_ideal_reuse(
     replicas: list[ProxyServer], local_cluster: ClusterRecord
 ) -> None:
-    session_id = f"relay-{uuid.uuid4().hex[:8]}"
-    salt = {"cache_salt": session_id}  # nothing cached for any other test
+    session_id = "relay"
+    key = f"sk-relay-{uuid.uuid4().hex}"  # the proxy salts prefix caches per key: nothing cached
     messages: list[dict[str, object]] = [{"role": "system", "content": SYSTEM}]
     cached = []
     for i, question in enumerate(QUESTIONS):
         client = OpenAI(
             base_url=f"{replicas[i % 2].url}/v1",
-            api_key="sk-test",
+            api_key=key,
             default_headers={"X-Session-ID": session_id},
             max_retries=0,
         )
         messages.append({"role": "user", "content": question})
         response = client.chat.completions.create(
-            model=local_cluster.model, messages=messages, max_tokens=24, extra_body=salt
+            model=local_cluster.model, messages=messages, max_tokens=24
         )
         assert response.usage is not None
         assert response.usage.prompt_tokens_details is not None
@@ -64,7 +64,7 @@ def test_an_openai_client_alternating_two_replicas_keeps_the_ideal_reuse(
         messages.append(response.choices[0].message.model_dump(exclude_none=True))
     turns = httpx.get(
         f"{replicas[0].url}/v1/sessions/{session_id}",
-        headers={"Authorization": "Bearer sk-test"},
+        headers={"Authorization": f"Bearer {key}"},
     ).json()["turns"]
     assert [t["handle_state"] for t in turns] == ["none", "attached", "attached", "attached"]
     assert cached == [t["reused_tokens"] for t in turns]
