@@ -9,7 +9,9 @@ that re-sends each session's whole history with ``X-Session-ID`` (as OpenAI clie
 * redis-2: two proxy apps on that Redis, each session's turns alternating between them (every
   turn then loads the snapshot the other replica committed).
 
-Columns: median and p99 request latency, the added median versus memory, turns/s, and Redis
+Columns: median and p99 request latency, the added median versus memory, turns/s, CPU
+milliseconds per turn of this process (proxy, client and fake pair; the difference between modes
+is the store's CPU cost, which machine load distorts far less than latency), and Redis
 round trips per turn (commands counted by ``INFO commandstats``, one round trip each); then the
 stored snapshot's size per 1k transcript tokens.
 
@@ -119,7 +121,9 @@ async def _run(
 
     calls_before = _calls(url) if url else 0
     started = time.perf_counter()
+    cpu = time.process_time()
     await asyncio.gather(*(conversation(i) for i in range(args.sessions)))
+    cpu = time.process_time() - cpu
     elapsed = time.perf_counter() - started
     calls = (_calls(url) - calls_before) if url else 0
     for client, store, cluster, app in closers:
@@ -134,6 +138,7 @@ async def _run(
         "median_ms": round(statistics.median(latencies) * 1000, 3),
         "p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))] * 1000, 3),
         "turns_per_s": round(len(latencies) / elapsed, 1),
+        "cpu_ms_per_turn": round(1000 * cpu / len(latencies), 3),
         "redis_round_trips_per_turn": round(calls / len(latencies), 2) if url else 0,
     }
 
@@ -156,6 +161,45 @@ def _snapshot_size(url: str) -> dict[str, float]:
     }
 
 
+async def _components(fake: FakeCluster, url: str, n: int = 500) -> dict[str, float]:
+    """Median microseconds of the store's parts for one 8-turn session: a claim + commit pair
+    (the two round trips), the snapshot's serialization, and its restore on another replica."""
+    from agentkv._types import Message
+    from agentkv.proxy._registry import SessionEntry
+
+    cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
+    session = cluster.session(session_id="components")
+    session.append(Message.system(SYSTEM))
+    for turn in range(8):
+        session.append(Message.user(f"Question {turn}?"))
+        await session.turn(max_tokens=32)
+    entry = SessionEntry(("bench", "components"), session, now=0.0)
+    store = RedisSessions.from_url(url)
+    data = entry.to_bytes(wall=time.time())
+    version = 0
+    rtt, dump, load = [], [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        claim = await store.claim("components", known_version=version, wait_s=1.0)
+        version = await store.commit(claim, data, used_at=time.time())
+        t1 = time.perf_counter()
+        data = entry.to_bytes(wall=time.time())
+        t2 = time.perf_counter()
+        entry.load_bytes(data, cluster)
+        t3 = time.perf_counter()
+        rtt.append(t1 - t0)
+        dump.append(t2 - t1)
+        load.append(t3 - t2)
+    await store.aclose()
+    await cluster.aclose()
+    return {
+        "transcript_tokens": len(session.transcript.token_ids),
+        "claim_commit_us": round(statistics.median(rtt) * 1e6),
+        "snapshot_us": round(statistics.median(dump) * 1e6),
+        "restore_us": round(statistics.median(load) * 1e6),
+    }
+
+
 async def main_async(args: argparse.Namespace) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     process, url = _redis_server()
@@ -171,16 +215,19 @@ async def main_async(args: argparse.Namespace) -> None:
         base = statistics.median(r["median_ms"] for r in by_mode["memory"])
         print(f"CPU: {_cpu_name()}; {args.sessions} sessions x {args.turns} turns, "
               f"concurrency {args.concurrency}, {args.rounds} rounds (medians of rounds)")
+        cpu_base = statistics.median(r["cpu_ms_per_turn"] for r in by_mode["memory"])
         print(f"{'mode':8} {'median ms':>10} {'p99 ms':>8} {'added ms':>9} {'turns/s':>8} "
-              f"{'RTT/turn':>8}")
+              f"{'CPU ms':>7} {'added CPU':>9} {'RTT/turn':>8}")
         for mode, runs in by_mode.items():
             median = statistics.median(r["median_ms"] for r in runs)
+            cpu = statistics.median(r["cpu_ms_per_turn"] for r in runs)
             print(f"{mode:8} {median:10.3f} {statistics.median(r['p99_ms'] for r in runs):8.3f} "
                   f"{median - base:9.3f} {statistics.median(r['turns_per_s'] for r in runs):8.1f} "
-                  f"{runs[-1]['redis_round_trips_per_turn']:8}")
+                  f"{cpu:7.3f} {cpu - cpu_base:9.3f} {runs[-1]['redis_round_trips_per_turn']:8}")
         # The snapshots of the last redis round are still stored (the replicas closed without
         # deleting them, as a replica that stops does).
         print("snapshot:", json.dumps(_snapshot_size(url)))
+        print("components (median):", json.dumps(await _components(fake, url)))
     finally:
         process.terminate()
         process.wait(timeout=10)
