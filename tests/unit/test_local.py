@@ -326,3 +326,16 @@ def test_healing_a_pool_restarts_exactly_its_dead_servers(tmp_path: Path) -> Non
 def test_a_pool_needs_both_roles(shape: dict[str, int]) -> None:
     with pytest.raises(ConfigError, match="pool"):
         LocalClusterConfig(**shape)  # type: ignore[arg-type]
+
+
+def test_up_with_prefill_and_decode_flags_configures_a_pool(tmp_path: Path) -> None:
+    from agentkv.cli import _local_config, build_parser
+
+    args = build_parser().parse_args(
+        ["up", "--prefill", "2", "--decode", "1", "--cluster-file", str(tmp_path / "c.json")]
+    )
+    config = _local_config(args)
+    assert (config.prefill, config.decode, config.pool) == (2, 1, True)
+    assert [role for _, role, _ in config.servers] == ["prefill", "prefill", "decode"]
+    pairs = _local_config(build_parser().parse_args(["up", "--pairs", "2"]))
+    assert not pairs.pool
