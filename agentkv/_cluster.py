@@ -105,6 +105,15 @@ def _parse_spec(spec: object, source: str) -> tuple[list[Pair], str, dict[str, A
     extra: dict[str, Any] = {}
     if "block_size" in spec:
         extra["block_size"] = spec["block_size"]
+    threshold = spec.get("kv_recompute_threshold")
+    if threshold is not None:
+        # The servers' own threshold: handles are worth attaching down to it (the local pair
+        # pulls whatever prefill lacks: 1), not only down to vLLM's default 64.
+        if type(threshold) is not int or threshold < 0:
+            raise ConfigError(
+                f"{source}: 'kv_recompute_threshold' must be a non-negative integer"
+            )
+        extra["policy"] = CachePolicy(recompute_threshold=threshold)
     if "pairs" not in spec and ("prefill" in spec or "decode" in spec):
         prefills = _servers(spec.get("prefill"), "prefill", source)
         decodes = _servers(spec.get("decode"), "decode", source)

@@ -138,6 +138,9 @@ class ClusterRecord:
     dtype: str | None = None
     # The ISA the servers were limited to (``--cpu-isa``); None: the CPU's own.
     cpu_isa: str | None = None
+    # The servers' kv_recompute_threshold: the SDK attaches handles down to it (None: not
+    # recorded, the SDK assumes vLLM's default).
+    kv_recompute_threshold: int | None = None
 
     @property
     def servers(self) -> list[tuple[str, str, ServerRecord]]:
@@ -177,6 +180,11 @@ class ClusterRecord:
             "model": self.model,
             **({"dtype": self.dtype} if self.dtype else {}),
             **({"cpu_isa": self.cpu_isa} if self.cpu_isa else {}),
+            **(
+                {"kv_recompute_threshold": self.kv_recompute_threshold}
+                if self.kv_recompute_threshold is not None
+                else {}
+            ),
         }
         if self.pool:
             return {
@@ -238,11 +246,13 @@ class ClusterRecord:
                     for s in data[role]
                 )
                 dtype, cpu_isa = data.get("dtype"), data.get("cpu_isa")
+                threshold = data.get("kv_recompute_threshold")
                 return cls(
                     model=str(data["model"]),
                     pool=pool,
                     dtype=None if dtype is None else str(dtype),
                     cpu_isa=None if cpu_isa is None else str(cpu_isa),
+                    kv_recompute_threshold=None if threshold is None else int(threshold),
                 )
             pairs = tuple(
                 PairRecord(
@@ -259,11 +269,13 @@ class ClusterRecord:
                 for p in data["pairs"]
             )
             dtype, cpu_isa = data.get("dtype"), data.get("cpu_isa")
+            threshold = data.get("kv_recompute_threshold")
             return cls(
                 model=str(data["model"]),
                 pairs=pairs,
                 dtype=None if dtype is None else str(dtype),
                 cpu_isa=None if cpu_isa is None else str(cpu_isa),
+                kv_recompute_threshold=None if threshold is None else int(threshold),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"cluster file {path} is malformed: {exc!r}") from exc

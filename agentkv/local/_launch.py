@@ -251,6 +251,7 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
             model=config.model,
             dtype=serving_dtype(config),
             cpu_isa=config.cpu_isa,
+            kv_recompute_threshold=config.kv_recompute_threshold,
             pool=tuple(
                 PoolServerRecord(
                     name=plan.pair,
@@ -266,6 +267,7 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
         model=config.model,
         dtype=serving_dtype(config),
         cpu_isa=config.cpu_isa,
+        kv_recompute_threshold=config.kv_recompute_threshold,
         pairs=tuple(
             PairRecord(
                 name=prefill.pair,

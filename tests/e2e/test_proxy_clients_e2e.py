@@ -83,9 +83,12 @@ def test_models_say_the_local_pair_serves_tools_as_json(proxy: ProxyServer) -> N
     ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}],
     ids=["auto", "required", "named"],
 )
-def test_openai_sync_tool_loop(proxy: ProxyServer, model: str, choice: Any) -> None:
+def test_openai_sync_tool_loop(
+    proxy: ProxyServer, model: str, choice: Any, request: pytest.FixtureRequest
+) -> None:
     """Two steps: a tool call, its result echoed back with the call, then the answer."""
     client = OpenAI(base_url=f"{proxy.url}/v1", api_key="k", max_retries=0, timeout=600)
+    request.addfinalizer(client.close)
     name = f"openai-sync-{choice if isinstance(choice, str) else 'named'}"
     messages: list[Any] = [
         {"role": "system", "content": SYSTEM},
@@ -132,8 +135,7 @@ def test_openai_sync_tool_loop(proxy: ProxyServer, model: str, choice: Any) -> N
 def test_openai_async_tools_and_a_stop_string(
     proxy: ProxyServer, model: str, stream: bool
 ) -> None:
-    async def run() -> None:
-        client = AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="k", max_retries=0, timeout=600)
+    async def run(client: AsyncOpenAI) -> None:
         name = f"openai-async-{'stream' if stream else 'plain'}"
         messages: list[Any] = [
             {"role": "system", "content": SYSTEM},
@@ -213,7 +215,15 @@ def test_openai_async_tools_and_a_stop_string(
         _check(raw)  # after a turn without a handle: extends, recomputes what prefill lacks
         assert raw.headers["x-agentkv-handle"] == "none"
 
-    asyncio.run(run())
+    async def main() -> None:
+        # Closed in the loop that opened its connections: left to the garbage collector after
+        # asyncio.run, its sockets are never closed (ResourceWarning).
+        async with AsyncOpenAI(
+            base_url=f"{proxy.url}/v1", api_key="k", max_retries=0, timeout=600
+        ) as client:
+            await run(client)
+
+    asyncio.run(main())
 
 
 @tool

@@ -7,11 +7,12 @@ import json
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from agentkv import ConfigError
+from agentkv import AsyncCluster, ConfigError
 from agentkv.local._config import (
     ClusterRecord,
     LocalClusterConfig,
@@ -65,6 +66,20 @@ def test_the_cluster_file_records_dtype_and_an_emulated_isa(tmp_path: Path) -> N
     data = json.loads(path.read_text())
     assert (data["dtype"], data["cpu_isa"]) == ("float32", "avx2")
     assert ClusterRecord.read(path) == record
+
+
+def test_the_servers_recompute_threshold_reaches_the_sdks_policy(tmp_path: Path) -> None:
+    """The local pair pulls down to 1 token; a default policy would skip handles below 64."""
+    path = tmp_path / "cluster.json"
+    record = replace(_record(), kv_recompute_threshold=1)
+    record.write(path)
+    assert ClusterRecord.read(path) == record
+    assert AsyncCluster.from_file(path).policy.recompute_threshold == 1
+    _record().write(path)  # not recorded: vLLM's default
+    assert AsyncCluster.from_file(path).policy.recompute_threshold == 64
+    bad = {**record.to_json(), "kv_recompute_threshold": "1"}
+    with pytest.raises(ConfigError, match="kv_recompute_threshold"):
+        AsyncCluster.from_dict(bad)
 
 
 @pytest.mark.parametrize(
@@ -310,6 +325,11 @@ def test_a_pool_cluster_file_round_trips_and_opens_as_a_pool(tmp_path: Path) -> 
     with Cluster.from_file(config.cluster_file) as cluster:
         assert [pair.name for pair in cluster.pairs] == ["decode-0"]
         assert list(cluster._async.prefills) == ["prefill-0", "prefill-1"]
+    threshold = replace(record, kv_recompute_threshold=1)
+    threshold.write(config.cluster_file)
+    assert ClusterRecord.read(config.cluster_file) == threshold
+    with Cluster.from_file(config.cluster_file) as cluster:
+        assert cluster._async.policy.recompute_threshold == 1
 
 
 def test_healing_a_pool_restarts_exactly_its_dead_servers(tmp_path: Path) -> None:
