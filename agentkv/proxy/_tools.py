@@ -163,6 +163,13 @@ class ToolPlan:
             return result.message, result.finish_reason
         reply = self.protocol.parse(result)
         if reply.error is not None:
+            logger.warning(
+                "agentkv.proxy.tool_reply_unreadable",
+                reason=str(reply.error),
+                finish_reason=result.finish_reason,
+                generated_tokens=len(result.token_ids),
+                text=result.text[:500],
+            )
             return result.message, result.finish_reason  # not a call: show the model's text
         calls = tuple(
             ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=c.name, arguments=c.arguments)
