@@ -19,12 +19,16 @@ not Redis Cluster.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from agentkv.proxy._store import Claim, ClaimLostError
+from agentkv.proxy._store import Claim, ClaimLostError, StoreUnavailableError
 
 __all__ = ["RedisSessions"]
 
@@ -74,6 +78,14 @@ return existed
 """
 
 
+@contextlib.contextmanager
+def _reachable() -> Iterator[None]:
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        raise StoreUnavailableError(f"the session store is unreachable: {exc}") from exc
+
+
 class RedisSessions:
     """Sessions in Redis (see the module docstring).
 
@@ -120,10 +132,11 @@ class RedisSessions:
         deadline = time.monotonic() + wait_s
         pause = 0.001
         while True:
-            reply = await self._claim(
-                keys=[session, lock, f"{self._prefix}fence"],
-                args=[self._lease_ms, known_version],
-            )
+            with _reachable():
+                reply = await self._claim(
+                    keys=[session, lock, f"{self._prefix}fence"],
+                    args=[self._lease_ms, known_version],
+                )
             fence = int(reply[0])
             if fence:
                 version = int(reply[1])
@@ -143,12 +156,13 @@ class RedisSessions:
 
     async def commit(self, claim: Claim, data: bytes, *, used_at: float) -> int:
         session, lock = self._keys(claim.key)
-        version = int(
-            await self._commit(
-                keys=[session, lock, self._idle_key],
-                args=[claim.fence, data, int(used_at * 1000), claim.key],
+        with _reachable():
+            version = int(
+                await self._commit(
+                    keys=[session, lock, self._idle_key],
+                    args=[claim.fence, data, int(used_at * 1000), claim.key],
+                )
             )
-        )
         if not version:
             raise ClaimLostError(f"the claim on session {claim.key} was lost; nothing written")
         return version
@@ -167,7 +181,8 @@ class RedisSessions:
 
     async def peek(self, key: str) -> tuple[int, bytes | None]:
         session, _ = self._keys(key)
-        version, data = await self._redis.hmget(session, ["ver", "snap"])
+        with _reachable():
+            version, data = await self._redis.hmget(session, ["ver", "snap"])
         if version is None or data is None:
             return 0, None
         return int(version), data if isinstance(data, bytes) else data.encode()

@@ -41,7 +41,7 @@ from agentkv._session import AsyncSession
 from agentkv._types import Message
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
-from agentkv.proxy._store import Claim, ClaimLostError, SessionStore
+from agentkv.proxy._store import Claim, ClaimLostError, SessionStore, StoreUnavailableError
 
 __all__ = ["SessionEntry", "SessionRegistry"]
 
@@ -276,6 +276,10 @@ class SessionRegistry:
         except TimeoutError as exc:
             raise ProxyError(
                 503, str(exc), code="session_busy", headers={"Retry-After": "1"}
+            ) from exc
+        except StoreUnavailableError as exc:
+            raise ProxyError(
+                503, str(exc), code="state_unavailable", headers={"Retry-After": "1"}
             ) from exc
         entry.claim = claim
         if claim.data is not None:

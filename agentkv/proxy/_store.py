@@ -23,12 +23,16 @@ from typing import Protocol
 
 from agentkv._exceptions import AgentKVError
 
-__all__ = ["Claim", "ClaimLostError", "SessionStore", "open_store"]
+__all__ = ["Claim", "ClaimLostError", "SessionStore", "StoreUnavailableError", "open_store"]
 
 
 class ClaimLostError(AgentKVError):
     """The store no longer holds this claim's fencing token: another replica took the session
     (the lease ran out) or it was deleted. Whatever this holder meant to write is refused."""
+
+
+class StoreUnavailableError(AgentKVError):
+    """The store could not be reached (connection refused, reset or timed out)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -7,6 +7,7 @@ and the servers are shared.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import httpx
 import pytest
@@ -219,3 +220,23 @@ async def test_a_turn_costs_two_redis_round_trips_on_the_same_or_the_other_repli
         await _ask(replica, "rtt", messages, question)
         assert commands() == 2  # claim, commit
     admin.close()
+
+
+async def test_an_unreachable_redis_answers_503_and_fails_the_readiness_probe(fake, clock):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here once the socket closes
+    replica = Replica(fake, clock, f"redis://127.0.0.1:{port}/0")
+    try:
+        response = await replica.http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}]},
+            headers={"X-Session-ID": "down"},
+        )
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "state_unavailable"
+        health = await replica.http.get("/healthz")
+        assert health.status_code == 503
+        assert health.json()["state"] == "unreachable"
+    finally:
+        await replica.aclose(release=False)
