@@ -44,6 +44,7 @@ from agentkv._exceptions import (
     UpstreamStatusError,
 )
 from agentkv._leasing import ToolWait
+from agentkv._placement import PrefillWeights
 from agentkv._policy import AttachDecision, CachePolicy, ExtendDecision, RetryPolicy
 from agentkv._session import AsyncSession, Session, TurnOverrides
 from agentkv._tool_calling import (
@@ -112,6 +113,7 @@ __all__ = [
     "NoHealthyPairError",
     "OpenAI",
     "Pair",
+    "PrefillWeights",
     "PrefixDivergedError",
     "RequestTimeoutError",
     "RetryPolicy",

@@ -38,7 +38,7 @@ from agentkv._types import HandleState, KVHandle, Message, TurnStats
 if TYPE_CHECKING:
     from agentkv._cluster import AsyncCluster
 
-__all__ = ["FORMAT", "VERSION", "load_state", "save_state", "write_atomic"]
+__all__ = ["FORMAT", "VERSION", "load_state", "restore", "save_state", "snapshot", "write_atomic"]
 
 FORMAT = "agentkv.session"
 VERSION = 1
@@ -64,6 +64,14 @@ def _handle_json(handle: KVHandle, *, now: float, wall: float) -> dict[str, Any]
         "extends": handle.extends,
         "params": dict(handle._params),
     }
+
+
+def _flat(stats: TurnStats) -> dict[str, Any]:
+    # dataclasses.asdict deep-copies every value; TurnStats holds only scalars.
+    return {f.name: getattr(stats, f.name) for f in _TURN_FIELDS}
+
+
+_TURN_FIELDS = dataclasses.fields(TurnStats)
 
 
 def _options_json(options: SessionOptions) -> dict[str, Any]:
@@ -99,10 +107,11 @@ def snapshot(state: SessionState, *, now: float, wall: float) -> dict[str, Any]:
         "handle": None if state.handle is None else _handle_json(state.handle, now=now, wall=wall),
         "lost": None if state.lost is None else [state.lost[0].value, state.lost[1]],
         "turns": [
-            {**dataclasses.asdict(t), "handle_state": t.handle_state.value} for t in state.turns
+            {**_flat(t), "handle_state": t.handle_state.value} for t in state.turns
         ],
         "ideal_base": state.ideal_base,
         "prefilled": state.prefilled,
+        "last_prefill": state.last_prefill,
         "tools_key": state.tools_key,
         "wait_note": state.wait_note,
     }
@@ -177,11 +186,15 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SessionLoadError(f"saved session {os.fspath(path)} is not JSON: {exc}") from exc
+    return _checked(data, os.fspath(path))
+
+
+def _checked(data: object, source: str) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise SessionLoadError(f"{os.fspath(path)} is not a saved agentkv session")
+        raise SessionLoadError(f"{source} is not a saved agentkv session")
     if data.get("version") != VERSION:
         raise SessionLoadError(
-            f"saved session {os.fspath(path)} has schema version {data.get('version')!r}; "
+            f"saved session {source} has schema version {data.get('version')!r}; "
             f"this agentkv reads version {VERSION}"
         )
     return data
@@ -190,7 +203,8 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _transcript(data: Mapping[str, Any]) -> Transcript:
     spans = [Span(int(start), int(end)) for start, end in _field(data, "spans", list)]
     token_ids = _field(data, "token_ids", list)
-    if not all(type(t) is int for t in token_ids):
+    # set(map(type, ...)) runs in C: a shared proxy state loads a transcript on every turn.
+    if not set(map(type, token_ids)) <= {int}:
         raise SessionLoadError("saved session: token_ids holds non-integers")
     return Transcript.restore(
         messages=[Message.from_openai(m) for m in _field(data, "messages", list)],
@@ -248,7 +262,18 @@ def load_state(
     Raises ``SessionLoadError`` for a missing, corrupt or unknown-version file. Call it on the
     cluster's event loop (it takes a place on a pair).
     """
-    data = _read(path)
+    return restore(_read(path), cluster, wall_clock=wall_clock, source=os.fspath(path))
+
+
+def restore(
+    data: object,
+    cluster: AsyncCluster,
+    *,
+    wall_clock: Callable[[], float] = time.time,
+    source: str = "saved session",
+) -> SessionState:
+    """A session from ``snapshot``'s dict, placed on ``cluster`` as ``load_state`` does."""
+    data = _checked(data, source)
     now, wall = cluster.clock(), wall_clock()
     try:
         session_id = _field(data, "session_id", str)
@@ -263,12 +288,13 @@ def load_state(
         turns = [_turn_stats(t) for t in _field(data, "turns", list)]
         ideal_base = _field(data, "ideal_base", int)
         prefilled = _field(data, "prefilled", int)
+        last_prefill = _optional(data, "last_prefill", str)
         tools_key = _optional(data, "tools_key", str)
         wait_note = _optional(data, "wait_note", str)
     except SessionLoadError:
         raise
     except (AgentKVError, KeyError, IndexError, TypeError, ValueError) as exc:
-        raise SessionLoadError(f"saved session {os.fspath(path)} is corrupt: {exc}") from exc
+        raise SessionLoadError(f"saved session {source} is corrupt: {exc}") from exc
     known = {pair.name: pair for pair in cluster.pairs}
     cluster._check_open()
     pair = cluster._acquire(session_id, near=known.get(saved_pair))
@@ -286,6 +312,7 @@ def load_state(
     state.tools_key = tools_key
     state.wait_note = wait_note
     state.handle = handle
+    state.last_prefill = last_prefill
     if pair.name == saved_pair:
         state.prefilled = prefilled
     else:

@@ -34,7 +34,7 @@ from agentkv._exceptions import (
 )
 from agentkv._fields import check_extra_body
 from agentkv._leasing import ToolWait, begin_wait, end_wait, extend_handle, release_handle
-from agentkv._persist import load_state, save_state
+from agentkv._persist import load_state, restore, save_state, snapshot
 from agentkv._policy import CachePolicy
 from agentkv._state import SessionState
 from agentkv._transcript import Transcript, TranscriptView
@@ -384,6 +384,24 @@ class AsyncSession(_SessionBase):
             and state.policy.decide_release(handle, now=cluster.clock())
         ):
             await release_handle(state, handle, reason="close")
+
+    def _detach(self) -> None:
+        """Close this copy of the session without releasing its handle: another process (a
+        proxy replica sharing sessions) owns the session and will send or release the handle."""
+        state = self._state
+        if not state.closed:
+            state.closed = True
+            state.handle = None
+            state.cluster._release(state.pair)
+
+    def _snapshot(self, *, wall: float) -> dict[str, Any]:
+        """The session as ``save`` writes it, as a dict."""
+        return snapshot(self._state, now=self._state.cluster.clock(), wall=wall)
+
+    @classmethod
+    def _restore(cls, data: object, cluster: AsyncCluster) -> AsyncSession:
+        """The session from ``_snapshot``'s dict, placed on ``cluster``."""
+        return cls(restore(data, cluster))
 
     async def __aenter__(self) -> AsyncSession:
         return self

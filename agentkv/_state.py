@@ -37,6 +37,7 @@ class SessionState:
         "cluster",
         "handle",
         "ideal_base",
+        "last_prefill",
         "lost",
         "options",
         "pair",
@@ -76,6 +77,8 @@ class SessionState:
         self.ideal_base = 0
         # The last prompt this session prefilled on its pair (bounds prefill's own cache).
         self.prefilled = 0
+        # The prefill (a name) that prefilled ``prefilled`` tokens: its prefix cache may hold them.
+        self.last_prefill: str | None = None
         # The tools rendered into the transcript's first prompt; later turns must match.
         self.tools_key: str | None = None
         # What the last tool wait did to the handle, for the next turn's handle_reason.
@@ -95,7 +98,7 @@ class SessionState:
             self.lost = (state, reason)
 
     async def build_prompt(
-        self, pair: Pair, tools: Sequence[Mapping[str, Any]] | None
+        self, prefill_url: str, tools: Sequence[Mapping[str, Any]] | None
     ) -> TurnPrompt:
         key = tools_key(tools)
         if self.tools_key is not None and key != self.tools_key:
@@ -103,7 +106,7 @@ class SessionState:
                 "the tools differ from those rendered into the session's first prompt; the "
                 "template put them in the prefix, so fork the session to change them"
             )
-        template = self.cluster._template(pair)
+        template = self.cluster._template(prefill_url)
         transcript = self.transcript
         pending = transcript.pending
         if not pending:
@@ -134,6 +137,7 @@ class SessionState:
         result: DecodeResult,
         *,
         pair: Pair,
+        prefill_name: str,
         prefill: PrefillResult,
         attached: KVHandle | None,
         handle_state: HandleState,
@@ -159,10 +163,14 @@ class SessionState:
         self.wire.append(result.message.to_openai())
         prompt_len = len(prompt)
         reused = min(prefill.cached_tokens, prompt_len)
+        if prefill_name != self.last_prefill:
+            self.prefilled = 0  # another prefill: its prefix cache holds nothing of ours
+        self.last_prefill = prefill_name
         stats = TurnStats(
             session_id=self.session_id,
             turn=self.transcript.version,
             pair=pair.name,
+            prefill=prefill_name,
             prompt_tokens=prompt_len,
             reused_tokens=reused,
             pulled_tokens=pulled_estimate(
@@ -205,6 +213,7 @@ class SessionState:
             session_id=self.session_id,
             turn=stats.turn,
             pair=stats.pair,
+            prefill=stats.prefill,
             prompt_tokens=stats.prompt_tokens,
             reused_tokens=stats.reused_tokens,
             pulled_tokens=stats.pulled_tokens,

@@ -11,6 +11,9 @@ Retry rules (each attempt is a whole P leg + D leg, so a decode failure re-runs 
   restarted, its block ids reused); the next attempt moves the session to a healthy pair
   (transcript kept, KV recomputed there). A connection lost or timed out, or a 5xx, probes the
   pair's ``/health`` at once: a dead server is treated the same way, a live one is retried.
+* In a pool (xPyD) a pair is the decode server: a prefill that refuses a connection is marked down
+  and the same P leg goes to another prefill with the same handle (a refused connection read
+  nothing, and the KV is on decode); a prefill lost mid-request is probed and the turn retried.
 * A streamed turn is not retried once text was yielded: the caller has seen it.
 * Nothing is committed until the D leg's answer is parsed, so a failed turn changes nothing.
 
@@ -24,9 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
@@ -54,6 +57,8 @@ if TYPE_CHECKING:
     from agentkv._state import SessionState
 
 __all__ = ["SessionOptions", "TurnRunner"]
+
+T = TypeVar("T")
 
 logger = structlog.get_logger("agentkv")
 
@@ -86,6 +91,7 @@ class TurnRunner:
         self._yielded = False
         self._prompt: TurnPrompt | None = None
         self._request: TurnRequest | None = None
+        self._prefill_name: str | None = None
 
     async def events(self) -> AsyncIterator[TextDelta | TurnResult]:
         # The first attempt runs outside tenacity: setting up its machinery costs more than the
@@ -155,12 +161,49 @@ class TurnRunner:
             # the pair down), so the retry moves instead of running into it again.
             if not await cluster._probe(pair):
                 state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} stopped answering")
+            if cluster.pooled and self._prefill_name is not None:
+                await cluster._probe_prefill(self._prefill_name)
             raise
+        finally:
+            self._prefill_name = None  # a retry chooses again, by the load it then sees
+
+    async def _on_prefill(
+        self, pair: Pair, call: Callable[[str], Awaitable[T]], *, cost: int = 0
+    ) -> T:
+        """Run ``call`` on a prefill chosen now; in a pool, another prefill if it refuses.
+
+        ``cost`` (tokens) counts as the prefill's load while ``call`` runs. It is added in the
+        same step as the choice, with no await between: turns that start together see each
+        other's load instead of all choosing the same idle prefill.
+        """
+        state = self._state
+        cluster = state.cluster
+        tried: set[str] = set()
+        key = f"{state.session_id}/{state.transcript.version + 1}"
+        while True:
+            name = cluster._choose_prefill(key, pair, warm=state.last_prefill, exclude=tried)
+            self._prefill_name = name
+            cluster._prefill_begin(name, cost)
+            try:
+                return await call(cluster._prefill_url(name))
+            except ConnectError as exc:
+                if not cluster.pooled:
+                    raise
+                cluster._mark_prefill_down(name, reason=str(exc))
+                tried.add(name)
+                logger.warning(
+                    "agentkv.prefill_refused", session_id=state.session_id, prefill=name
+                )
+            finally:
+                cluster._prefill_end(name, cost)
 
     async def _prompt_for(self, pair: Pair) -> TurnPrompt:
-        # Built once per turn: every pair serves the same model, so the tokens hold on any of them.
+        # Built once per turn: every server serves the same model, so the tokens hold on any.
         if self._prompt is None:
-            self._prompt = await self._state.build_prompt(pair, self._options.tools)
+            tools = self._options.tools
+            self._prompt = await self._on_prefill(
+                pair, lambda url: self._state.build_prompt(url, tools)
+            )
         return self._prompt
 
     async def _legs(self, pair: Pair) -> AsyncIterator[TextDelta | TurnResult]:
@@ -177,7 +220,13 @@ class TurnRunner:
         ids = fragment(prompt.tolist())
 
         t_prefill = time.perf_counter()
-        prefill = await self._prefill(pair, request, ids, sent)
+        # Outstanding tokens: what the prefill computes (the handle's tokens are pulled).
+        cost = max(1, len(prompt) - (sent.num_tokens if sent is not None else 0))
+        prefill = await self._on_prefill(
+            pair, lambda url: self._prefill(url, request, ids, sent), cost=cost
+        )
+        prefill_name = self._prefill_name
+        assert prefill_name is not None
         t_decode = time.perf_counter()
 
         decode_url = pair.decode + _CHAT_PATH
@@ -211,6 +260,7 @@ class TurnRunner:
             prompt,
             result,
             pair=pair,
+            prefill_name=prefill_name,
             prefill=prefill,
             attached=sent,
             handle_state=handle_state,
@@ -277,9 +327,9 @@ class TurnRunner:
         return (handle if decision.attach else None), handle_state, reason, extends, unsent
 
     async def _prefill(
-        self, pair: Pair, request: TurnRequest, ids: object, sent: KVHandle | None
+        self, base: str, request: TurnRequest, ids: object, sent: KVHandle | None
     ) -> PrefillResult:
-        url = pair.prefill + _CHAT_PATH
+        url = base + _CHAT_PATH
         data = await post_json(
             self._state.cluster.http_client,
             url,

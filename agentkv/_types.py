@@ -302,7 +302,8 @@ class TurnStats:
     generated tokens, less the last generated one (its KV is never computed).
     ``extends`` is how often the handle this turn started with was extended while the session
     waited (``session.tool_wait()``, ``session.extend_handle()``); ``handle_reason`` also says
-    whether it survived a tool wait.
+    whether it survived a tool wait. ``prefill`` names the prefill server that ran the turn (in a
+    pool it changes with load; ``pair`` is then the decode server the session is pinned to).
     """
 
     session_id: str
@@ -322,6 +323,7 @@ class TurnStats:
     handle_reason: str = ""
     retries: int = 0
     extends: int = 0
+    prefill: str = ""
 
     @property
     def ttft_ms(self) -> float:

@@ -34,6 +34,7 @@ from agentkv.proxy._metrics import CONTENT_TYPE, ProxyMetrics
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
 from agentkv.proxy._responses import ResponsesService
 from agentkv.proxy._shape import turn_stats_json
+from agentkv.proxy._store import SessionStore, open_store
 
 __all__ = ["create_app"]
 
@@ -91,20 +92,37 @@ class _Proxy:
     """The app's state and handlers (one instance per app, no globals)."""
 
     def __init__(
-        self, cluster: AsyncCluster, config: ProxyConfig, *, clock: Callable[[], float]
+        self,
+        cluster: AsyncCluster,
+        config: ProxyConfig,
+        *,
+        clock: Callable[[], float],
+        store: SessionStore | None,
     ) -> None:
         self.cluster = cluster
         self.config = config
         self.clock = clock
         self.metrics = ProxyMetrics()
+        # A store the app opened (from config.state) is the app's to close.
+        self.owned_store = (
+            open_store(config.state, lease_s=config.state_lease_s)
+            if store is None and config.state is not None
+            else None
+        )
+        self.store = store or self.owned_store
         self.registry = SessionRegistry(
             cluster,
             max_sessions=config.max_sessions,
             idle_timeout_s=config.session_idle_timeout_s,
             metrics=self.metrics,
             clock=clock,
+            store=self.store,
         )
-        self.metrics.bind(sessions=lambda: len(self.registry), pair_sessions=cluster.loads)
+        self.metrics.bind(
+            sessions=lambda: len(self.registry),
+            pair_sessions=cluster.loads,
+            prefill_tokens=cluster.prefill_loads,
+        )
         self.chat = ChatService(cluster, self.registry, config=config, metrics=self.metrics)
         # A stored response holds references to its session's messages, not copies: a few
         # per session cost little.
@@ -188,11 +206,20 @@ class _Proxy:
         del request
         pairs = {pair.name: self.cluster.is_healthy(pair.name) for pair in self.cluster.pairs}
         ok = any(pairs.values())
-        body = {
+        body: dict[str, Any] = {
             "status": "ok" if ok else "unavailable",
             "pairs": pairs,
             "sessions": len(self.registry),
         }
+        if self.store is not None:
+            # A replica that cannot reach the shared state cannot serve a session: not ready.
+            try:
+                state_ok = await asyncio.wait_for(self.store.ping(), timeout=2.0)
+            except Exception:  # any failure to reach it means the same: not ready
+                state_ok = False
+            body["state"] = "ok" if state_ok else "unreachable"
+            ok = ok and state_ok
+            body["status"] = "ok" if ok else "unavailable"
         return json_response(body, status=200 if ok else 503)
 
     async def metrics_text(self, request: Request) -> Response:
@@ -284,6 +311,8 @@ class _Proxy:
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
             await self.registry.close_all()
+            if self.owned_store is not None:
+                await self.owned_store.aclose()
             logger.info("agentkv.proxy.stopped")
 
 
@@ -302,13 +331,16 @@ def create_app(
     config: ProxyConfig | None = None,
     *,
     clock: Callable[[], float] = time.monotonic,
+    store: SessionStore | None = None,
 ) -> Starlette:
     """The proxy as an ASGI app serving ``cluster``; run it with any ASGI server.
 
     The app does not own the cluster: close it after the app stops. ``clock`` (monotonic seconds)
     drives idle expiry; tests pass a manual one. ``app.state.registry`` holds the open sessions.
+    ``store`` shares sessions with other replicas (default: the one ``config.state`` names, or
+    none: sessions in this process's memory).
     """
-    proxy = _Proxy(cluster, config or ProxyConfig(), clock=clock)
+    proxy = _Proxy(cluster, config or ProxyConfig(), clock=clock, store=store)
     routes = [
         Route(
             "/v1/chat/completions", proxy.endpoint("chat", proxy.chat_completions), methods=["POST"]

@@ -73,6 +73,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "outputs (json), or probe the backend once (auto, the default)",
     )
     parser.add_argument(
+        "--state",
+        default=None,
+        metavar="redis://HOST:PORT/DB",
+        help="keep sessions in Redis, shared by every proxy replica that names it (default: in "
+        "this process's memory)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -92,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
         tool_calling=args.tool_calling,
+        state=args.state,
     )
 
 

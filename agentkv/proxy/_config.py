@@ -95,6 +95,10 @@ class ProxyConfig:
         sweep_interval_s: how often idle sessions are looked for.
         tool_calling: ``auto`` (probe the backend once for a tool parser), ``native`` (the
             backend parses tool calls) or ``json`` (agentkv's structured-output protocol).
+        state: where sessions live: ``None`` in this process's memory; ``redis://HOST:PORT/DB``
+            in Redis, shared by every replica that names it (any replica serves any session).
+        state_lease_s: how long a replica's claim on a session holds without renewal (it renews
+            every third of it while a turn runs); a crashed replica's claims free after it.
     """
 
     host: str = "127.0.0.1"
@@ -106,8 +110,16 @@ class ProxyConfig:
     default_max_tokens: int = 1024
     sweep_interval_s: float = 15.0
     tool_calling: str = "auto"
+    state: str | None = None
+    state_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.state is not None and not self.state.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigError(f"state must be a redis:// URL, got {self.state!r}")
+        if self.state_lease_s <= 0:
+            raise ConfigError("state_lease_s must be positive")
         if self.tool_calling not in ("auto", "native", "json"):
             raise ConfigError("tool_calling must be auto, native or json")
         if not 0 <= self.port <= 65535:

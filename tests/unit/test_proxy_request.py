@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from agentkv import (
@@ -17,6 +19,7 @@ from agentkv import (
 from agentkv.proxy import ApiKeys, ProxyConfig
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
+from agentkv.proxy._registry import _split_key, store_key
 from agentkv.proxy._request import parse_chat_request, session_id_from
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -236,7 +239,11 @@ def test_an_upstream_400_keeps_vllms_message():
 
 def test_metrics_render_in_prometheus_text_format():
     metrics = ProxyMetrics()
-    metrics.bind(sessions=lambda: 3, pair_sessions=lambda: {"pair-0": 2})
+    metrics.bind(
+        sessions=lambda: 3,
+        pair_sessions=lambda: {"pair-0": 2},
+        prefill_tokens=lambda: {"p1": 4096},
+    )
     metrics.requests.inc("chat", "200")
     metrics.request_seconds.observe(0.02, "false")
     metrics.reused_tokens.inc(amount=128)
@@ -248,4 +255,11 @@ def test_metrics_render_in_prometheus_text_format():
     assert "agentkv_proxy_reused_tokens_total 128" in text
     assert "agentkv_proxy_sessions 3" in text
     assert 'agentkv_proxy_pair_sessions{pair="pair-0"} 2' in text
+    assert 'agentkv_proxy_prefill_outstanding_tokens{prefill="p1"} 4096' in text
     assert "# TYPE agentkv_proxy_ttft_seconds histogram" in text
+
+
+@given(st.text(), st.text())
+def test_store_keys_are_unambiguous_whatever_the_principal_and_session_id_hold(principal, sid):
+    key = store_key(principal, sid)
+    assert _split_key(key) == (principal, sid)
