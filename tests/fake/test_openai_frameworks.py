@@ -102,3 +102,41 @@ async def test_a_pydantic_ai_agent_on_openai_chat_model_extends_one_session(fake
             await agent.run(TASK, usage_limits=UsageLimits(request_limit=CALLS))
         _assert_exact_reuse(await client.get("/sessions/pydantic-ai", cast_to=object))
     assert fake.wrong_reuse_events == 0
+
+
+@pytest.mark.parametrize("api", ["responses", "chat-completions"])
+async def test_an_openai_agents_sdk_agent_extends_one_session(fake, api):
+    pytest.importorskip("agents")
+    from agents import (
+        Agent,
+        MaxTurnsExceeded,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # no trace export: the run never leaves the process
+    async with (
+        AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster,
+        agentkv.AsyncOpenAI(cluster, session_id="openai-agents", max_retries=0) as client,
+    ):
+        model_class = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+        agent = Agent(
+            name="calculator",
+            instructions=SYSTEM,
+            model=model_class(model=client.model, openai_client=client),
+            tools=[function_tool(add), function_tool(multiply)],
+            model_settings=ModelSettings(max_tokens=96, temperature=0),
+        )
+        # The fake calls tools until the SDK's own turn limit: the calls made are what is checked.
+        try:
+            items = (await Runner.run(agent, TASK, max_turns=CALLS)).new_items
+        except MaxTurnsExceeded as stopped:
+            assert stopped.run_data is not None
+            items = stopped.run_data.new_items
+        assert sum(item.type == "tool_call_item" for item in items) >= 2, items
+        _assert_exact_reuse(await client.get("/sessions/openai-agents", cast_to=object))
+    assert fake.wrong_reuse_events == 0
