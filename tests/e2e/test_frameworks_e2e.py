@@ -239,3 +239,84 @@ def test_pydantic_ai_on_the_drop_in_reuses_every_call(cluster_file: Path) -> Non
         ]
 
     assert said(messages) == said(baseline)
+
+
+# --- OpenAI Agents SDK: Agent on OpenAIResponsesModel / OpenAIChatCompletionsModel(openai_client=
+# agentkv.AsyncOpenAI(...)) ----------------------------------------------------------------------
+
+
+async def _openai_agents_run(
+    cluster_file: Path, policy: CachePolicy, api: str
+) -> tuple[list[Any], Any]:
+    import json
+
+    from agents import (
+        Agent,
+        MaxTurnsExceeded,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # no trace export: nothing leaves the machine
+    history: list[Any] = [{"role": "user", "content": EXAMPLE_TASK}]
+    for index, (name, args, result) in enumerate(EXAMPLE_STEPS):
+        call_id = f"example_{index}"
+        history += [
+            {
+                "type": "function_call",
+                "call_id": call_id,
+                "name": name,
+                "arguments": json.dumps(args),
+            },
+            {"type": "function_call_output", "call_id": call_id, "output": result},
+        ]
+    history += [
+        {"role": "assistant", "content": EXAMPLE_ANSWER},
+        {"role": "user", "content": TASK},
+    ]
+    async with (
+        AsyncCluster.from_file(cluster_file, policy=policy) as cluster,
+        agentkv.AsyncOpenAI(cluster, session_id="openai-agents", max_retries=0) as client,
+    ):
+        model_class = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+        agent = Agent(
+            name="calculator",
+            instructions=SYSTEM,
+            model=model_class(model=client.model, openai_client=client),
+            tools=[function_tool(add), function_tool(multiply), function_tool(subtract)],
+            model_settings=ModelSettings(max_tokens=96, temperature=0, parallel_tool_calls=False),
+        )
+        # The SDK's own turn limit ends a run whose model keeps calling tools, as the limits of
+        # LangChain and pydantic-ai do above: the calls it made are what is checked.
+        try:
+            items = (await Runner.run(agent, history, max_turns=MAX_CALLS)).new_items
+        except MaxTurnsExceeded as stopped:
+            items = stopped.run_data.new_items if stopped.run_data else []
+        session = await client.get("/sessions/openai-agents", cast_to=object)
+    return items, session
+
+
+@pytest.mark.parametrize("api", ["responses", "chat-completions"])
+def test_openai_agents_sdk_on_the_drop_in_reuses_every_call(cluster_file: Path, api: str) -> None:
+    pytest.importorskip("agents")
+    from agents import ItemHelpers
+
+    items, session = asyncio.run(_openai_agents_run(cluster_file, CachePolicy(), api))
+    assert sum(item.type == "tool_call_item" for item in items) >= 2, items
+    check_session(f"openai-agents ({api})", session)
+    baseline, _ = asyncio.run(_openai_agents_run(cluster_file, NO_HANDLE, api))
+
+    def said(run: list[Any]) -> list[Any]:
+        return [
+            (item.raw_item.name, item.raw_item.arguments)
+            if item.type == "tool_call_item"
+            else ItemHelpers.text_message_output(item)
+            for item in run
+            if item.type in ("tool_call_item", "message_output_item")
+        ]
+
+    assert said(items) == said(baseline)

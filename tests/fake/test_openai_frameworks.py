@@ -132,11 +132,10 @@ async def test_an_openai_agents_sdk_agent_extends_one_session(fake, api):
             model_settings=ModelSettings(max_tokens=96, temperature=0),
         )
         # The fake calls tools until the SDK's own turn limit: the calls made are what is checked.
-        try:
-            items = (await Runner.run(agent, TASK, max_turns=CALLS)).new_items
-        except MaxTurnsExceeded as stopped:
-            assert stopped.run_data is not None
-            items = stopped.run_data.new_items
+        with pytest.raises(MaxTurnsExceeded) as stopped:
+            await Runner.run(agent, TASK, max_turns=CALLS)
+        assert stopped.value.run_data is not None
+        items = stopped.value.run_data.new_items
         assert sum(item.type == "tool_call_item" for item in items) >= 2, items
         _assert_exact_reuse(await client.get("/sessions/openai-agents", cast_to=object))
     assert fake.wrong_reuse_events == 0
