@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from agentkv._exceptions import InvalidMessageError, PrefixDivergedError
+from agentkv._exceptions import InvalidMessageError, PrefixDivergedError, SessionLoadError
 from agentkv._handoff import DecodeResult, PrefillResult, TurnRequest
 from agentkv._json import fragment
 from agentkv._policy import CachePolicy
@@ -35,6 +35,8 @@ class SessionState:
         "busy",
         "closed",
         "cluster",
+        "fingerprint",
+        "fingerprint_ok",
         "handle",
         "ideal_base",
         "lost",
@@ -46,6 +48,7 @@ class SessionState:
         "tools_key",
         "transcript",
         "turns",
+        "unconfirmed",
         "wait_note",
         "wire",
     )
@@ -80,6 +83,13 @@ class SessionState:
         self.tools_key: str | None = None
         # What the last tool wait did to the handle, for the next turn's handle_reason.
         self.wait_note: str | None = None
+        # A handle read from a save file: decode may have freed (and reused) its blocks since, so
+        # it is attached only once decode confirms the lease (``TurnRunner._confirm_loaded``).
+        self.unconfirmed: KVHandle | None = None
+        # The tokenizer and chat template the transcript's token ids come from (see
+        # ``ChatTemplate.fingerprint``); checked against the cluster's once per session.
+        self.fingerprint: str | None = None
+        self.fingerprint_ok = False
         self.closed = False
         self.busy = False
 
@@ -104,6 +114,8 @@ class SessionState:
                 "template put them in the prefix, so fork the session to change them"
             )
         template = self.cluster._template(pair)
+        if not self.fingerprint_ok:
+            self._check_fingerprint(await template.fingerprint())
         transcript = self.transcript
         pending = transcript.pending
         if not pending:
@@ -113,6 +125,16 @@ class SessionState:
             return transcript.prompt_for_turn(await template.first(pending, tools=tools))
         delta = await template.delta(pending, last=last, tools=tools)
         return transcript.prompt_for_turn(delta, closing=await template.closing(tools))
+
+    def _check_fingerprint(self, served: str) -> None:
+        if self.fingerprint is not None and self.fingerprint != served:
+            raise SessionLoadError(
+                f"session {self.session_id}'s token ids come from another tokenizer or chat "
+                f"template (fingerprint {self.fingerprint}; the cluster serves {served}): they "
+                "cannot be continued here; start a new session from its messages instead"
+            )
+        self.fingerprint = served
+        self.fingerprint_ok = True
 
     def turn_request(self, prompt: TurnPrompt, options: SessionOptions) -> TurnRequest:
         messages = [*self.wire, *(m.to_openai() for m in prompt.messages)]

@@ -45,7 +45,7 @@ from agentkv._handoff import (
 )
 from agentkv._http import post_json, stream_events
 from agentkv._json import fragment
-from agentkv._leasing import release_handle
+from agentkv._leasing import extend_handle, release_handle
 from agentkv._transcript import TurnPrompt
 from agentkv._types import HandleState, KVHandle, TextDelta, TurnResult
 
@@ -58,6 +58,9 @@ __all__ = ["SessionOptions", "TurnRunner"]
 logger = structlog.get_logger("agentkv")
 
 _CHAT_PATH = "/v1/chat/completions"
+# How long a loaded handle's lease is extended when decode confirms it: past prefill's 5 s expiry
+# margin, with room for the P leg to reach prefill.
+_CONFIRM_TTL_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,6 +174,7 @@ class TurnRunner:
         cluster = state.cluster
         # Asked once per decode server, then cached: whether to send hints at all.
         supported = await cluster._leases.supported(pair.decode)
+        await self._confirm_loaded(supported, len(prompt))
         sent, handle_state, reason, extends, unsent = self._take_handle(len(prompt))
         if unsent is not None:
             await release_handle(state, unsent, reason=handle_state.value)
@@ -236,6 +240,38 @@ class TurnRunner:
             stats=stats,
             logprobs=result.logprobs,
         )
+
+    async def _confirm_loaded(self, supported: bool | None, prompt_len: int) -> None:
+        """A handle read from a save file is attached only once decode confirms it still holds it.
+
+        The file may outlive the pin: the session was closed (which released it), a later turn
+        of the saved session consumed it, or the same file was loaded before. Decode has freed
+        those blocks and may have handed them to other requests; the pull is positional and
+        checks nothing, so attaching such a handle would load another tenant's KV. With agentkv's
+        extension, an extend call is the check (decode answers only for the exact request id,
+        block ids and lease secret it still holds, and the extension keeps the pin past
+        prefill's expiry margin); on stock vLLM nothing can confirm it, so it is never attached.
+        """
+        state = self._state
+        handle = state.handle
+        if handle is None or handle is not state.unconfirmed:
+            return
+        now = state.cluster.clock()
+        if not state.policy.decide_attach(handle, prompt_len=prompt_len, now=now).attach:
+            return  # not attached anyway (expired, diverged, ...): the turn says why
+        state.unconfirmed = None
+        if supported is not True or not handle.leased:
+            state.drop_handle(
+                HandleState.INVALIDATED,
+                "a handle from a save file is never attached on stock vLLM: decode cannot "
+                "confirm it still holds the blocks",
+            )
+            return
+        await extend_handle(state, _CONFIRM_TTL_S, reason="confirm_loaded")
+        if state.handle is handle:  # not extended, not dropped: the call failed
+            state.drop_handle(
+                HandleState.INVALIDATED, "decode could not confirm the handle from a save file"
+            )
 
     def _leased(self, result: DecodeResult, *, issued_at: float) -> DecodeResult:
         """Base a leased handle's deadline on the TTL decode granted, not on our assumption."""
