@@ -134,7 +134,8 @@ class _SessionBase:
     def append(self, *messages: MessageLike) -> None:
         """Queue messages (``Message`` values or OpenAI-style dicts) for the next turn.
 
-        All are validated first: on an ``InvalidMessageError`` none is appended.
+        All are validated first: on an ``InvalidMessageError`` none is appended. Messages
+        appended while a turn runs are not part of it: they wait for the turn after.
         """
         self._check_open()
         parsed = [_as_message(m) for m in messages]
@@ -146,8 +147,13 @@ class _SessionBase:
         ``messages`` must start with every message the session already holds; the rest are
         appended. Returns how many were appended. An edited history raises
         ``PrefixDivergedError`` (the stored handle is never sent with it): ``fork`` instead.
+        While a turn runs the history is about to change: ``SessionBusyError``.
         """
         self._check_open()
+        if self._state.busy:
+            raise SessionBusyError(
+                f"session {self._state.session_id} is running a turn: its history is not final"
+            )
         parsed = [_as_message(m) for m in messages]
         known = self._state.transcript.match_prefix(parsed)
         self._state.transcript.append(*parsed[known:])
@@ -269,7 +275,8 @@ class AsyncSession(_SessionBase):
         try:
             return await self.turn(final=final, **overrides)
         except BaseException:
-            self._state.transcript.drop_pending(keep)
+            # Only this message: others appended while the turn ran stay queued.
+            self._state.transcript.drop_pending(keep, count=1)
             raise
 
     def stream(

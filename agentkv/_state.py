@@ -17,7 +17,7 @@ from agentkv._json import fragment
 from agentkv._policy import CachePolicy
 from agentkv._template import tools_key
 from agentkv._transcript import Transcript, TurnPrompt
-from agentkv._types import HandleState, KVHandle, TurnStats
+from agentkv._types import HandleState, KVHandle, Message, TurnStats
 
 if TYPE_CHECKING:
     from agentkv._cluster import AsyncCluster, Pair
@@ -105,8 +105,13 @@ class SessionState:
             self.lost = (state, reason)
 
     async def build_prompt(
-        self, pair: Pair, tools: Sequence[Mapping[str, Any]] | None
+        self,
+        pair: Pair,
+        tools: Sequence[Mapping[str, Any]] | None,
+        pending: Sequence[Message] | None = None,
     ) -> TurnPrompt:
+        """The turn's exact prompt for ``pending`` (the messages pending when the turn started;
+        all pending ones by default)."""
         key = tools_key(tools)
         if self.tools_key is not None and key != self.tools_key:
             raise PrefixDivergedError(
@@ -117,14 +122,18 @@ class SessionState:
         if not self.fingerprint_ok:
             self._check_fingerprint(await template.fingerprint())
         transcript = self.transcript
-        pending = transcript.pending
+        pending = transcript.pending if pending is None else tuple(pending)
         if not pending:
             raise InvalidMessageError("nothing to send: append a message before the turn")
         last = transcript.last_message
+        # Rendered for the messages pending now: any appended while the template renders stay
+        # queued for the next turn.
         if transcript.is_fresh or last is None:
-            return transcript.prompt_for_turn(await template.first(pending, tools=tools))
+            first = await template.first(pending, tools=tools)
+            return transcript.prompt_for_turn(first, messages=pending)
         delta = await template.delta(pending, last=last, tools=tools)
-        return transcript.prompt_for_turn(delta, closing=await template.closing(tools))
+        closing = await template.closing(tools)
+        return transcript.prompt_for_turn(delta, closing=closing, messages=pending)
 
     def _check_fingerprint(self, served: str) -> None:
         if self.fingerprint is not None and self.fingerprint != served:

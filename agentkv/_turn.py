@@ -89,6 +89,8 @@ class TurnRunner:
         self._yielded = False
         self._prompt: TurnPrompt | None = None
         self._request: TurnRequest | None = None
+        # The turn sends the messages pending when it starts; later appends wait for the next.
+        self._pending = state.transcript.pending
 
     async def events(self) -> AsyncIterator[TextDelta | TurnResult]:
         # The first attempt runs outside tenacity: setting up its machinery costs more than the
@@ -163,7 +165,9 @@ class TurnRunner:
     async def _prompt_for(self, pair: Pair) -> TurnPrompt:
         # Built once per turn: every pair serves the same model, so the tokens hold on any of them.
         if self._prompt is None:
-            self._prompt = await self._state.build_prompt(pair, self._options.tools)
+            self._prompt = await self._state.build_prompt(
+                pair, self._options.tools, self._pending
+            )
         return self._prompt
 
     async def _legs(self, pair: Pair) -> AsyncIterator[TextDelta | TurnResult]:
