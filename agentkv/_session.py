@@ -21,7 +21,7 @@ import contextlib
 import math
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
@@ -175,9 +175,15 @@ class _SessionBase:
         if state.cluster.closed:
             raise SessionClosedError(f"session {state.session_id}'s cluster is closed")
 
-    def _check_turnable(self) -> None:
+    def _abandoned(self) -> bool:
+        """A stream holds the session but its caller stopped iterating (it waits at a yield)."""
+        stream = self._state.stream
+        # ``ag_running`` is true while the generator runs, also while it awaits the server.
+        return self._state.busy and stream is not None and not getattr(stream, "ag_running", True)
+
+    def _check_turnable(self, *, abandoned_ok: bool = False) -> None:
         self._check_open()
-        if self._state.busy:
+        if self._state.busy and not (abandoned_ok and self._abandoned()):
             raise SessionBusyError(f"session {self._state.session_id} is already running a turn")
         if not self._state.transcript.pending:
             raise InvalidMessageError("nothing to send: append a message before the turn")
@@ -249,6 +255,7 @@ class AsyncSession(_SessionBase):
         next one. The session stays open; a further turn just recomputes.
         """
         options = _merge(self._state.options, overrides)
+        await self._close_abandoned()
         self._check_turnable()
         self._state.busy = True
         try:
@@ -285,23 +292,43 @@ class AsyncSession(_SessionBase):
         """Run a turn: ``TextDelta`` pieces as decode produces them, then the ``TurnResult``.
 
         The turn-end handle is stored as for ``turn()`` (``final`` too). Leaving the loop early
-        abandons the turn (nothing is committed). A stream is not retried once text was yielded.
+        abandons the turn (nothing is committed), and the session is free at once: the next
+        ``turn()``, ``send()``, ``stream()`` or ``aclose()`` closes the abandoned stream
+        (``await stream.aclose()`` does it yourself). A stream is not retried once text was
+        yielded.
         """
         options = _merge(self._state.options, overrides)
-        self._check_turnable()
-        return self._stream(options, final=final)
+        self._check_turnable(abandoned_ok=True)
+        holder: list[AsyncGenerator[TextDelta | TurnResult, None]] = []
+        stream = self._stream(options, final=final, holder=holder)
+        holder.append(stream)
+        return stream
+
+    async def _close_abandoned(self) -> None:
+        stream = self._state.stream
+        if stream is not None and self._abandoned():
+            await stream.aclose()  # its ``finally`` frees the session
 
     async def _stream(
-        self, options: SessionOptions, *, final: bool
-    ) -> AsyncIterator[TextDelta | TurnResult]:
+        self,
+        options: SessionOptions,
+        *,
+        final: bool,
+        holder: list[AsyncGenerator[TextDelta | TurnResult, None]],
+    ) -> AsyncGenerator[TextDelta | TurnResult, None]:
+        await self._close_abandoned()
         self._check_turnable()
-        self._state.busy = True
+        state = self._state
+        state.busy = True
+        state.stream = holder[0]
         try:
-            runner = TurnRunner(self._state, options, stream=True, final=final)
+            runner = TurnRunner(state, options, stream=True, final=final)
             async for event in runner.events():
                 yield event
         finally:
-            self._state.busy = False
+            state.busy = False
+            if state.stream is holder[0]:
+                state.stream = None
 
     async def extend_handle(self, ttl_s: float) -> float | None:
         """Ask decode to keep the stored handle at least ``ttl_s`` more seconds.
@@ -375,6 +402,7 @@ class AsyncSession(_SessionBase):
         state = self._state
         if state.closed:
             return
+        await self._close_abandoned()
         state.closed = True
         handle, state.handle = state.handle, None
         state.cluster._release(state.pair)

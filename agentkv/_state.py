@@ -6,7 +6,7 @@ runner (``_turn.py``). It is mutated only on the event loop the session's cluste
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -45,6 +45,7 @@ class SessionState:
         "policy",
         "prefilled",
         "session_id",
+        "stream",
         "tools_key",
         "transcript",
         "turns",
@@ -90,6 +91,9 @@ class SessionState:
         # ``ChatTemplate.fingerprint``); checked against the cluster's once per session.
         self.fingerprint: str | None = None
         self.fingerprint_ok = False
+        # The stream running the current turn, if one does: left suspended by a caller that
+        # stopped iterating, it is closed by the next call rather than by garbage collection.
+        self.stream: AsyncGenerator[Any, None] | None = None
         self.closed = False
         self.busy = False
 

@@ -77,3 +77,21 @@ async def test_a_failed_send_takes_back_only_its_own_message():
         with pytest.raises(ServerError):
             await send
         assert s.transcript.pending == (SYSTEM, Message.user("Queued meanwhile"))
+
+
+async def test_leaving_an_async_stream_early_frees_the_session_for_the_next_turn_at_once():
+    fake = FakeCluster(pairs=1, clock=ManualClock())
+    async with open_cluster(fake) as cluster:
+        s = cluster.session(max_tokens=40)
+        s.append(SYSTEM, Message.user("Tell me a long story."))
+        stream = s.stream(extra_body={"min_tokens": 30})
+        async for _ in stream:
+            break  # the caller lost interest; ``stream`` is still referenced, never collected
+        result = await s.send("Something shorter, then.")
+        assert [m.role for m in s.transcript.messages] == ["system", "user", "user", "assistant"]
+        assert result.stats.turn == 1  # the abandoned turn committed nothing
+        s.append(Message.user("Go on."))
+        async for _ in s.stream():
+            break
+        await s.aclose()  # closing also ends the abandoned stream
+        assert not s._state.busy
