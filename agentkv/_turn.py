@@ -152,7 +152,10 @@ class TurnRunner:
             cluster._mark_down(pair, reason=str(exc))
             # A server that refused a connection may come back restarted, its block ids reused
             # by other requests: a handle into it is never safe again.
+            handle = state.handle
             state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} was unreachable")
+            # Never sent (prefill refused before the P leg carried it): decode may still pin it.
+            await self._release_unsent(handle, reason="pair_unreachable")
             raise
         except (TransportError, ServerError):
             # Lost, timed out or 5xx mid-turn (a vLLM API server whose engine died answers 500
@@ -185,7 +188,12 @@ class TurnRunner:
         ids = fragment(prompt.tolist())
 
         t_prefill = time.perf_counter()
-        prefill = await self._prefill(pair, request, ids, sent)
+        try:
+            prefill = await self._prefill(pair, request, ids, sent)
+        except ConnectError:
+            # Prefill never got the P leg, so it never read the handle: free it on decode.
+            await self._release_unsent(sent, reason="prefill_unreachable")
+            raise
         t_decode = time.perf_counter()
 
         decode_url = pair.decode + _CHAT_PATH
@@ -244,6 +252,11 @@ class TurnRunner:
             stats=stats,
             logprobs=result.logprobs,
         )
+
+    async def _release_unsent(self, handle: KVHandle | None, *, reason: str) -> None:
+        state = self._state
+        if handle is not None and state.policy.decide_release(handle, now=state.cluster.clock()):
+            await release_handle(state, handle, reason=reason)
 
     async def _confirm_loaded(self, supported: bool | None, prompt_len: int) -> None:
         """A handle read from a save file is attached only once decode confirms it still holds it.

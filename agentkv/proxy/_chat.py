@@ -188,7 +188,8 @@ class ChatService:
             return await self._stream(lease, request, overrides, started)
         turn_started = time.perf_counter()
         try:
-            result = await lease.session.turn(**overrides)
+            # A one-shot request (no session id) has no next turn: decode pins nothing.
+            result = await lease.session.turn(final=lease.entry is None, **overrides)
         except BaseException:
             await lease.release(failed=True)
             raise
@@ -262,7 +263,7 @@ class ChatService:
         session = lease.session
         handle = self._predicted_handle(session)
         try:
-            events = session.stream(**overrides)
+            events = session.stream(final=lease.entry is None, **overrides)
         except BaseException:
             await lease.release(failed=True)
             raise

@@ -282,3 +282,20 @@ def _digest(key: str) -> str:
     from agentkv.proxy._config import key_digest
 
     return key_digest(key)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_shot_requests_ask_decode_to_pin_nothing(stream):
+    """No session id: no next turn. The D leg says so (a final turn), so decode pins nothing and
+    no release call is needed (one that a lost connection would skip)."""
+    fake = FakeCluster(pairs=1, clock=ManualClock())
+    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
+        app = create_app(cluster, ProxyConfig())
+        async with _client(app) as client:
+            response = await client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "Hi"}], "stream": stream},
+            )
+            assert response.status_code == 200, response.text
+    assert fake.decode(0).requests[-1]["kv_transfer_params"]["agentkv"]["persist"] is False
+    assert fake.decode(0).pinned_handles == 0
