@@ -150,6 +150,11 @@ def summary_table(report: Mapping[str, Any]) -> str:
             f"{_fmt(s['throughput_tokens_per_s']):>8}  "
             f"{_fmt(ratio.get(mode), 'x'):>9}"
         )
+    for name, block in report.get("ratios", {}).items():
+        turns = ", ".join("-" if r is None else f"{r:.2f}" for r in block["by_turn"])
+        overall = block["ttft_p50_after_first_turn"]
+        lines.append(f"{name.replace('_vs_', ' / ')} TTFT: p50 {_fmt(overall)}; "
+                     f"by turn {turns}")
     return "\n".join(lines)
 
 

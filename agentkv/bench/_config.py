@@ -28,6 +28,10 @@ class Mode(enum.StrEnum):
     """A pinned pair: P keeps its own prefix cache between turns, nothing is pulled from decode."""
     AGENTKV = "agentkv"
     """The agentkv SDK: token-exact transcript, decode's turn-end KV pulled back, cache policy."""
+    ORACLE = "oracle"
+    """The limit of reuse: before each turn, off the clock, prefill's cache is filled with the
+    previous turn's prompt and output, so the timed turn pulls nothing and computes only what
+    follows the last whole cached block (the new tokens, and at most one block's tail)."""
     AGGREGATED = "aggregated"
     """Reference: one server (the prefill server) prefills and decodes, with its prefix cache."""
 

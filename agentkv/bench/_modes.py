@@ -9,6 +9,9 @@ mode       handle sent to prefill      prefill cache_salt  decode keeps turn KV
 disagg     never                       fresh every turn    no
 affinity   never                       one per session     no
 agentkv    when the policy says so     one per session     yes (pinned handle)
+oracle     never; the previous turn's  one per session     no
+           tokens prefilled off the
+           clock before each turn
 =========  ==========================  ==================  =====================
 
 ``aggregated`` sends ordinary streamed chat completions (the server renders the messages) to the
@@ -84,7 +87,10 @@ def _salt(run_id: str, mode: Mode, session: int) -> str:
 
 
 class SdkRunner:
-    """A session on the SDK: ``disagg``, ``affinity`` or ``agentkv``."""
+    """A session on the SDK: ``disagg``, ``affinity``, ``agentkv`` or ``oracle``.
+
+    ``warm``, when given, runs before each turn, off the clock (the oracle's cache fill).
+    """
 
     def __init__(
         self,
@@ -96,8 +102,10 @@ class SdkRunner:
         system: str,
         decode_salt: str,
         stream: bool,
+        warm: CacheFiller | None = None,
     ) -> None:
         self._mode = mode
+        self._warm = warm
         self._index = index
         self._cluster = cluster
         self._session = session
@@ -107,6 +115,8 @@ class SdkRunner:
 
     async def turn(self, script: TurnScript) -> TurnSample:
         session = self._session
+        if self._warm is not None and session.turns:
+            await self._warm(session)
         if self._system is not None:
             session.append(Message.system(self._system))
             self._system = None
@@ -147,6 +157,8 @@ class SdkRunner:
     async def aclose(self) -> None:
         await self._session.aclose()
         await self._cluster.aclose()
+        if self._warm is not None:
+            await self._warm.aclose()
 
 
 class AggregatedRunner:
@@ -235,6 +247,9 @@ def open_runner(
             index=index, client=client, url=target.urls("prefill")[0], model=target.model,
             system=system, salt=salt,
         )
+    warm = None
+    if mode is Mode.ORACLE:
+        warm = CacheFiller(target, salt)
     if mode is Mode.DISAGG:
         counter = itertools.count(1)
 
@@ -257,5 +272,43 @@ def open_runner(
     session = cluster.session(session_id=f"{mode.value}-s{index}")  # see _run.session_id
     return SdkRunner(
         mode=mode, index=index, cluster=cluster, session=session, system=system,
-        decode_salt=salt, stream=stream,
+        decode_salt=salt, stream=stream, warm=warm,
     )
+
+
+class CacheFiller:
+    """The oracle's fill: a session's committed tokens (the previous turn's prompt and output,
+    exactly) prefilled on its prefill server under its salt, so that prefill's cache holds every
+    whole block of them when the timed turn comes. No KV moves between servers, nothing is
+    pinned.
+
+    The fill is a P-leg-shaped chat request (the prompt as ``kv_transfer_params.prompt_token_ids``,
+    which vLLM's ``OnlineRenderer`` takes instead of the messages) without ``do_remote_decode``:
+    prefill computes the tokens, keeps their blocks in its prefix cache and hands nothing on.
+    """
+
+    _PLACEHOLDER = ({"role": "user", "content": "."},)  # required by the route, never rendered
+
+    def __init__(self, target: ClusterTarget, salt: str) -> None:
+        self._client = httpx.AsyncClient(transport=NotOwned(target.transport), timeout=600.0)
+        self._model = target.model
+        self._salt = salt
+
+    async def __call__(self, session: AsyncSession) -> None:
+        body = {
+            "model": self._model,
+            "messages": list(self._PLACEHOLDER),
+            "max_tokens": 1,
+            "stream": False,
+            "cache_salt": self._salt,
+            "kv_transfer_params": {"prompt_token_ids": list(session.transcript.token_ids)},
+        }
+        response = await self._client.post(
+            session.pair.prefill + "/v1/chat/completions",
+            content=dumps(body),
+            headers={"content-type": "application/json"},
+        )
+        response.raise_for_status()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

@@ -18,6 +18,7 @@ _COLORS = {
     "disagg": "#c0392b",
     "affinity": "#e67e22",
     "agentkv": "#2471a3",
+    "oracle": "#27ae60",
     "aggregated": "#7f8c8d",
 }
 

@@ -25,7 +25,14 @@ from typing import Any
 from agentkv.bench._config import BenchConfig, Mode
 from agentkv.bench._samples import TurnSample
 
-__all__ = ["build_report", "median_by_turn", "percentile", "speedups", "summarize"]
+__all__ = [
+    "build_report",
+    "median_by_turn",
+    "percentile",
+    "ratios",
+    "speedups",
+    "summarize",
+]
 
 _TURN_FIELDS = ("ttft_ms", "prompt_tokens", "reused_tokens", "ideal_reused_tokens")
 
@@ -92,7 +99,8 @@ def build_report(
     *,
     environment: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The JSON report of a run: ``config`` (with ``environment`` merged in) and ``modes``."""
+    """The JSON report of a run: ``config`` (with ``environment`` merged in) and ``modes``, and
+    ``ratios`` (see :func:`ratios`) when the oracle ran."""
     by_mode: dict[Mode, list[TurnSample]] = {mode: [] for mode in config.modes}
     for sample in samples:
         by_mode[sample.mode].append(sample)
@@ -108,7 +116,38 @@ def build_report(
     ]
     if errors:
         report["errors"] = errors
+    if Mode.ORACLE in config.modes:  # the issue's shape otherwise; speedups() reads it
+        report["ratios"] = ratios(report)
     return report
+
+
+def ratios(report: Mapping[str, Any], *, mode: str = Mode.AGENTKV.value) -> dict[str, Any]:
+    """``mode``'s TTFT as a ratio to ``oracle`` and to ``disagg``: overall (p50 of turns >= 2)
+    and per turn (median across sessions), for the references that ran.
+
+    A ratio to the oracle near 1 means reuse costs next to nothing over its limit; a ratio to
+    disagg below 1 is the speedup's inverse.
+    """
+    modes = report["modes"]
+    if mode not in modes:
+        return {}
+    out: dict[str, Any] = {}
+    ours = modes[mode]
+    for other in (Mode.ORACLE.value, Mode.DISAGG.value):
+        if other not in modes:
+            continue
+        base = modes[other]
+        p50 = ours["summary"]["ttft_p50_ms_after_first_turn"]
+        ref = base["summary"]["ttft_p50_ms_after_first_turn"]
+        by_turn = [
+            None if a is None or b is None or b == 0 else round(a / b, 3)
+            for a, b in zip(median_by_turn(ours), median_by_turn(base), strict=True)
+        ]
+        out[f"{mode}_vs_{other}"] = {
+            "ttft_p50_after_first_turn": None if not p50 or not ref else round(p50 / ref, 3),
+            "by_turn": by_turn,
+        }
+    return out
 
 
 def speedups(report: Mapping[str, Any], *, baseline: str = Mode.DISAGG.value) -> dict[str, float]:

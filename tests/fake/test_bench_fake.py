@@ -97,6 +97,24 @@ def test_the_aggregated_reference_runs_on_the_prefill_server():
     assert fake.decode(0).pinned_handles <= 1  # only agentkv's last turn is pinned
 
 
+def test_the_oracle_computes_only_the_new_tokens_and_pins_nothing():
+    fake, report = bench("agentkv,oracle")
+    assert fake.wrong_reuse_events == 0
+    assert "errors" not in report
+    oracle = report["modes"]["oracle"]["turns"]
+    block = 16  # FakeCluster's block size
+    for row in oracle[1:]:
+        # The fill left every whole block of the previous turn in prefill's cache: the timed turn
+        # reuses all of them and pulls nothing (at most one block's tail is recomputed).
+        for reused, ideal in zip(row["reused_tokens"], row["ideal_reused_tokens"], strict=True):
+            assert ideal - block < reused <= ideal
+            assert reused % block == 0
+    agentkv = report["modes"]["agentkv"]
+    assert agentkv["summary"]["reuse_vs_ideal"] >= 0.99
+    assert set(report["ratios"]) == {"agentkv_vs_oracle"}
+    assert fake.decode(0).pinned_handles <= 2  # agentkv's last turns only; the oracle pins none
+
+
 def test_a_server_without_streamed_handles_fails_the_agentkv_turns_with_a_hint():
     fake = fake_pair(stream_handles=False)
     config = BenchConfig(modes=(Mode.AGENTKV,), **{**SHORT, "sessions": 1})

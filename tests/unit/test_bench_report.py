@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from agentkv.bench import BenchConfig, Mode
-from agentkv.bench._report import build_report, median_by_turn, percentile, speedups, summarize
+from agentkv.bench._report import (
+    build_report,
+    median_by_turn,
+    percentile,
+    ratios,
+    speedups,
+    summarize,
+)
 from agentkv.bench._samples import TurnSample
 
 
@@ -97,3 +104,39 @@ def test_speedups_and_medians_read_the_report():
     assert speedups(report) == {"disagg": 1.0, "agentkv": 8.0}
     assert speedups({"modes": {"agentkv": report["modes"]["agentkv"]}}) == {}
     assert median_by_turn(report["modes"]["disagg"]) == [2.0, None]
+
+
+def _mode(p50, by_turn):
+    return {"summary": {"ttft_p50_ms_after_first_turn": p50},
+            "turns": [{"ttft_ms": [v]} for v in by_turn]}
+
+
+def test_ratios_put_agentkv_against_the_oracle_and_disagg_per_turn():
+    report = {"modes": {
+        "disagg": _mode(400.0, [500.0, 400.0, 800.0]),
+        "agentkv": _mode(110.0, [500.0, 100.0, None]),
+        "oracle": _mode(100.0, [400.0, 100.0, 120.0]),
+    }}
+    assert ratios(report) == {
+        "agentkv_vs_oracle": {"ttft_p50_after_first_turn": 1.1, "by_turn": [1.25, 1.0, None]},
+        "agentkv_vs_disagg": {"ttft_p50_after_first_turn": 0.275, "by_turn": [1.0, 0.25, None]},
+    }
+    # Only the references that ran; nothing without agentkv.
+    assert list(ratios({"modes": {k: report["modes"][k] for k in ("agentkv", "disagg")}})) == [
+        "agentkv_vs_disagg"]
+    assert ratios({"modes": {"oracle": report["modes"]["oracle"]}}) == {}
+
+
+def test_the_report_carries_ratios_when_the_oracle_ran():
+    config = BenchConfig(modes=(Mode.AGENTKV, Mode.ORACLE), sessions=1, turns=2)
+    samples = [
+        sample(mode=mode, turn=turn, ttft=ttft)
+        for mode, ttfts in ((Mode.AGENTKV, (2.0, 0.3)), (Mode.ORACLE, (2.0, 0.2)))
+        for turn, ttft in enumerate(ttfts, start=1)
+    ]
+    report = build_report(config, samples, environment={})
+    assert report["ratios"] == {
+        "agentkv_vs_oracle": {"ttft_p50_after_first_turn": 1.5, "by_turn": [1.0, 1.5]}}
+    solo = build_report(BenchConfig(modes=(Mode.AGENTKV,), sessions=1, turns=2),
+                        [s for s in samples if s.mode is Mode.AGENTKV], environment={})
+    assert "ratios" not in solo
