@@ -24,6 +24,7 @@ import httpx
 import structlog
 
 from agentkv._exceptions import ConfigError, NoHealthyPairError, SessionClosedError
+from agentkv._fields import check_extra_body
 from agentkv._http import get_ok
 from agentkv._json import JSONDecodeError, loads
 from agentkv._leasing import LeaseCalls
@@ -223,13 +224,17 @@ class AsyncCluster:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,
         extra_body: Mapping[str, Any] | None = None,
+        placement_key: str | None = None,
     ) -> AsyncSession:
         """Open a session, placed on a pair by its id. Use it as an async context manager.
 
         ``max_tokens``, ``temperature``, ``tools``, ``tool_choice`` and ``extra_body`` (more
         sampling fields for the decode request) are defaults that each turn can override.
+        ``placement_key`` places the session by that key instead of its id: sessions that share
+        a prompt prefix and a key land on the same pair, whose prefill cache holds the prefix.
         """
         self._check_open()
+        check_extra_body(extra_body or {})
         options = SessionOptions(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -238,7 +243,11 @@ class AsyncCluster:
             extra_body=types.MappingProxyType(dict(extra_body or {})),
         )
         return AsyncSession._open(
-            self, session_id=session_id, policy=policy or self.policy, options=options
+            self,
+            session_id=session_id,
+            policy=policy or self.policy,
+            options=options,
+            placement_key=placement_key,
         )
 
     # --- used by sessions ----------------------------------------------------------------------

@@ -32,6 +32,7 @@ from agentkv._exceptions import (
     SessionBusyError,
     SessionClosedError,
 )
+from agentkv._fields import check_extra_body
 from agentkv._leasing import ToolWait, begin_wait, end_wait, extend_handle, release_handle
 from agentkv._persist import load_state, save_state
 from agentkv._policy import CachePolicy
@@ -72,13 +73,17 @@ def _as_message(message: MessageLike) -> Message:
 
 
 def _merge(options: SessionOptions, overrides: TurnOverrides) -> SessionOptions:
+    """The turn's options; ``InvalidMessageError`` for an ``extra_body`` field that would change
+    the prompt's tokens behind the transcript's back (``_fields``)."""
     if not overrides:
+        check_extra_body(options.extra_body)
         return options
     unknown = set(overrides) - set(TurnOverrides.__annotations__)
     if unknown:
         raise TypeError(f"unexpected turn argument(s): {', '.join(sorted(unknown))}")
     tools = overrides.get("tools", options.tools)
     extra = overrides.get("extra_body", options.extra_body)
+    check_extra_body(extra)
     return SessionOptions(
         max_tokens=overrides.get("max_tokens", options.max_tokens),
         temperature=overrides.get("temperature", options.temperature),
@@ -221,9 +226,10 @@ class AsyncSession(_SessionBase):
         options: SessionOptions,
         transcript: Transcript | None = None,
         near: Pair | None = None,
+        placement_key: str | None = None,
     ) -> AsyncSession:
         sid = session_id or uuid.uuid4().hex
-        pair = cluster._acquire(sid, near=near)
+        pair = cluster._acquire(placement_key or sid, near=near)
         state = SessionState(
             cluster,
             session_id=sid,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from agentkv._exceptions import InvalidMessageError, PrefixDivergedError, SessionLoadError
-from agentkv._handoff import DecodeResult, PrefillResult, TurnRequest
+from agentkv._handoff import DecodeResult, PrefillResult, TurnRequest, no_handle_cause
 from agentkv._json import fragment
 from agentkv._policy import CachePolicy
 from agentkv._template import tools_key
@@ -226,7 +226,13 @@ class SessionState:
         elif final:
             self.lost = (HandleState.NONE, "the previous turn was final: decode pinned nothing")
         else:
-            self.lost = (HandleState.NONE, "decode returned no handle")
+            cause = no_handle_cause(result.finish_reason, result.stop_reason)
+            self.lost = (
+                HandleState.NONE,
+                f"the previous turn ended on a {cause.replace('_', ' ')}: vLLM kept no KV for it"
+                if cause is not None
+                else "decode returned no handle",
+            )
         self.ideal_base = prompt_len + len(result.token_ids) - 1
         self.prefilled = prompt_len
         logger.info(

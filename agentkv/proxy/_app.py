@@ -149,6 +149,8 @@ class _Proxy:
 
     async def models(self, request: Request) -> Response:
         _principal(request, self.config)
+        # How tool calls are served (decided once per served model; see _tools).
+        mode = await self.chat.tool_modes.mode()
         return json_response(
             {
                 "object": "list",
@@ -158,6 +160,7 @@ class _Proxy:
                         "object": "model",
                         "created": 0,
                         "owned_by": "agentkv",
+                        "agentkv": {"tool_calling": mode.value},
                     }
                 ],
             }

@@ -66,6 +66,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"generation limit of requests that set none (default {_DEFAULTS.default_max_tokens})",
     )
     parser.add_argument(
+        "--tool-calling",
+        default=_DEFAULTS.tool_calling,
+        choices=["auto", "native", "json"],
+        help="how tool calls are served: the backend's parser (native), agentkv's structured "
+        "outputs (json), or probe the backend once (auto, the default)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -84,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_sessions=args.max_sessions,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
+        tool_calling=args.tool_calling,
     )
 
 

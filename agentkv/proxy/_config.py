@@ -93,6 +93,8 @@ class ProxyConfig:
         max_body_bytes: larger request bodies get 413 before they are parsed.
         default_max_tokens: the generation limit of requests that set none.
         sweep_interval_s: how often idle sessions are looked for.
+        tool_calling: ``auto`` (probe the backend once for a tool parser), ``native`` (the
+            backend parses tool calls) or ``json`` (agentkv's structured-output protocol).
     """
 
     host: str = "127.0.0.1"
@@ -103,8 +105,11 @@ class ProxyConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 1024
     sweep_interval_s: float = 15.0
+    tool_calling: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.tool_calling not in ("auto", "native", "json"):
+            raise ConfigError("tool_calling must be auto, native or json")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.session_idle_timeout_s <= 0:

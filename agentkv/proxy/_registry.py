@@ -24,6 +24,7 @@ import structlog
 from agentkv._cluster import AsyncCluster
 from agentkv._exceptions import SessionClosedError
 from agentkv._session import AsyncSession
+from agentkv._types import Message
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
 
@@ -53,12 +54,16 @@ class SessionEntry:
         "session",
         "tools_key",
         "users",
+        "views",
     )
 
     def __init__(self, key: Key, session: AsyncSession, *, now: float) -> None:
         self.key = key
         self.session = session
         self.generated: set[int] = set()
+        # What the client was shown for a generated message, where it differs (tool calls
+        # translated from the JSON the model wrote): echoes are matched against it.
+        self.views: dict[int, Message] = {}
         self.tools_key: str | None = None
         self.lock = asyncio.Lock()
         self.users = 0
@@ -109,7 +114,9 @@ class SessionRegistry:
             return None
         return entry
 
-    async def checkout(self, principal: str, session_id: str) -> SessionEntry:
+    async def checkout(
+        self, principal: str, session_id: str, *, placement_key: str | None = None
+    ) -> SessionEntry:
         """The session for this key, opened if needed, once no other request is on it.
 
         Raises ``ProxyError`` (503) when the registry is full of sessions in use, and
@@ -123,7 +130,9 @@ class SessionRegistry:
             # key may have opened it meanwhile: one key, one session.
             entry = self._entries.get(key)
         if entry is None:
-            session = self._cluster.session(session_id=f"{principal}:{session_id}")
+            session = self._cluster.session(
+                session_id=f"{principal}:{session_id}", placement_key=placement_key
+            )
             entry = SessionEntry(key, session, now=self._clock())
             self._entries[key] = entry
             self._metrics.sessions_opened.inc()
@@ -159,6 +168,7 @@ class SessionRegistry:
         old = entry.session
         entry.session = session
         entry.generated = {index for index in entry.generated if index < keep}
+        entry.views = {index: view for index, view in entry.views.items() if index < keep}
         entry.forks += 1
         if not session.transcript.token_ids:
             entry.tools_key = None  # rendered afresh: the next turn may bring any tools

@@ -42,6 +42,7 @@ from agentkv.testing._fake_kv import (
 )
 from agentkv.testing._fake_metrics import EngineStats
 from agentkv.testing._fake_model import FakeModel, Generation, ToolSpec
+from agentkv.testing._fake_stop import find_stop
 from agentkv.testing._fake_tokenizer import FakeTokenizer
 
 # pull_worker.py: slack subtracted from D's exported deadline on the turn-2 readback.
@@ -80,6 +81,9 @@ class EngineRequest:
     # vLLM mixes the salt into the prefix-cache keys: requests share cached blocks only when their
     # salts are equal. It changes which blocks are found, never what a block's KV is.
     cache_salt: str | None = None
+    # Checked by the front end as the tokens come (``_fake_stop``); a hit aborts the request.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +93,9 @@ class EngineResult:
     num_cached_tokens: int
     num_cache_creation_tokens: int
     kv_transfer_params: dict[str, Any] | None
+    # Set when a stop string ended the request: the string, and the output text vLLM returns.
+    stop_reason: str | None = None
+    text: str | None = None
 
 
 class EngineError(RuntimeError):
@@ -250,6 +257,20 @@ class FakeEngine:
             ignore_eos=request.ignore_eos,
             tool=request.tool,
         )
+        hit = find_stop(
+            self._tok,
+            generation.token_ids,
+            stop=request.stop,
+            include=request.include_stop_str_in_output,
+            min_tokens=request.min_tokens,
+        )
+        # A stop string found before the engine finished the request: the front end aborts it
+        # (vLLM's ``reqs_to_abort``), so it ends there and its KV is not kept for a reader.
+        aborted = hit is not None and hit.num_tokens < len(generation.token_ids)
+        if hit is not None:
+            generation = Generation(
+                token_ids=generation.token_ids[: hit.num_tokens], finish_reason="stop"
+            )
         # The last sampled token is never fed back, so it has no KV.
         seq = prompt + generation.token_ids[:-1]
         write_tokens(blocks, seq, n_prompt, len(seq), bs)
@@ -258,12 +279,20 @@ class FakeEngine:
         num_cached = local + load.num_tokens
         full_blocks_after_prefill = (n_prompt // bs) * bs
         self._account(generation, n_prompt, local, load, params)
+        if aborted:
+            # An aborted request is not pinned (``request_finished`` with FINISHED_ABORTED).
+            self._pool.free(block_ids)
+            kv_params = None
+        else:
+            kv_params = self._finish(request, params, block_ids, len(seq), num_cached)
         return EngineResult(
             token_ids=generation.token_ids,
             finish_reason=generation.finish_reason,
             num_cached_tokens=num_cached,
             num_cache_creation_tokens=max(0, full_blocks_after_prefill - num_cached),
-            kv_transfer_params=self._finish(request, params, block_ids, len(seq), num_cached),
+            kv_transfer_params=kv_params,
+            stop_reason=None if hit is None else hit.stop_string,
+            text=None if hit is None else hit.text,
         )
 
     def _connector_load(

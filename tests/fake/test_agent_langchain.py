@@ -92,9 +92,9 @@ def test_a_different_conversation_starts_a_new_session(cluster):
 
 
 def test_unreadable_replies_are_retried_and_still_line_up_with_the_history(cluster, fake):
-    """The fake ignores structured outputs, so JSON replies are unreadable: the model is told,
-    twice, and the answer's id still maps to every message of those turns."""
-    llm = ChatAgentKV(cluster=cluster, tool_calling=JsonToolCalling())
+    """Replies cut by max_tokens are unreadable JSON: the model is told, twice, and the answer's
+    id still maps to every message of those turns."""
+    llm = ChatAgentKV(cluster=cluster, tool_calling=JsonToolCalling(), max_tokens=3)
     history: list[BaseMessage] = [HumanMessage("Add.")]
     ai = llm.bind_tools([add]).invoke(history)
     assert ai.tool_calls == []
