@@ -266,9 +266,10 @@ class AsyncSession(_SessionBase):
         self._state.busy = True
         try:
             runner = TurnRunner(self._state, options, stream=False, final=final)
-            async for event in runner.events():
-                if isinstance(event, TurnResult):
-                    return event
+            async with contextlib.aclosing(runner.events()) as events:
+                async for event in events:
+                    if isinstance(event, TurnResult):
+                        return event
         finally:
             self._state.busy = False
         raise AssertionError("a turn ended without a result")  # pragma: no cover
@@ -329,8 +330,9 @@ class AsyncSession(_SessionBase):
         state.stream = holder[0]
         try:
             runner = TurnRunner(state, options, stream=True, final=final)
-            async for event in runner.events():
-                yield event
+            async with contextlib.aclosing(runner.events()) as events:
+                async for event in events:
+                    yield event
         finally:
             state.busy = False
             if state.stream is holder[0]:
@@ -410,6 +412,8 @@ class AsyncSession(_SessionBase):
             return
         await self._close_abandoned()
         state.closed = True
+        # Releases of this session's lost D legs, still in flight: done before close returns.
+        await state.cluster._leases.settle()
         handle, state.handle = state.handle, None
         state.cluster._release(state.pair)
         cluster = state.cluster

@@ -22,9 +22,10 @@ pinned until its TTL.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,13 @@ import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_exponential, wait_random
 
-from agentkv._exceptions import ConnectError, ServerError, TransportError
+from agentkv._exceptions import (
+    ConnectError,
+    MalformedResponseError,
+    ServerError,
+    TransportError,
+    UpstreamStatusError,
+)
 from agentkv._handoff import (
     DecodeResult,
     PrefillResult,
@@ -43,9 +50,10 @@ from agentkv._handoff import (
     parse_prefill,
     prefill_body,
 )
+from agentkv._hints import new_request_secret, request_tag
 from agentkv._http import post_json, stream_events
 from agentkv._json import fragment
-from agentkv._leasing import extend_handle, release_handle
+from agentkv._leasing import extend_handle, release_handle, release_lost, release_soon
 from agentkv._transcript import TurnPrompt
 from agentkv._types import HandleState, KVHandle, TextDelta, TurnResult
 
@@ -89,15 +97,18 @@ class TurnRunner:
         self._yielded = False
         self._prompt: TurnPrompt | None = None
         self._request: TurnRequest | None = None
+        self._t_prefill = self._started
+        self._ttft: float | None = None
         # The turn sends the messages pending when it starts; later appends wait for the next.
         self._pending = state.transcript.pending
 
-    async def events(self) -> AsyncIterator[TextDelta | TurnResult]:
+    async def events(self) -> AsyncGenerator[TextDelta | TurnResult, None]:
         # The first attempt runs outside tenacity: setting up its machinery costs more than the
         # rest of a turn's client-side work, and most turns succeed the first time.
         try:
-            async for event in self._attempt():
-                yield event
+            async with contextlib.aclosing(self._attempt()) as events:
+                async for event in events:
+                    yield event
         except Exception as exc:
             if self._state.cluster.retry.max_attempts == 1 or not self._retryable(exc):
                 raise
@@ -119,8 +130,9 @@ class TurnRunner:
                     # Replay the first attempt's failure so tenacity counts it and waits.
                     failure, first_failure = first_failure, None
                     raise failure
-                async for event in self._attempt():
-                    yield event
+                async with contextlib.aclosing(self._attempt()) as events:
+                    async for event in events:
+                        yield event
 
     def _retryable(self, exc: BaseException) -> bool:
         return not self._yielded and isinstance(exc, TransportError | ServerError)
@@ -138,7 +150,7 @@ class TurnRunner:
             detail=str(exc),
         )
 
-    async def _attempt(self) -> AsyncIterator[TextDelta | TurnResult]:
+    async def _attempt(self) -> AsyncGenerator[TextDelta | TurnResult, None]:
         state = self._state
         cluster = state.cluster
         self._attempts += 1
@@ -146,8 +158,9 @@ class TurnRunner:
         if pair is not state.pair:
             state.move_to(pair)
         try:
-            async for event in self._legs(pair):
-                yield event
+            async with contextlib.aclosing(self._legs(pair)) as events:
+                async for event in events:
+                    yield event
         except ConnectError as exc:
             cluster._mark_down(pair, reason=str(exc))
             # A server that refused a connection may come back restarted, its block ids reused
@@ -173,7 +186,7 @@ class TurnRunner:
             )
         return self._prompt
 
-    async def _legs(self, pair: Pair) -> AsyncIterator[TextDelta | TurnResult]:
+    async def _legs(self, pair: Pair) -> AsyncGenerator[TextDelta | TurnResult, None]:
         state = self._state
         prompt = await self._prompt_for(pair)
         request = self._request or state.turn_request(prompt, self._options)
@@ -187,40 +200,45 @@ class TurnRunner:
             await release_handle(state, unsent, reason=handle_state.value)
         ids = fragment(prompt.tolist())
 
-        t_prefill = time.perf_counter()
+        t_prefill = self._t_prefill = time.perf_counter()
         try:
             prefill = await self._prefill(pair, request, ids, sent)
         except ConnectError:
             # Prefill never got the P leg, so it never read the handle: free it on decode.
             await self._release_unsent(sent, reason="prefill_unreachable")
             raise
+        except (UpstreamStatusError, MalformedResponseError):
+            # Prefill answered, so it is done with the handle: it pulled the blocks (decode then
+            # freed them, and the release finds nothing) or never will. A lost P leg (timeout,
+            # reset) may still be reading: its handle is left to decode's TTL.
+            await self._release_unsent(sent, reason="prefill_failed")
+            raise
         t_decode = time.perf_counter()
 
-        decode_url = pair.decode + _CHAT_PATH
         issued_at = cluster.clock()
-        deadline = state.policy.deadline(issued_at)
         # A stock decode ignores the hint; one known to be stock gets the request it expects.
         hint = None if supported is False else state.policy.decide_persist(final=self._final)
         body = decode_body(request, prompt_ids=ids, prefill=prefill, stream=self._stream, hint=hint)
-        summary = request.summary("decode")
-        client = cluster.http_client
-        ttft: float | None = None
-        result: DecodeResult
-        if self._stream:
-            acc = StreamAccumulator(url=decode_url)
-            async for chunk in stream_events(client, decode_url, body, summary=summary):
-                text = acc.feed(chunk)
-                if ttft is None and (text or acc.has_tokens):
-                    ttft = time.perf_counter() - t_prefill
-                if text:
-                    self._yielded = True
-                    yield TextDelta(text=text)
-            result = acc.result(pair=pair.name, issued_at=issued_at, deadline=deadline)
-        else:
-            data = await post_json(client, decode_url, body, summary=summary)
-            result = parse_decode(
-                data, url=decode_url, pair=pair.name, issued_at=issued_at, deadline=deadline
-            )
+        releasable = supported is True and hint is not None and hint.persist
+        result: DecodeResult | None = None
+        try:
+            async with contextlib.aclosing(
+                self._decode(pair, request, body, issued_at=issued_at, releasable=releasable)
+            ) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        yield event
+                    else:
+                        result = event
+        except BaseException:
+            # Prefill answered (above), so the handle it carried is done with: free it if the
+            # pull did not (cancelled or a stream left early too, hence in the background).
+            if sent is not None and state.policy.decide_release(sent, now=cluster.clock()):
+                release_soon(state, sent, reason="decode_failed")
+            raise
+        if result is None:  # pragma: no cover - _decode ends with the result or raises
+            raise RuntimeError("decode leg ended without a result")
+        ttft = self._ttft
         t_end = time.perf_counter()
         result = self._leased(result, issued_at=issued_at)
         stats = state.commit(
@@ -252,6 +270,57 @@ class TurnRunner:
             stats=stats,
             logprobs=result.logprobs,
         )
+
+    async def _decode(
+        self,
+        pair: Pair,
+        request: TurnRequest,
+        body: bytes,
+        *,
+        issued_at: float,
+        releasable: bool,
+    ) -> AsyncGenerator[TextDelta | DecodeResult, None]:
+        """The D leg: text deltas (streaming), then the parsed answer."""
+        state = self._state
+        decode_url = pair.decode + _CHAT_PATH
+        deadline = state.policy.deadline(issued_at)
+        summary = request.summary("decode")
+        client = state.cluster.http_client
+        # A request id of our choosing (vLLM honours X-Request-Id): if the answer, and with it
+        # the handle, never reaches us, its secret still releases what decode pinned for it.
+        secret = new_request_secret()
+        headers = {"X-Request-Id": request_tag(secret)}
+        self._ttft = None
+        result: DecodeResult | None = None
+        try:
+            if self._stream:
+                acc = StreamAccumulator(url=decode_url)
+                chunks = stream_events(client, decode_url, body, summary=summary, headers=headers)
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        text = acc.feed(chunk)
+                        if self._ttft is None and (text or acc.has_tokens):
+                            self._ttft = time.perf_counter() - self._t_prefill
+                        if text:
+                            self._yielded = True
+                            yield TextDelta(text=text)
+                result = acc.result(pair=pair.name, issued_at=issued_at, deadline=deadline)
+            else:
+                data = await post_json(client, decode_url, body, summary=summary, headers=headers)
+                result = parse_decode(
+                    data, url=decode_url, pair=pair.name, issued_at=issued_at, deadline=deadline
+                )
+        finally:
+            # Lost (timeout, reset), unreadable, cancelled, or a stream left early: decode may
+            # have finished and pinned the turn's KV for a handle nobody will ever send.
+            if releasable and (result is None or result.handle is None):
+                release_lost(
+                    state,
+                    pair.decode,
+                    secret,
+                    reason="no_handle" if result is not None else "answer_lost",
+                )
+        yield result
 
     async def _release_unsent(self, handle: KVHandle | None, *, reason: str) -> None:
         state = self._state

@@ -21,15 +21,13 @@ decoder's turn-end pin follows the request's persist hint and is leased with the
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
-from agentkv._hints import HINTS_KEY, LeaseAck
-from agentkv.connector._leases import LeaseBook, LeaseService, decide_pin
+from agentkv.connector._leases import LeaseBook, LeaseService, apply_pin_policy
 from agentkv.testing._fake_kv import (
     ROOT_HASH,
     BlockContent,
@@ -431,23 +429,7 @@ class FakeEngine:
             return None
         ttl = self.config.kv_lease_duration if is_producer else self.config.decoder_kv_blocks_ttl
         deadline = self._clock() + ttl
-        ack: LeaseAck | None = None
-        if not is_producer and self._book is not None:
-            # AgentKVConnector._apply_policy: the persist hint decides decode's pin.
-            decision = decide_pin(params, default_ttl_s=ttl, max_ttl_s=self._book.max_ttl_s)
-            if not decision.pin:
-                self._pool.free(block_ids)
-                # The shape stock vLLM sends when it keeps nothing: no blocks, no tokens.
-                return {
-                    **self._handle_params(request, [], producer=False, num_tokens=0, expiry=None),
-                    HINTS_KEY: LeaseAck(pinned=False).to_wire(),
-                }
-            lease, ack = self._book.grant(
-                request.request_id, (tuple(block_ids),), ttl_s=decision.ttl_s
-            )
-            if decision.error is not None:
-                ack = dataclasses.replace(ack, error=decision.error)
-            deadline = lease.deadline
+        # NixlPullConnector.request_finished: keep the blocks until the deadline, describe them.
         self._pins[request.request_id] = _Pin(block_ids, deadline, turn_end=not is_producer)
         heapq.heappush(self._deadlines, (deadline, request.request_id))
         out = self._handle_params(
@@ -459,9 +441,28 @@ class FakeEngine:
         )
         if is_producer:
             out["remote_prefill_cached_tokens"] = num_cached
-        if ack is not None:
-            out[HINTS_KEY] = ack.to_wire()
-        return out
+            return out
+        if self._book is None:
+            return out
+        # AgentKVConnector._apply_policy: the same function, on this engine's pins.
+        _, answer = apply_pin_policy(
+            self._book,
+            self,
+            request_id=request.request_id,
+            params=params,
+            result=(True, out),
+            default_ttl_s=ttl,
+        )
+        return answer
+
+    # PinControl (AgentKVConnector's view of vLLM's NIXL scheduler fields).
+    def set_deadline(self, request_id: str, deadline: float) -> None:
+        self._set_deadline(request_id, deadline)
+
+    def unpin(self, request_id: str) -> None:
+        pin = self._pins.pop(request_id, None)
+        if pin is not None:
+            self._pool.free(pin.block_ids)
 
     def _handle_params(
         self,
