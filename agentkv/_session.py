@@ -169,9 +169,15 @@ class _SessionBase:
 
         >>> session.save("run.json")  # doctest: +SKIP
         """
-        if self._state.busy:
-            raise SessionBusyError(f"session {self._state.session_id} is running a turn")
-        save_state(self._state, path)
+        state = self._state
+        if state.busy:
+            raise SessionBusyError(f"session {state.session_id} is running a turn")
+        save_state(state, path)
+        if state.handle is not None and state.handle.leased:
+            # The file now holds the handle too: a session loaded from it may consume or release
+            # the pin while this one lives on. Like a loaded handle, it is confirmed with decode
+            # before this session attaches it (one extend call, after a save only).
+            state.unconfirmed = state.handle
 
     def _check_open(self) -> None:
         state = self._state

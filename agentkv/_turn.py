@@ -292,6 +292,7 @@ class TurnRunner:
         headers = {"X-Request-Id": request_tag(secret)}
         self._ttft = None
         result: DecodeResult | None = None
+        refused = False
         try:
             if self._stream:
                 acc = StreamAccumulator(url=decode_url)
@@ -310,10 +311,13 @@ class TurnRunner:
                 result = parse_decode(
                     data, url=decode_url, pair=pair.name, issued_at=issued_at, deadline=deadline
                 )
+        except ConnectError:
+            refused = True  # decode never got the leg
+            raise
         finally:
             # Lost (timeout, reset), unreadable, cancelled, or a stream left early: decode may
             # have finished and pinned the turn's KV for a handle nobody will ever send.
-            if releasable and (result is None or result.handle is None):
+            if releasable and not refused and (result is None or result.handle is None):
                 release_lost(
                     state,
                     pair.decode,

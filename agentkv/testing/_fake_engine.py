@@ -224,6 +224,13 @@ class FakeEngine:
         if params and params.get("do_remote_prefill"):
             self._notify_only(params)
 
+    def holds(self, request_id: Any, block_ids: list[Any]) -> bool:
+        """Whether ``block_ids`` are still pinned for ``request_id`` (not freed, not reused)."""
+        pin = self._pins.get(request_id) if isinstance(request_id, str) else None
+        return pin is not None and all(
+            b in pin.block_ids and self._pool.held(b) for b in block_ids
+        )
+
     def read_block(self, block_id: Any) -> BlockContent:
         if not isinstance(block_id, int) or isinstance(block_id, bool):
             raise IndexError(f"bad block id {block_id!r}")
@@ -364,8 +371,13 @@ class FakeEngine:
         n_blocks = -(-(local + count) // bs) - local // bs
         if len(remote_ids) < n_blocks:
             raise EngineError("remote handle has fewer blocks than the tokens to load")
+        wanted = remote_ids[len(remote_ids) - n_blocks :]
+        # Strict: a pull of blocks the producer no longer pins for that request reads memory that
+        # may be handed to another request at any moment. vLLM cannot tell; its content may still
+        # look right, so the fake counts the read itself as wrong KV.
+        stale = not producer.holds(params["remote_request_id"], wanted)
         try:
-            contents = [producer.read_block(b) for b in remote_ids[len(remote_ids) - n_blocks :]]
+            contents = [producer.read_block(b) for b in wanted]
         except IndexError as exc:
             self.stats.nixl_failed_transfers += 1
             raise _KVLoadError(str(exc)) from exc
@@ -380,7 +392,7 @@ class FakeEngine:
             del content.tokens[need:]
             # A block that holds fewer tokens than claimed is garbage KV for the rest.
             content.tokens += [_GARBAGE] * (need - len(content.tokens))
-        if not all(
+        if stale or not all(
             is_true_content(c, prompt, first + i, hashes, bs) for i, c in enumerate(contents)
         ):
             self._fabric.record_wrong_reuse(self)

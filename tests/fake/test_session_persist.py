@@ -355,3 +355,58 @@ def test_a_file_saved_under_another_tokenizer_is_a_session_load_error(fake, cloc
             s.send(QUESTIONS[2])
         assert len(s.turns) == 2  # nothing sent, nothing committed
     assert fake.wrong_reuse_events == 0
+
+
+def test_a_live_session_whose_saved_copy_consumed_its_handle_never_attaches_it(clock, tmp_path):
+    """Found by the fuzzer (tests/fake/fuzz_corpus): save -> load a copy -> the copy's turn
+    consumes the handle (decode frees it) -> the original, still open, attached it and pulled
+    freed blocks. After a save the original confirms its handle with decode like a loaded one."""
+    fake = FakeCluster(pairs=1, clock=clock, num_kv_blocks=90)
+    path = tmp_path / "session.json"
+    with open_cluster(fake, clock) as cluster:
+        original = cluster.session(session_id="s", **LONG)
+        original.append(SYSTEM)
+        for question in QUESTIONS[:2]:
+            original.send(question)
+        original.save(path)
+        with Session.load(path, cluster) as copy:
+            assert copy.send(QUESTIONS[2]).stats.handle_state is HandleState.ATTACHED
+        _fill_decode(cluster)
+        result = original.send(QUESTIONS[2])
+        original.close()
+    assert fake.wrong_reuse_events == 0
+    assert result.stats.handle_state is not HandleState.ATTACHED
+    assert result.token_ids == uninterrupted(clock)[2]
+
+
+def test_a_live_session_whose_saved_copy_was_closed_early_never_attaches_the_released_handle(
+    clock, tmp_path
+):
+    """An early release, not an expiry: the copy's close frees the pin the original still names."""
+    fake = FakeCluster(pairs=1, clock=clock, num_kv_blocks=90)
+    path = tmp_path / "session.json"
+    with open_cluster(fake, clock) as cluster:
+        original = cluster.session(session_id="s", **LONG)
+        original.append(SYSTEM)
+        for question in QUESTIONS[:2]:
+            original.send(question)
+        original.save(path)
+        Session.load(path, cluster).close()  # releases decode's pin long before its TTL
+        assert fake.decode(0).leased_handles == 0
+        _fill_decode(cluster)
+        result = original.send(QUESTIONS[2])
+        original.close()
+    assert fake.wrong_reuse_events == 0
+    assert "decode no longer holds" in result.stats.handle_reason
+    assert result.token_ids == uninterrupted(clock)[2]
+
+
+def test_after_a_save_the_original_still_attaches_a_handle_decode_confirms(fake, clock, tmp_path):
+    with open_cluster(fake, clock) as cluster, cluster.session(session_id="s", **LONG) as s:
+        s.append(SYSTEM)
+        for question in QUESTIONS[:2]:
+            s.send(question)
+        s.save(tmp_path / "session.json")
+        result = s.send(QUESTIONS[2])
+    assert result.stats.handle_state is HandleState.ATTACHED
+    assert fake.wrong_reuse_events == 0
