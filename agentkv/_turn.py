@@ -238,8 +238,10 @@ class TurnRunner:
             raise
         if result is None:  # pragma: no cover - _decode ends with the result or raises
             raise RuntimeError("decode leg ended without a result")
-        ttft = self._ttft
         t_end = time.perf_counter()
+        # The first token's time, from the P leg's start: all of it on the servers (non-streamed,
+        # the whole answer arrives at once).
+        server_ttft = self._ttft if self._ttft is not None else t_end - t_prefill
         result = self._leased(result, issued_at=issued_at)
         stats = state.commit(
             prompt,
@@ -249,7 +251,9 @@ class TurnRunner:
             attached=sent,
             handle_state=handle_state,
             handle_reason=reason,
-            ttft_s=ttft if ttft is not None else t_end - t_prefill,
+            # What a user waits for: from the call, prompt rendering and retries included.
+            ttft_s=server_ttft + (t_prefill - self._started),
+            server_ttft_s=server_ttft,
             prefill_s=t_decode - t_prefill,
             decode_s=t_end - t_decode,
             total_s=t_end - self._started,
