@@ -29,13 +29,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import httpx
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
     consumes,
     invariant,
-    multiple,
     precondition,
     rule,
 )
@@ -81,6 +81,32 @@ class Tracked:
     pending: list[Message] = dataclasses.field(default_factory=list)
 
 
+class AnswerHeld(httpx.AsyncBaseTransport):
+    """The fake's transport; while held, decode's answers wait (decode has finished)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.held = asyncio.Event()
+        self._gate: asyncio.Event | None = None
+
+    def hold(self) -> None:
+        self.held = asyncio.Event()
+        self._gate = asyncio.Event()
+
+    def release(self) -> None:
+        if self._gate is not None:
+            self._gate.set()
+        self._gate = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        gate = self._gate
+        if gate is not None and "fake-d" in request.url.host and "/chat/" in request.url.path:
+            self.held.set()
+            await gate.wait()
+        return response
+
+
 class Counters:
     """Figures for docs/reliability.md (summed over a whole hypothesis run)."""
 
@@ -106,6 +132,7 @@ class SessionMachine(RuleBasedStateMachine):
         self.clock = ManualClock()
         # A small KV cache, so freed blocks are handed to other requests soon.
         self.fake = FakeCluster(pairs=2, clock=self.clock, num_kv_blocks=256)
+        self.transport = AnswerHeld(self.fake.transport)
         self.cluster = self._cluster()
         self.tenant = self._cluster()
         self.open: dict[str, Tracked] = {}
@@ -115,7 +142,7 @@ class SessionMachine(RuleBasedStateMachine):
     def _cluster(self) -> AsyncCluster:
         return AsyncCluster.from_dict(
             self.fake.cluster_spec,
-            transport=self.fake.transport,
+            transport=self.transport,
             clock=self.clock,
             block_size=16,
             retry=RetryPolicy(max_attempts=2, initial_backoff_s=0, max_backoff_s=0, jitter_s=0),
@@ -207,10 +234,14 @@ class SessionMachine(RuleBasedStateMachine):
             return
 
         async def go() -> None:
+            self.transport.hold()
             task = asyncio.ensure_future(s.send(text, **LONG))
-            for _ in range(3):  # let it get some way, then cancel wherever it is
-                await asyncio.sleep(0)
+            held = asyncio.ensure_future(self.transport.held.wait())
+            # Until decode has answered (or the turn ended before it: a fault, a dead server).
+            await asyncio.wait([task, held], return_when=asyncio.FIRST_COMPLETED)
+            held.cancel()
             task.cancel()
+            self.transport.release()
             try:
                 result = await task
             except (asyncio.CancelledError, AgentKVError) as exc:
@@ -222,9 +253,9 @@ class SessionMachine(RuleBasedStateMachine):
         self.run(go())
 
     @rule(target=sessions, t=sessions, keep_turns=st.integers(min_value=0, max_value=3))
-    def fork(self, t: Tracked, keep_turns: int) -> Any:
+    def fork(self, t: Tracked, keep_turns: int) -> Tracked:
         if t.session.closed:
-            return multiple()
+            return self.open_session()  # the bundle grows alike on every replay
         keep = min(len(t.messages), 1 + 2 * keep_turns)
         kept = list(t.messages[:keep])
         child = self._track(t.session.fork(keep=keep), [])
@@ -236,13 +267,14 @@ class SessionMachine(RuleBasedStateMachine):
         return child
 
     @rule(target=sessions, t=sessions)
-    def save_and_load(self, t: Tracked) -> Any:
-        if t.session.closed or t.pending:
-            return multiple()
+    def save_and_load(self, t: Tracked) -> Tracked:
+        if t.session.closed:
+            return self.open_session()  # the bundle grows alike on every replay
         path = Path(self.tmp.name) / f"{t.name}-{self.count}.json"
         t.session.save(path)
-        loaded = AsyncSession.load(path, self.cluster)
-        return self._track(loaded, list(t.messages))
+        loaded = self._track(AsyncSession.load(path, self.cluster), list(t.messages))
+        loaded.pending = list(t.pending)
+        return loaded
 
     @rule(t=consumes(sessions), final_turn=st.booleans(), text=questions)
     def close(self, t: Tracked, final_turn: bool, text: str) -> None:
