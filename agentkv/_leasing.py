@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,10 @@ __all__ = [
 
 logger = structlog.get_logger("agentkv")
 
+# How long a decode found without agentkv's extension is taken at its word before it is asked
+# again (cluster clock).
+RECHECK_UNSUPPORTED_S = 60.0
+
 # Lease calls answer in milliseconds; a decode that takes longer is in trouble, and a close
 # must not hang on it.
 _CALL_TIMEOUT_S = 5.0
@@ -99,12 +104,19 @@ class LeaseCalls:
     """The lease routes of a cluster's decode servers, and which servers have them.
 
     One per cluster: whether a decode runs agentkv's extension is asked once per server
-    (``GET /v1/agentkv/info``) and the answer kept for the cluster's life.
+    (``GET /v1/agentkv/info``). A "yes" is kept until the server is marked down (it may come
+    back restarted, with another build: :meth:`forget`); a "no" also for at most
+    :data:`RECHECK_UNSUPPORTED_S`, so a decode restarted with the extension is found.
     """
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._client = client
+        self._clock = clock
         self._support: dict[str, bool] = {}
+        self._unsupported_at: dict[str, float] = {}
+        self._warned: set[str] = set()
         self._asking: dict[str, asyncio.Task[bool | None]] = {}
         self._lost: set[asyncio.Task[None]] = set()
 
@@ -112,6 +124,8 @@ class LeaseCalls:
         """Whether ``decode`` has agentkv's extension: ``None`` when it could not be asked (it is
         asked again next time)."""
         known = self._support.get(decode)
+        if known is False and self._clock() - self._unsupported_at[decode] >= RECHECK_UNSUPPORTED_S:
+            known = None  # ask again: it may have been restarted with the extension
         if known is not None:
             return known
         task = self._asking.get(decode)
@@ -138,6 +152,7 @@ class LeaseCalls:
             else:
                 if info.leases:
                     self._support[decode] = True
+                    self._warned.discard(decode)
                     logger.debug(
                         "agentkv.leases_available",
                         decode=decode,
@@ -152,6 +167,10 @@ class LeaseCalls:
             logger.debug("agentkv.leases_unknown", decode=decode, status=status)
             return None
         self._support[decode] = False
+        self._unsupported_at[decode] = self._clock()
+        if decode in self._warned:
+            return False
+        self._warned.add(decode)
         logger.warning(
             "agentkv.leases_unavailable",
             decode=decode,
@@ -160,6 +179,10 @@ class LeaseCalls:
             hint="run decode with AgentKVConnector and VLLM_PLUGINS=agentkv (docs/connector.md)",
         )
         return False
+
+    def forget(self, decode: str) -> None:
+        """``decode`` went down: ask again once it is back (a restart may change the answer)."""
+        self._support.pop(decode, None)
 
     async def _call(self, url: str, body: dict[str, Any]) -> tuple[int, Any] | _CallResult:
         try:

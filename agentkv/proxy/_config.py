@@ -95,6 +95,15 @@ class ProxyConfig:
         sweep_interval_s: how often idle sessions are looked for.
         tool_calling: ``auto`` (probe the backend once for a tool parser), ``native`` (the
             backend parses tool calls) or ``json`` (agentkv's structured-output protocol).
+        isolate_prefix_caches: give every principal (API key) its own vLLM ``cache_salt``, so
+            no one's requests hit another's prefix cache (a timing side channel: a fast first
+            token says someone sent that prefix). Off shares cached prefixes, such as a common
+            system prompt, across keys.
+        cache_salt_secret: the key the salts are derived with (HMAC-SHA256 of the principal).
+            ``None`` draws one per process; replicas that should share each principal's prefix
+            cache set the same secret.
+        metrics_need_key: ``GET /metrics`` asks for an API key like the API routes (only with
+            ``api_keys``).
     """
 
     host: str = "127.0.0.1"
@@ -106,8 +115,13 @@ class ProxyConfig:
     default_max_tokens: int = 1024
     sweep_interval_s: float = 15.0
     tool_calling: str = "auto"
+    isolate_prefix_caches: bool = True
+    cache_salt_secret: str | None = field(default=None, repr=False)
+    metrics_need_key: bool = False
 
     def __post_init__(self) -> None:
+        if self.metrics_need_key and self.api_keys is None:
+            raise ConfigError("metrics_need_key needs api_keys (--api-keys)")
         if self.tool_calling not in ("auto", "native", "json"):
             raise ConfigError("tool_calling must be auto, native or json")
         if not 0 <= self.port <= 65535:
