@@ -15,8 +15,9 @@ The connector decisions follow ``vllm/distributed/kv_transfer/kv_connector/v1/ni
   ``kv_lease_duration`` (30 s) on a producer, for ``decoder_kv_blocks_ttl`` on a decoder.
 
 With ``leases`` the engine runs agentkv's ``AgentKVConnector`` instead (``agentkv/connector``): a
-decoder's turn-end pin follows the request's persist hint and is leased with the connector's own
-``LeaseBook``/``LeaseService``, and :meth:`FakeEngine.lease_op` serves the lease calls.
+decoder's turn-end pin is decided by the connector's own ``apply_pin_policy`` (persist hint,
+requests released early by their client) and leased with its ``LeaseBook``/``LeaseService``, and
+:meth:`FakeEngine.lease_op` serves the lease calls.
 """
 
 from __future__ import annotations
