@@ -7,7 +7,6 @@ import asyncio
 from agentkv import AsyncCluster, HandleState, Message
 from agentkv.testing import FakeCluster, ManualClock
 
-
 # Long enough answers that the second turn's pull is over kv_recompute_threshold (64 tokens):
 # with short ones prefill recomputes instead of pulling, and "no wrong KV" would hold vacuously.
 LONG = {"max_tokens": 90, "extra_body": {"min_tokens": 70}}
