@@ -156,7 +156,10 @@ class TurnRunner:
         self._attempts += 1
         pair = await cluster._pair_for(state.session_id, state.pair)
         if pair is not state.pair:
+            handle = state.handle
             state.move_to(pair)
+            # The old pair's decode may be alive (its prefill was the one that failed).
+            await self._release_unsent(handle, reason="moved")
         try:
             async with contextlib.aclosing(self._legs(pair)) as events:
                 async for event in events:
@@ -175,7 +178,10 @@ class TurnRunner:
             # before it exits): a server that died under the turn is found now (the probe marks
             # the pair down), so the retry moves instead of running into it again.
             if not await cluster._probe(pair):
+                handle = state.handle
                 state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} stopped answering")
+                # Unsent; the one that stopped answering may be the pair's prefill.
+                await self._release_unsent(handle, reason="pair_down")
             raise
 
     async def _prompt_for(self, pair: Pair) -> TurnPrompt:

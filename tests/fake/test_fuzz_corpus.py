@@ -41,3 +41,22 @@ def test_a_saved_copy_closed_early_left_the_original_pulling_released_kv() -> No
         lambda m, n: m.close(n["s1"], False, "Tell me about Paris."),
         lambda m, n: m.cancel_after_decode(n["s0"], "Tell me about Paris."),
     )
+
+
+def test_a_session_moved_off_a_dead_prefill_left_its_pin_on_the_live_decode() -> None:
+    """The long run's failure ("decode 0 still pins" once every session was closed), reduced:
+    the pair's prefill dies, the pair is marked down (by another session's turn or the health
+    check), the session moves and drops its handle. Fixed: a handle dropped unsent because the
+    session moved, or because its pair stopped answering, is released on its decode."""
+
+    def kill_prefill(m: SessionMachine, n: dict[str, Any]) -> None:
+        m.kill_or_restart("prefill", int(n["s0"].session.pair.name[-1]))
+
+    replay(
+        lambda m, n: n.__setitem__("s0", m.open_session()),
+        lambda m, n: m.send(n["s0"], "Tell me about Paris.", "long"),
+        kill_prefill,
+        lambda m, n: m.run(m.cluster.check_health()),
+        lambda m, n: m.send(n["s0"], "Tell me about Spain.", "long"),
+        lambda m, n: m.close(n["s0"], False, "Tell me about tea."),
+    )

@@ -167,3 +167,22 @@ def test_a_handle_carried_by_a_p_leg_that_prefill_answered_with_an_error_is_rele
             s.send("And of Spain?", **LONG)
         assert fake.decode(0).pinned_handles == 0
         assert fake.wrong_reuse_events == 0
+
+
+def test_a_handle_left_behind_when_the_session_moves_off_a_dead_prefill_is_released(clock):
+    """Found by the fuzzer: another session (here the health check) found the pair's prefill
+    dead; this session moved to the other pair and dropped its handle, but the old pair's decode
+    was alive and kept the pin for its whole TTL."""
+    fake = FakeCluster(pairs=2, clock=clock)
+    with open_cluster(fake, clock, attempts=3) as cluster, cluster.session() as s:
+        s.append(SYSTEM)
+        s.send("What is the capital of France?", **LONG)
+        old = int(s.pair.name[-1])
+        assert fake.decode(old).pinned_handles == 1
+        fake.prefill(old).kill()
+        cluster.check_health()  # marks the pair down, as another session's turn would
+        result = s.send("And of Spain?", **LONG)
+        assert s.pair.name != f"pair-{old}"
+        assert result.stats.handle_state.value == "invalidated"
+        assert fake.decode(old).pinned_handles == 0
+        assert fake.wrong_reuse_events == 0
