@@ -42,7 +42,7 @@ SYSTEM = "You are a warehouse assistant. Answer in one short sentence.\n" + "\n"
     f"Shelf {i}: holds parcel {i * 37 % 101} for customer {chr(65 + i % 26)}{i}." for i in range(40)
 )
 OTHER_SYSTEM = "You are a librarian. Answer in one short sentence.\n" + "\n".join(
-    f"Row {i}: the book {i * 13 % 97} by author {chr(90 - i % 26)}{i * 3}." for i in range(40)
+    f"Row {i}: the book {i * 13 % 97} by author {chr(90 - i % 26)}{i * 3}." for i in range(60)
 )
 QUESTIONS = (
     "Which parcel is on shelf 3?",
@@ -129,10 +129,14 @@ def _divergence(
     return None
 
 
-def _wrong_kv_drift(cluster_file: Path, server: str, model: str) -> float:
-    """Turn 2 of one session sent with another session's handle (same pair, other prefix)."""
+def _wrong_kv_drift(cluster_file: Path, server: str, model: str) -> dict[str, Any]:
+    """Turn 2 of one session sent with another session's handle (same pair, other prefix).
+
+    As in tests/e2e/test_session_e2e.py: the victim is salted (prefill holds only its turn 1)
+    and the donor's prefix outlasts the victim's turn 2, so all the victim lacks is pulled wrong.
+    """
     with agentkv.Cluster.from_file(cluster_file) as cluster, cluster.session(
-        max_tokens=24, extra_body=LOGPROBS
+        max_tokens=24, extra_body={**LOGPROBS, "cache_salt": uuid.uuid4().hex}
     ) as victim, cluster.session(max_tokens=24, extra_body=LOGPROBS) as donor:
         victim.append(Message.system(SYSTEM))
         donor.append(Message.system(OTHER_SYSTEM))
@@ -149,7 +153,8 @@ def _wrong_kv_drift(cluster_file: Path, server: str, model: str) -> float:
     reference = teacher_forced_logprobs(
         server, model=model, prompt_ids=prompt, generated_ids=result.token_ids
     )
-    return logprob_drift(result.logprobs, reference, result.token_ids).max_abs
+    drift = logprob_drift(result.logprobs, reference, result.token_ids).max_abs
+    return {"drift": round(drift, 5), "pulled_tokens": result.stats.pulled_tokens}
 
 
 def _cold_prefill_tps(record: ClusterRecord, client: httpx.Client, repeats: int) -> float:
@@ -216,7 +221,7 @@ def measure(dtype: str, isa: str | None, *, workdir: Path, repeats: int) -> dict
             "drift_with_reuse": [round(d, 5) for d in drift_with],
             "drift_without_reuse": [round(d, 5) for d in drift_without],
             "closest_top2_gap": round(min(tie_with, tie_without), 5),
-            "drift_wrong_kv": round(_wrong_kv_drift(config.cluster_file, server, record.model), 5),
+            "wrong_kv": _wrong_kv_drift(config.cluster_file, server, record.model),
         }
     finally:
         stop_cluster(config, progress=_say)

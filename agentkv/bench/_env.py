@@ -9,12 +9,12 @@ import os
 import platform
 import re
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from agentkv.bench._modes import ClusterTarget
+from agentkv.local._cpu import read_cpu_info
 
 __all__ = ["environment", "server_cache"]
 
@@ -28,27 +28,24 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def environment(target: ClusterTarget) -> dict[str, Any]:
     """Where the run happened: the cluster, the client machine and package versions."""
     pairs = [
         {"name": p.get("name"), "prefill": p.get("prefill"), "decode": p.get("decode")}
         for p in target.spec["pairs"]
     ]
+    cpu = read_cpu_info()
     return {
-        "cluster": {"model": target.model, "pairs": pairs},
+        "cluster": {
+            "model": target.model,
+            "pairs": pairs,
+            # What `agentkv up` recorded: the serving dtype, and an emulated ISA if any.
+            **{key: target.spec[key] for key in ("dtype", "cpu_isa") if key in target.spec},
+        },
         "host": {
             "platform": platform.platform(),
-            "cpu": _cpu_model(),
+            "cpu": cpu.model,
+            "cpu_isa": cpu.isa,
             "cpu_count": os.cpu_count(),
             "versions": _versions(),
         },

@@ -88,11 +88,14 @@ class ClusterRecord:
     pairs: tuple[PairRecord, ...]
     # The dtype the servers run in (None: a cluster file written before it was recorded).
     dtype: str | None = None
+    # The ISA the servers were limited to (``--cpu-isa``); None: the CPU's own.
+    cpu_isa: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             **({"dtype": self.dtype} if self.dtype else {}),
+            **({"cpu_isa": self.cpu_isa} if self.cpu_isa else {}),
             "pairs": [
                 {
                     "name": pair.name,
@@ -139,11 +142,12 @@ class ClusterRecord:
                 )
                 for p in data["pairs"]
             )
-            dtype = data.get("dtype")
+            dtype, cpu_isa = data.get("dtype"), data.get("cpu_isa")
             return cls(
                 model=str(data["model"]),
                 pairs=pairs,
                 dtype=None if dtype is None else str(dtype),
+                cpu_isa=None if cpu_isa is None else str(cpu_isa),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"cluster file {path} is malformed: {exc!r}") from exc

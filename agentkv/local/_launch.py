@@ -247,6 +247,7 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
     record = ClusterRecord(
         model=config.model,
         dtype=serving_dtype(config),
+        cpu_isa=config.cpu_isa,
         pairs=tuple(
             PairRecord(
                 name=prefill.pair,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import tempfile
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ Turn = tuple[agentkv.TurnResult, list[int]]  # a turn's result and its exact pro
 # them by 3.0 nats. The tolerances sit ~3x above the drift and ~5x below wrong KV.
 DRIFT_TOLERANCE = {"bfloat16": 0.6, "float32": 0.01}
 OTHER_SYSTEM = "You are a librarian. Answer in one short sentence.\n" + "\n".join(
-    f"Row {i}: the book {i * 13 % 97} by author {chr(90 - i % 26)}{i * 3}." for i in range(40)
+    f"Row {i}: the book {i * 13 % 97} by author {chr(90 - i % 26)}{i * 3}." for i in range(60)
 )
 LOGPROBS = {"logprobs": True}
 
@@ -138,22 +139,32 @@ def test_greedy_outputs_with_reuse_equal_outputs_without_it(
 
 
 def test_a_deliberately_wrong_handle_fails_the_drift_check(local_cluster: ClusterRecord) -> None:
-    """The check above is not vacuous: another session's handle behind a prompt fails it."""
+    """The check above is not vacuous: another session's handle behind a prompt fails it.
+
+    Prefill pulls only what its own cache lacks, up to the handle's length. So the victim gets a
+    fresh salt (its cache holds just its own turn 1, not the earlier tests' conversations) and the
+    donor a longer prefix than the victim's whole turn 2: everything after the victim's cached
+    blocks, question included, is the donor's KV.
+    """
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "cluster.json"
         local_cluster.write(path)
         with agentkv.Cluster.from_file(path) as cluster, cluster.session(
-            max_tokens=24, extra_body=LOGPROBS
+            max_tokens=24, extra_body={**LOGPROBS, "cache_salt": uuid.uuid4().hex}
         ) as victim, cluster.session(max_tokens=24, extra_body=LOGPROBS) as donor:
             victim.append(Message.system(SYSTEM))
             donor.append(Message.system(OTHER_SYSTEM))
-            victim.send(QUESTIONS[0])
+            first = victim.send(QUESTIONS[0])
             donor.send("Which book is in row 3?")
             assert donor.handle is not None
+            donor_tokens = len(donor.transcript.token_ids)
             victim._state.handle, donor._state.handle = donor.handle, None
             wrong = victim.send(QUESTIONS[1])
             assert wrong.stats.handle_state is HandleState.ATTACHED
             prompt = _prompt_of(victim, wrong)
+    assert donor_tokens > len(prompt)
+    # Prefill held whole blocks of turn 1 only; the rest of the prompt came from the donor.
+    assert wrong.stats.pulled_tokens >= len(prompt) - first.stats.prompt_tokens
     with pytest.raises(AssertionError, match="wrong KV behind the prompt"):
         _assert_no_wrong_kv(local_cluster, [(wrong, prompt)])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -47,6 +48,17 @@ def test_cluster_file_round_trips_in_the_documented_shape(tmp_path: Path) -> Non
     assert {"name", "prefill", "decode", "prefill_pid", "decode_pid"} <= set(data["pairs"][0])
     assert ClusterRecord.read(path) == _record()
     assert not list(path.parent.glob("*.tmp")), "the write is atomic: no temp file is left"
+    assert "dtype" not in data
+    assert "cpu_isa" not in data
+
+
+def test_the_cluster_file_records_dtype_and_an_emulated_isa(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.json"
+    record = dataclasses.replace(_record(), dtype="float32", cpu_isa="avx2")
+    record.write(path)
+    data = json.loads(path.read_text())
+    assert (data["dtype"], data["cpu_isa"]) == ("float32", "avx2")
+    assert ClusterRecord.read(path) == record
 
 
 @pytest.mark.parametrize(
