@@ -46,6 +46,7 @@ from agentkv._handoff import (
     StreamAccumulator,
     TurnRequest,
     decode_body,
+    no_handle_cause,
     parse_decode,
     parse_prefill,
     prefill_body,
@@ -80,6 +81,12 @@ class SessionOptions:
     tools: tuple[Mapping[str, Any], ...] | None = None
     tool_choice: Any = None
     extra_body: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _unexplained(result: DecodeResult) -> bool:
+    """An answer without a handle that vLLM would have pinned KV for (not a stop string)."""
+    cause = no_handle_cause(result.finish_reason, result.stop_reason)
+    return result.handle is None and cause is None
 
 
 class TurnRunner:
@@ -327,7 +334,7 @@ class TurnRunner:
         finally:
             # Lost (timeout, reset), unreadable, cancelled, or a stream left early: decode may
             # have finished and pinned the turn's KV for a handle nobody will ever send.
-            if releasable and not refused and (result is None or result.handle is None):
+            if releasable and not refused and (result is None or _unexplained(result)):
                 release_lost(
                     state,
                     pair.decode,
