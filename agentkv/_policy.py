@@ -164,11 +164,13 @@ class CachePolicy:
     def decide_release(self, handle: KVHandle | None, *, now: float) -> bool:
         """Release ``handle``'s blocks now (session closed, handle dropped unsent)?
 
-        Only a leased handle within our deadline: one past it is being freed by decode itself,
-        and a stock decode has no release call. Never call this for a handle a P leg carried:
-        prefill consumed it.
+        Any leased handle, also one past our deadline: that deadline keeps a safety margin
+        before decode's, which may still hold the blocks (a release then answers "expired" or
+        "unknown", harmlessly). A stock decode has no release call. Never call this for a handle
+        a P leg may still be reading.
         """
-        return handle is not None and handle.leased and now < handle.deadline
+        del now  # kept for the policy's signature: a subclass may decide by time
+        return handle is not None and handle.leased
 
     def decide_attach(
         self, handle: KVHandle | None, *, prompt_len: int, now: float

@@ -409,9 +409,7 @@ class TurnRunner:
             state.drop_handle(HandleState.CONSUMED, "a failed turn may have read the handle")
         else:
             state.drop_handle(decision.state, decision.reason)
-            if decision.state is not HandleState.EXPIRED and state.policy.decide_release(
-                handle, now=now
-            ):
+            if state.policy.decide_release(handle, now=now):
                 unsent = handle
         note, state.wait_note = state.wait_note, None
         if note:

@@ -60,3 +60,21 @@ def test_a_session_moved_off_a_dead_prefill_left_its_pin_on_the_live_decode() ->
         lambda m, n: m.send(n["s0"], "Tell me about Spain.", "long"),
         lambda m, n: m.close(n["s0"], False, "Tell me about tea."),
     )
+
+
+def test_a_session_closed_inside_its_handles_safety_margin_left_the_pin() -> None:
+    """The second long run's failure (flaky: it depended on where the clock stood at teardown),
+    reduced: our deadline keeps a margin before decode's; a close inside it did not release.
+    Fixed: a leased handle is released at close (and when dropped unsent) past our deadline
+    too."""
+
+    def to_the_margin(m: SessionMachine, n: dict[str, Any]) -> None:
+        handle = n["s0"].session.handle
+        m.clock.advance(handle.deadline - m.clock() + 0.5)
+
+    replay(
+        lambda m, n: n.__setitem__("s0", m.open_session()),
+        lambda m, n: m.send(n["s0"], "Tell me about Paris.", "long"),
+        to_the_margin,
+        lambda m, n: m.close(n["s0"], False, "Tell me about tea."),
+    )

@@ -186,3 +186,16 @@ def test_a_handle_left_behind_when_the_session_moves_off_a_dead_prefill_is_relea
         assert result.stats.handle_state.value == "invalidated"
         assert fake.decode(old).pinned_handles == 0
         assert fake.wrong_reuse_events == 0
+
+
+def test_a_handle_past_our_deadline_but_still_pinned_is_released_at_close(fake, clock):
+    """Found by the fuzzer: our deadline keeps a margin before decode's; a session closed inside
+    that margin skipped the release and decode kept the pin until its own deadline."""
+    with open_cluster(fake, clock) as cluster, cluster.session() as s:
+        s.append(SYSTEM)
+        s.send("What is the capital of France?", **LONG)
+        handle = s.handle
+        assert handle is not None
+        clock.advance(handle.deadline - clock() + 0.5)  # past ours, before decode's 480 s
+        assert fake.decode(0).pinned_handles == 1
+    assert fake.decode(0).pinned_handles == 0
