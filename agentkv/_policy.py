@@ -164,13 +164,14 @@ class CachePolicy:
     def decide_release(self, handle: KVHandle | None, *, now: float) -> bool:
         """Release ``handle``'s blocks now (session closed, handle dropped unsent)?
 
-        Any leased handle, also one past our deadline: that deadline keeps a safety margin
-        before decode's, which may still hold the blocks (a release then answers "expired" or
-        "unknown", harmlessly). A stock decode has no release call. Never call this for a handle
-        a P leg may still be reading.
+        A leased handle until ``ttl_margin_s`` past our deadline: that deadline keeps the margin
+        before decode's, so decode may still hold the blocks (later, it has freed them itself).
+        A stock decode has no release call. Never call this for a handle a P leg may still be
+        reading.
         """
-        del now  # kept for the policy's signature: a subclass may decide by time
-        return handle is not None and handle.leased
+        return (
+            handle is not None and handle.leased and now < handle.deadline + self.ttl_margin_s
+        )
 
     def decide_attach(
         self, handle: KVHandle | None, *, prompt_len: int, now: float
