@@ -377,7 +377,8 @@ class TurnRunner:
         await extend_handle(state, _CONFIRM_TTL_S, reason="confirm_loaded")
         if state.handle is handle:  # not extended, not dropped: the call failed
             state.drop_handle(
-                HandleState.INVALIDATED, "decode could not confirm the handle from a save file"
+                HandleState.INVALIDATED,
+                "decode could not confirm the handle (it is also in a save file)",
             )
 
     def _leased(self, result: DecodeResult, *, issued_at: float) -> DecodeResult:
