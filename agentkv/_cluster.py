@@ -235,7 +235,7 @@ class AsyncCluster:
         self._prefill_down: dict[str, float] = {}
         self._templates: dict[str, ChatTemplate] = {}
         self._probes: dict[str, asyncio.Task[bool]] = {}
-        self._leases = LeaseCalls(self._client)
+        self._leases = LeaseCalls(self._client, clock=clock)
         self._closed = False
 
     @classmethod
@@ -421,6 +421,7 @@ class AsyncCluster:
     def _mark_down(self, pair: Pair, *, reason: str) -> None:
         if pair.name not in self._down:
             self._down[pair.name] = self.clock()
+            self._leases.forget(pair.decode)
             logger.warning("agentkv.pair_unhealthy", pair=pair.name, reason=reason)
 
     def _mark_up(self, pair: Pair) -> None:

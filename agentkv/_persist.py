@@ -1,11 +1,22 @@
 """Saving a session to a JSON file and loading it back, so that an agent process can restart.
 
-The file (``"format": "agentkv.session"``, ``"version": 1``) holds everything the next turn needs
+The file (``"format": "agentkv.session"``, ``"version": 2``) holds everything the next turn needs
 to stay token-exact: the transcript's messages, token ids and spans, the pending messages, the
-session id, pair, policy, options and turn stats, and the stored decode handle with the params
-decode sent. Handle deadlines live on the session's monotonic clock, which means nothing to
-another process: the file stores them as wall-clock times and ``load`` converts them back, so a
-handle that ran out while the agent was down is not attached (the turn recomputes).
+session id, pair, policy, options and turn stats, the model and a fingerprint of the tokenizer
+and chat template the token ids come from, and the stored decode handle with the params decode
+sent.
+
+A handle from a file is never trusted on its word: the pin may have been released (the session
+was closed after the save), consumed (a later turn ran, or the file was loaded before) or have
+expired, and decode may have given its blocks to other requests. The first turn after a load asks
+decode to confirm the lease (an extend call) and attaches the handle only then; on stock vLLM,
+which cannot confirm anything, a loaded handle is never attached. Loading into a cluster that
+serves another model is a ``SessionLoadError``; so is the first turn on a cluster whose tokenizer
+or template differs from the saved fingerprint.
+
+Handle deadlines live on the session's monotonic clock, which means nothing to another process:
+the file stores them as wall-clock times and ``load`` converts them back, so a handle that ran out
+while the agent was down is not attached (the turn recomputes).
 
 The handle's params may hold a lease secret: the file is created readable by its owner only.
 A save writes a temporary file in the same folder and renames it over the target, so a crash in
@@ -41,7 +52,9 @@ if TYPE_CHECKING:
 __all__ = ["FORMAT", "VERSION", "load_state", "restore", "save_state", "snapshot", "write_atomic"]
 
 FORMAT = "agentkv.session"
-VERSION = 1
+VERSION = 2
+# Version 1 lacks the model and tokenizer fingerprint; it is read as if they matched.
+_READABLE = (1, 2)
 
 
 # --- saving --------------------------------------------------------------------------------------
@@ -92,6 +105,8 @@ def snapshot(state: SessionState, *, now: float, wall: float) -> dict[str, Any]:
         "version": VERSION,
         "saved_at": wall,
         "session_id": state.session_id,
+        "model": state.cluster.model,
+        "tokenizer": state.fingerprint,
         "pair": state.pair.name,
         "policy": dataclasses.asdict(state.policy),
         "options": _options_json(state.options),
@@ -192,10 +207,10 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _checked(data: object, source: str) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise SessionLoadError(f"{source} is not a saved agentkv session")
-    if data.get("version") != VERSION:
+    if data.get("version") not in _READABLE:
         raise SessionLoadError(
             f"saved session {source} has schema version {data.get('version')!r}; "
-            f"this agentkv reads version {VERSION}"
+            f"this agentkv reads versions {', '.join(map(str, _READABLE))}"
         )
     return data
 
@@ -291,10 +306,17 @@ def restore(
         last_prefill = _optional(data, "last_prefill", str)
         tools_key = _optional(data, "tools_key", str)
         wait_note = _optional(data, "wait_note", str)
+        model = _optional(data, "model", str)
+        fingerprint = _optional(data, "tokenizer", str)
     except SessionLoadError:
         raise
     except (AgentKVError, KeyError, IndexError, TypeError, ValueError) as exc:
         raise SessionLoadError(f"saved session {source} is corrupt: {exc}") from exc
+    if model is not None and model != cluster.model:
+        raise SessionLoadError(
+            f"saved session {source} ran on model {model!r}; this cluster serves "
+            f"{cluster.model!r}, whose tokens and KV are not the saved ones"
+        )
     known = {pair.name: pair for pair in cluster.pairs}
     cluster._check_open()
     pair = cluster._acquire(session_id, near=known.get(saved_pair))
@@ -313,6 +335,10 @@ def restore(
     state.wait_note = wait_note
     state.handle = handle
     state.last_prefill = last_prefill
+    # Decode may have freed the blocks since the save (see TurnRunner._confirm_loaded).
+    state.unconfirmed = handle
+    # Checked against the cluster's tokenizer before the first turn's prompt is built.
+    state.fingerprint = fingerprint
     if pair.name == saved_pair:
         state.prefilled = prefilled
     else:

@@ -42,7 +42,7 @@ SYSTEM = "You are a warehouse assistant. Answer in one short sentence.\n" + "\n"
     f"Shelf {i}: holds parcel {i * 37 % 101} for customer {chr(65 + i % 26)}{i}." for i in range(40)
 )
 OTHER_SYSTEM = "You are a librarian. Answer in one short sentence.\n" + "\n".join(
-    f"Row {i}: the book {i * 13 % 97} by author {chr(90 - i % 26)}{i * 3}." for i in range(60)
+    f"Row {i}: the book {i * 13 % 97} by author {chr(90 - i % 26)}{i * 3}." for i in range(40)
 )
 QUESTIONS = (
     "Which parcel is on shelf 3?",
@@ -132,15 +132,15 @@ def _divergence(
 def _wrong_kv_drift(cluster_file: Path, server: str, model: str) -> dict[str, Any]:
     """Turn 2 of one session sent with another session's handle (same pair, other prefix).
 
-    As in tests/e2e/test_session_e2e.py: the victim is salted (prefill holds only its turn 1)
-    and the donor's prefix outlasts the victim's turn 2, so all the victim lacks is pulled wrong.
+    As in tests/e2e/test_session_e2e.py: the victim is salted (prefill holds only its turn 1's
+    whole blocks), and the donor's handle ends between those and the victim's turn-2 prompt.
     """
     with agentkv.Cluster.from_file(cluster_file) as cluster, cluster.session(
         max_tokens=24, extra_body={**LOGPROBS, "cache_salt": uuid.uuid4().hex}
     ) as victim, cluster.session(max_tokens=24, extra_body=LOGPROBS) as donor:
         victim.append(Message.system(SYSTEM))
         donor.append(Message.system(OTHER_SYSTEM))
-        victim.send(QUESTIONS[0])
+        first = victim.send(QUESTIONS[0])
         donor.send("Which book is in row 3?")
         assert donor.handle is not None
         # Deliberately wrong: the donor's KV behind the victim's prompt.
@@ -154,7 +154,9 @@ def _wrong_kv_drift(cluster_file: Path, server: str, model: str) -> dict[str, An
         server, model=model, prompt_ids=prompt, generated_ids=result.token_ids
     )
     drift = logprob_drift(result.logprobs, reference, result.token_ids).max_abs
-    return {"drift": round(drift, 5), "pulled_tokens": result.stats.pulled_tokens}
+    # Prefill held turn 1's whole blocks; what it reused beyond them came from the donor.
+    return {"drift": round(drift, 5), "reused_tokens": result.stats.reused_tokens,
+            "turn1_prompt_tokens": first.stats.prompt_tokens}
 
 
 def _cold_prefill_tps(record: ClusterRecord, client: httpx.Client, repeats: int) -> float:

@@ -223,7 +223,8 @@ class _Proxy:
         return json_response(body, status=200 if ok else 503)
 
     async def metrics_text(self, request: Request) -> Response:
-        del request
+        if self.config.metrics_need_key:
+            _principal(request, self.config)  # 401 without a valid key
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def _entry(self, request: Request) -> tuple[str, str, SessionEntry]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any, Protocol
 
 import structlog
@@ -33,6 +33,7 @@ from agentkv.proxy._mapping import HistoryPlan, plan_history
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
 from agentkv.proxy._request import ChatRequest, parse_chat_request, session_id_from
+from agentkv.proxy._salt import CacheSalts
 from agentkv.proxy._shape import (
     HEADER_FORKED,
     HEADER_HANDLE,
@@ -235,9 +236,16 @@ class ChatService:
         self._registry = registry
         self._config = config
         self._metrics = metrics
+        self._salts = CacheSalts(config.cache_salt_secret)
         self.tool_modes = ToolModes(cluster, configured=config.tool_calling)
         self._histories = HistoryIndex(max_entries=config.max_sessions)
 
+
+    def _salted(self, extra: Mapping[str, Any], principal: str) -> Mapping[str, Any]:
+        """``extra`` with the principal's ``cache_salt`` (``isolate_prefix_caches``)."""
+        if not self._config.isolate_prefix_caches:
+            return extra
+        return {**extra, "cache_salt": self._salts.salt(principal)}
     async def complete(
         self,
         body: object,
@@ -290,7 +298,7 @@ class ChatService:
             "temperature": request.temperature,
             "tools": tools.tools,
             "tool_choice": tools.tool_choice,
-            "extra_body": tools.extra,
+            "extra_body": self._salted(tools.extra, principal),
         }
         if request.stream:
             return await self._stream(
@@ -298,7 +306,8 @@ class ChatService:
             )
         turn_started = time.perf_counter()
         try:
-            result = await lease.session.turn(**overrides)
+            # A one-shot request (no session id) has no next turn: decode pins nothing.
+            result = await lease.session.turn(final=lease.entry is None, **overrides)
         except BaseException:
             await lease.release(failed=True)
             raise
@@ -416,7 +425,7 @@ class ChatService:
         session = lease.session
         handle = self._predicted_handle(session)
         try:
-            events = session.stream(**overrides)
+            events = session.stream(final=lease.entry is None, **overrides)
         except BaseException:
             await lease.release(failed=True)
             raise

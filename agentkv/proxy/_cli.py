@@ -7,6 +7,7 @@ Wired into ``agentkv.cli.build_parser`` with ``add_parser(sub)``. The cluster fi
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from agentkv.local._config import default_cluster_file
@@ -80,6 +81,17 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "this process's memory)",
     )
     parser.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="let requests of different API keys share vLLM's prefix cache (by default each "
+        "key gets its own cache_salt: no timing side channel across keys)",
+    )
+    parser.add_argument(
+        "--metrics-need-key",
+        action="store_true",
+        help="GET /metrics asks for an API key like the API routes (needs --api-keys)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -100,6 +112,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         default_max_tokens=args.default_max_tokens,
         tool_calling=args.tool_calling,
         state=args.state,
+        isolate_prefix_caches=not args.shared_prefix_cache,
+        cache_salt_secret=os.environ.get("AGENTKV_PROXY_CACHE_SALT_SECRET") or None,
+        metrics_need_key=args.metrics_need_key,
     )
 
 

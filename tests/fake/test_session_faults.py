@@ -268,3 +268,18 @@ def test_leaving_a_stream_early_commits_nothing(cluster, fake):
     assert s.transcript == before
     assert s.turn().stats.handle_state is HandleState.CONSUMED
     assert fake.wrong_reuse_events == 0
+
+
+def test_a_handle_dropped_because_prefill_refused_the_connection_is_released_on_decode(
+    cluster, fake, clock
+):
+    """Prefill never got the P leg, so the handle was never read: decode must not keep it."""
+    s, prefill, decode = started(cluster, fake)
+    assert decode.leased_handles == 1
+    prefill.kill()
+    result = s.send("And Spain?")
+    assert result.stats.handle_state is HandleState.INVALIDATED
+    assert servers(fake, s)[0] is not prefill  # the session moved to the healthy pair
+    assert decode.leased_handles == 0  # released now, not after its 480 s TTL
+    assert result.token_ids == reference_answer(clock)
+    assert fake.wrong_reuse_events == 0
