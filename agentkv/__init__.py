@@ -7,6 +7,8 @@
 ...         print(s.turn().text)
 """
 
+import typing as _typing
+
 from agentkv._agent import Agent
 from agentkv._agent_types import (
     AgentEvent,
@@ -42,6 +44,7 @@ from agentkv._exceptions import (
     UpstreamStatusError,
 )
 from agentkv._leasing import ToolWait
+from agentkv._placement import PrefillWeights
 from agentkv._policy import AttachDecision, CachePolicy, ExtendDecision, RetryPolicy
 from agentkv._session import AsyncSession, Session, TurnOverrides
 from agentkv._tool_calling import (
@@ -77,6 +80,9 @@ from agentkv._types import (
     TurnStats,
 )
 
+if _typing.TYPE_CHECKING:
+    from agentkv._openai_client import AsyncOpenAI, OpenAI
+
 __all__ = [
     "FINAL_ANSWER",
     "Agent",
@@ -84,6 +90,7 @@ __all__ = [
     "AgentKVError",
     "AgentStep",
     "AsyncCluster",
+    "AsyncOpenAI",
     "AsyncSession",
     "AttachDecision",
     "BadRequestError",
@@ -104,7 +111,9 @@ __all__ = [
     "ModelReply",
     "NativeToolCalling",
     "NoHealthyPairError",
+    "OpenAI",
     "Pair",
+    "PrefillWeights",
     "PrefixDivergedError",
     "RequestTimeoutError",
     "RetryPolicy",
@@ -147,3 +156,15 @@ __all__ = [
     "UpstreamStatusError",
     "tool",
 ]
+
+# The openai drop-ins serve requests with the proxy's app, which needs starlette (the ``proxy``
+# extra) and the openai SDK: imported on first use, so ``import agentkv`` stays light.
+_LAZY = frozenset({"AsyncOpenAI", "OpenAI"})
+
+
+def __getattr__(name: str) -> _typing.Any:
+    if name in _LAZY:
+        from agentkv import _openai_client
+
+        return getattr(_openai_client, name)
+    raise AttributeError(f"module 'agentkv' has no attribute {name!r}")

@@ -37,6 +37,7 @@ from agentkv._agent_types import (
     TurnEvent,
 )
 from agentkv._cluster import AsyncCluster, Cluster
+from agentkv._fields import check_extra_body
 from agentkv._portal import Portal
 from agentkv._session import AsyncSession, Session, TurnOverrides
 from agentkv._tool_calling import AUTO, FINAL, REQUIRED, JsonToolCalling, ToolCalling
@@ -117,6 +118,7 @@ class Agent:
         self.expected_tool_s = expected_tool_s if expected_tool_s is not None else tool_timeout_s
         self.force_final_answer = force_final_answer
         self._extra_body = dict(extra_body or {})
+        check_extra_body(self._extra_body)  # fail at construction, not on the first turn
         self.examples = tuple(Message.from_openai(m) for m in examples)
         instructions = self.tool_calling.instructions(self.tools.specs)
         # The tool instructions first, the caller's prompt (and any worked example) last: small

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,10 +24,11 @@ import httpx
 import structlog
 
 from agentkv._exceptions import ConfigError, NoHealthyPairError, SessionClosedError
+from agentkv._fields import check_extra_body
 from agentkv._http import get_ok
 from agentkv._json import JSONDecodeError, loads
 from agentkv._leasing import LeaseCalls
-from agentkv._placement import place
+from agentkv._placement import PrefillWeights, choose_prefill, place
 from agentkv._policy import CachePolicy, RetryPolicy
 from agentkv._portal import Portal
 from agentkv._session import AsyncSession, Session, SessionOptions
@@ -73,13 +74,57 @@ class Pair:
             object.__setattr__(self, role, url.rstrip("/"))
 
 
+def _servers(raw: object, role: str, source: str) -> list[tuple[str, str]]:
+    """A pool's list of servers: URLs, or ``{"name", "url"}`` objects."""
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{source}: '{role}' must be a non-empty list")
+    servers = []
+    for index, item in enumerate(raw):
+        name, url = f"{role}{index}", item
+        if isinstance(item, Mapping):
+            name, url = item.get("name", name), item.get("url")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{source}: {role}[{index}] needs a non-empty name")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{source}: {role}[{index}] must be an http(s) URL, got {url!r}")
+        servers.append((name, url.rstrip("/")))
+    if len({name for name, _ in servers}) != len(servers):
+        raise ConfigError(f"{source}: duplicate names in '{role}'")
+    return servers
+
+
 def _parse_spec(spec: object, source: str) -> tuple[list[Pair], str, dict[str, Any]]:
     if not isinstance(spec, Mapping):
-        raise ConfigError(f"{source}: a cluster spec is an object with 'model' and 'pairs'")
+        raise ConfigError(
+            f"{source}: a cluster spec is an object with 'model' and 'pairs' "
+            "(or 'prefill' and 'decode' lists, a pool)"
+        )
     model = spec.get("model")
-    raw_pairs = spec.get("pairs")
     if not isinstance(model, str) or not model:
         raise ConfigError(f"{source}: 'model' must be a non-empty string")
+    extra: dict[str, Any] = {}
+    if "block_size" in spec:
+        extra["block_size"] = spec["block_size"]
+    threshold = spec.get("kv_recompute_threshold")
+    if threshold is not None:
+        # The servers' own threshold: handles are worth attaching down to it (the local pair
+        # pulls whatever prefill lacks: 1), not only down to vLLM's default 64.
+        if type(threshold) is not int or threshold < 0:
+            raise ConfigError(
+                f"{source}: 'kv_recompute_threshold' must be a non-negative integer"
+            )
+        extra["policy"] = CachePolicy(recompute_threshold=threshold)
+    if "pairs" not in spec and ("prefill" in spec or "decode" in spec):
+        prefills = _servers(spec.get("prefill"), "prefill", source)
+        decodes = _servers(spec.get("decode"), "decode", source)
+        extra["prefill_pool"] = dict(prefills)
+        # In a pool a "pair" is a decode server; each turn picks its prefill from the pool.
+        return (
+            [Pair(name=name, prefill=prefills[0][1], decode=url) for name, url in decodes],
+            model,
+            extra,
+        )
+    raw_pairs = spec.get("pairs")
     if not isinstance(raw_pairs, list) or not raw_pairs:
         raise ConfigError(f"{source}: 'pairs' must be a non-empty list")
     pairs = []
@@ -93,9 +138,6 @@ def _parse_spec(spec: object, source: str) -> tuple[list[Pair], str, dict[str, A
                 decode=raw.get("decode"),  # type: ignore[arg-type]
             )
         )
-    extra: dict[str, Any] = {}
-    if "block_size" in spec:
-        extra["block_size"] = spec["block_size"]
     return pairs, model, extra
 
 
@@ -123,6 +165,9 @@ class AsyncCluster:
         block_size: the servers' KV block size, when known; sharpens ``TurnStats.pulled_tokens``.
         load_factor: bounded-load placement: a pair takes at most this times the average.
         health_recheck_s: how long an unhealthy pair is left alone before it is probed again.
+        prefill_pool: a pool (xPyD): prefill name -> URL. Each pair is then a decode server and
+            every turn picks its prefill from the pool by load (``choose_prefill``).
+        prefill_weights: how strongly a turn prefers the prefill that served the session last.
 
     >>> async def main():  # doctest: +SKIP
     ...     async with AsyncCluster.from_file(".agentkv/cluster.json") as cluster:
@@ -144,6 +189,8 @@ class AsyncCluster:
         block_size: int | None = None,
         load_factor: float = 1.25,
         health_recheck_s: float = 5.0,
+        prefill_pool: Mapping[str, str] | None = None,
+        prefill_weights: PrefillWeights | None = None,
     ) -> None:
         self._pairs: dict[str, Pair] = {}
         for pair in pairs:
@@ -173,9 +220,22 @@ class AsyncCluster:
         )
         self._loads = dict.fromkeys(self._pairs, 0)
         self._down: dict[str, float] = {}
+        self._pooled = prefill_pool is not None
+        if prefill_pool is not None and not prefill_pool:
+            raise ConfigError("a prefill pool needs at least one server")
+        # Prefill servers by name: the pool's, or each pair's own (named as the pair).
+        self._prefills: dict[str, str] = (
+            {name: url.rstrip("/") for name, url in prefill_pool.items()}
+            if prefill_pool is not None
+            else {pair.name: pair.prefill for pair in self._pairs.values()}
+        )
+        self.prefill_weights = prefill_weights or PrefillWeights()
+        # Outstanding tokens per prefill: sent, not answered yet (what a turn adds, see _turn).
+        self._prefill_loads = dict.fromkeys(self._prefills, 0)
+        self._prefill_down: dict[str, float] = {}
         self._templates: dict[str, ChatTemplate] = {}
         self._probes: dict[str, asyncio.Task[bool]] = {}
-        self._leases = LeaseCalls(self._client)
+        self._leases = LeaseCalls(self._client, clock=clock)
         self._closed = False
 
     @classmethod
@@ -205,11 +265,28 @@ class AsyncCluster:
         return self._closed
 
     def loads(self) -> dict[str, int]:
-        """Open sessions per pair."""
+        """Open sessions per pair (in a pool: per decode server)."""
         return dict(self._loads)
+
+    @property
+    def pooled(self) -> bool:
+        """Whether prefills form a pool that any session's turn may use."""
+        return self._pooled
+
+    @property
+    def prefills(self) -> dict[str, str]:
+        """Prefill servers, name -> URL (without a pool, each pair's, named as the pair)."""
+        return dict(self._prefills)
+
+    def prefill_loads(self) -> dict[str, int]:
+        """Outstanding tokens per prefill: prompt tokens in flight that it computes."""
+        return dict(self._prefill_loads)
 
     def is_healthy(self, pair: str) -> bool:
         return pair not in self._down
+
+    def is_prefill_healthy(self, prefill: str) -> bool:
+        return prefill not in self._prefill_down
 
     # --- sessions ------------------------------------------------------------------------------
 
@@ -223,13 +300,17 @@ class AsyncCluster:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,
         extra_body: Mapping[str, Any] | None = None,
+        placement_key: str | None = None,
     ) -> AsyncSession:
         """Open a session, placed on a pair by its id. Use it as an async context manager.
 
         ``max_tokens``, ``temperature``, ``tools``, ``tool_choice`` and ``extra_body`` (more
         sampling fields for the decode request) are defaults that each turn can override.
+        ``placement_key`` places the session by that key instead of its id: sessions that share
+        a prompt prefix and a key land on the same pair, whose prefill cache holds the prefix.
         """
         self._check_open()
+        check_extra_body(extra_body or {})
         options = SessionOptions(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -238,7 +319,11 @@ class AsyncCluster:
             extra_body=types.MappingProxyType(dict(extra_body or {})),
         )
         return AsyncSession._open(
-            self, session_id=session_id, policy=policy or self.policy, options=options
+            self,
+            session_id=session_id,
+            policy=policy or self.policy,
+            options=options,
+            placement_key=placement_key,
         )
 
     # --- used by sessions ----------------------------------------------------------------------
@@ -247,12 +332,66 @@ class AsyncCluster:
         if self._closed:
             raise SessionClosedError("the cluster is closed; sessions need an open cluster")
 
-    def _template(self, pair: Pair) -> ChatTemplate:
-        template = self._templates.get(pair.name)
+    def _template(self, prefill_url: str) -> ChatTemplate:
+        template = self._templates.get(prefill_url)
         if template is None:
-            renderer = ServerRenderer(self._client, pair.prefill, model=self.model)
-            template = self._templates[pair.name] = ChatTemplate(renderer)
+            renderer = ServerRenderer(self._client, prefill_url, model=self.model)
+            template = self._templates[prefill_url] = ChatTemplate(renderer)
         return template
+
+    def _choose_prefill(
+        self, key: str, pair: Pair, *, warm: str | None, exclude: Collection[str] = ()
+    ) -> str:
+        """This turn's prefill (a name): the pair's own, or the pool's best by load."""
+        if not self._pooled:
+            return pair.name
+        names = [name for name in self._prefills if name not in exclude]
+        now = self.clock()
+        # A prefill marked down is tried again once the recheck interval has passed.
+        healthy = [
+            name
+            for name in names
+            if now - self._prefill_down.get(name, -float("inf")) >= self._health_recheck_s
+        ]
+        name = choose_prefill(
+            key,
+            names,
+            loads=self._prefill_loads,
+            healthy=healthy,
+            warm=warm,
+            weights=self.prefill_weights,
+        )
+        if name is None:
+            raise NoHealthyPairError(f"no healthy prefill among {', '.join(self._prefills)}")
+        return name
+
+    def _prefill_url(self, name: str) -> str:
+        return self._prefills[name]
+
+    def _prefill_begin(self, name: str, tokens: int) -> None:
+        self._prefill_loads[name] += tokens
+
+    def _prefill_end(self, name: str, tokens: int) -> None:
+        self._prefill_loads[name] = max(0, self._prefill_loads[name] - tokens)
+
+    def _mark_prefill_down(self, name: str, *, reason: str) -> None:
+        if name not in self._prefill_down:
+            logger.warning("agentkv.prefill_unhealthy", prefill=name, reason=reason)
+        self._prefill_down[name] = self.clock()
+
+    def _mark_prefill_up(self, name: str) -> None:
+        if self._prefill_down.pop(name, None) is not None:
+            logger.info("agentkv.prefill_healthy", prefill=name)
+
+    async def _probe_prefill(self, name: str) -> bool:
+        ok = await get_ok(
+            self._client, self._prefills[name] + "/health", timeout_s=_HEALTH_TIMEOUT_S
+        )
+        if ok:
+            self._mark_prefill_up(name)
+        else:
+            self._mark_prefill_down(name, reason="health check failed")
+        return ok
 
     def _acquire(self, session_id: str, *, near: Pair | None = None) -> Pair:
         """Place a new session; on ``near`` if healthy (a fork shares its parent's cache)."""
@@ -282,6 +421,7 @@ class AsyncCluster:
     def _mark_down(self, pair: Pair, *, reason: str) -> None:
         if pair.name not in self._down:
             self._down[pair.name] = self.clock()
+            self._leases.forget(pair.decode)
             logger.warning("agentkv.pair_unhealthy", pair=pair.name, reason=reason)
 
     def _mark_up(self, pair: Pair) -> None:
@@ -298,12 +438,11 @@ class AsyncCluster:
         return await asyncio.shield(task)
 
     async def _probe_now(self, pair: Pair) -> bool:
-        ok = all(
-            await asyncio.gather(
-                get_ok(self._client, pair.prefill + "/health", timeout_s=_HEALTH_TIMEOUT_S),
-                get_ok(self._client, pair.decode + "/health", timeout_s=_HEALTH_TIMEOUT_S),
-            )
-        )
+        # In a pool a pair is its decode server: prefills have their own health (a dead
+        # prefill must not move sessions off a live decode, where their KV is).
+        urls = [pair.decode] if self._pooled else [pair.prefill, pair.decode]
+        checks = [get_ok(self._client, u + "/health", timeout_s=_HEALTH_TIMEOUT_S) for u in urls]
+        ok = all(await asyncio.gather(*checks))
         if ok:
             self._mark_up(pair)
         else:
@@ -391,6 +530,8 @@ class Cluster:
         block_size: int | None = None,
         load_factor: float = 1.25,
         health_recheck_s: float = 5.0,
+        prefill_pool: Mapping[str, str] | None = None,
+        prefill_weights: PrefillWeights | None = None,
     ) -> None:
         self._async = AsyncCluster(
             pairs,
@@ -404,6 +545,8 @@ class Cluster:
             block_size=block_size,
             load_factor=load_factor,
             health_recheck_s=health_recheck_s,
+            prefill_pool=prefill_pool,
+            prefill_weights=prefill_weights,
         )
         self._portal = Portal()
 
@@ -428,8 +571,12 @@ class Cluster:
         return self._async.model
 
     def loads(self) -> dict[str, int]:
-        """Open sessions per pair."""
+        """Open sessions per pair (in a pool: per decode server)."""
         return self._portal.call(_call(self._async.loads))
+
+    def prefill_loads(self) -> dict[str, int]:
+        """Outstanding tokens per prefill."""
+        return self._portal.call(_call(self._async.prefill_loads))
 
     def session(
         self,

@@ -49,6 +49,7 @@ __all__ = [
     "decode_body",
     "extended_handle",
     "lease_ref",
+    "no_handle_cause",
     "parse_decode",
     "parse_prefill",
     "prefill_body",
@@ -112,6 +113,8 @@ class DecodeResult:
     handle: KVHandle | None
     # One per generated token, when the request asked for them (``logprobs: true``).
     logprobs: tuple[float, ...] | None = None
+    # vLLM's ``stop_reason``: the stop string (or stop token id) that ended the output.
+    stop_reason: str | int | None = None
 
 
 def prefill_body(request: TurnRequest, *, prompt_ids: Any, handle: KVHandle | None) -> bytes:
@@ -402,7 +405,9 @@ def parse_decode(
     if not isinstance(finish_reason, str):
         raise _bad(url, leg, "choices[0].finish_reason is missing")
     token_ids = _token_ids(choice.get("token_ids"), url, "choices[0].token_ids")
-    params = _kv_params(data, url, leg)
+    stop_reason = choice.get("stop_reason")
+    raw_params = data.get("kv_transfer_params")
+    params = None if raw_params is None else _kv_params(data, url, leg)
     usage = data.get("usage")
     prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, Mapping) else None
     logprobs = _logprobs(choice, url)
@@ -413,9 +418,86 @@ def parse_decode(
         token_ids=tuple(token_ids),
         finish_reason=finish_reason,
         prompt_tokens=prompt_tokens if _int(prompt_tokens) else None,
-        handle=_handle(params, url=url, pair=pair, issued_at=issued_at, deadline=deadline),
+        handle=_decode_handle(
+            params,
+            url=url,
+            pair=pair,
+            issued_at=issued_at,
+            deadline=deadline,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            stream=False,
+        ),
         logprobs=None if logprobs is None else tuple(logprobs),
+        stop_reason=_stop_reason(stop_reason),
     )
+
+
+def _stop_reason(value: object) -> str | int | None:
+    return value if isinstance(value, str) or _int(value) else None
+
+
+def no_handle_cause(finish_reason: str | None, stop_reason: object) -> str | None:
+    """Why a D leg normally ends without ``kv_transfer_params``; ``None`` if it should have them.
+
+    vLLM checks stop strings in its front end (``v1/engine/output_processor.py``): the engine
+    had not finished the request, so it is aborted there, decode pins nothing and the answer
+    carries ``kv_transfer_params: null``. Repetition detection ends a request the same way.
+
+    >>> no_handle_cause("stop", "Observation:"), no_handle_cause("stop", None)
+    ('stop_string', None)
+    """
+    if finish_reason == "stop" and isinstance(stop_reason, str):
+        return "stop_string"
+    if finish_reason in ("repetition", "abort"):
+        return finish_reason
+    return None
+
+
+def _decode_handle(
+    params: Mapping[str, Any] | None,
+    *,
+    url: str,
+    pair: str,
+    issued_at: float,
+    deadline: float,
+    finish_reason: str | None,
+    stop_reason: object,
+    stream: bool,
+) -> KVHandle | None:
+    """Decode's turn-end handle; ``None`` (a normal turn without one) when it sent no params.
+
+    A turn without a handle still commits its exact tokens; the next turn recomputes what
+    prefill's own prefix cache does not hold. The log event says why there was no handle.
+    """
+    if params is not None:
+        return _handle(params, url=url, pair=pair, issued_at=issued_at, deadline=deadline)
+    cause = no_handle_cause(finish_reason, stop_reason)
+    if cause is not None:
+        _logger.info(
+            "agentkv.turn_without_handle",
+            url=url,
+            cause=cause,
+            stop_reason=stop_reason if isinstance(stop_reason, str) else None,
+            detail="vLLM ends such a request in its front end and keeps no KV for a next turn",
+        )
+    elif stream:
+        # Stock vLLM streams carry no handle (vllm#40186).
+        _logger.warning(
+            "agentkv.stream_without_handle",
+            url=url,
+            finish_reason=finish_reason,
+            hint="enable agentkv's vLLM plugin (AGENTKV_VLLM_PLUGIN=1) on decode servers",
+        )
+    else:
+        _logger.warning(
+            "agentkv.turn_without_handle",
+            url=url,
+            cause="no_kv_transfer_params",
+            finish_reason=finish_reason,
+            hint="is bidirectional_kv_xfer on for decode (kv_connector_extra_config)?",
+        )
+    return None
 
 
 class StreamAccumulator:
@@ -431,6 +513,7 @@ class StreamAccumulator:
         "_logprobs",
         "_params",
         "_prompt_tokens",
+        "_stop_reason",
         "_text",
         "_token_ids",
         "_url",
@@ -445,6 +528,7 @@ class StreamAccumulator:
         self._finish: str | None = None
         self._params: Mapping[str, Any] | None = None
         self._prompt_tokens: int | None = None
+        self._stop_reason: object = None
         self._logprobs: list[float] | None = None
         self.has_tokens = False
 
@@ -463,7 +547,7 @@ class StreamAccumulator:
                 request_summary="decode leg (stream)",
                 response_body=str(error),
             )
-        if "kv_transfer_params" in chunk:
+        if chunk.get("kv_transfer_params") is not None:
             self._params = _kv_params(chunk, url, "decode")
         usage = chunk.get("usage")
         if isinstance(usage, Mapping) and _int(usage.get("prompt_tokens")):
@@ -480,6 +564,7 @@ class StreamAccumulator:
             if not isinstance(finish, str):
                 raise _bad(url, "decode", "finish_reason is not a string")
             self._finish = finish
+            self._stop_reason = choice.get("stop_reason")
         delta = choice.get("delta")
         if not isinstance(delta, Mapping):
             return ""
@@ -535,18 +620,19 @@ class StreamAccumulator:
             prompt_tokens=self._prompt_tokens,
             handle=self._stream_handle(pair=pair, issued_at=issued_at, deadline=deadline),
             logprobs=None if self._logprobs is None else tuple(self._logprobs),
+            stop_reason=_stop_reason(self._stop_reason),
         )
 
     def _stream_handle(self, *, pair: str, issued_at: float, deadline: float) -> KVHandle | None:
-        if self._params is None:
-            # Stock vLLM streams carry no handle (vllm#40186). The text has already reached the
-            # caller, so failing the turn now would only lose it: fall back to no reuse.
-            _logger.warning(
-                "agentkv.stream_without_handle",
-                url=self._url,
-                hint="enable agentkv's vLLM plugin (AGENTKV_VLLM_PLUGIN=1) on decode servers",
-            )
-            return None
-        return _handle(
-            self._params, url=self._url, pair=pair, issued_at=issued_at, deadline=deadline
+        # Without params the text has already reached the caller: failing the turn now would
+        # only lose it, so it ends without a handle (the log event says why).
+        return _decode_handle(
+            self._params,
+            url=self._url,
+            pair=pair,
+            issued_at=issued_at,
+            deadline=deadline,
+            finish_reason=self._finish,
+            stop_reason=self._stop_reason,
+            stream=True,
         )

@@ -33,7 +33,10 @@ PersistHint(persist=False, ttl_s=None)
 
 from __future__ import annotations
 
+import hashlib
 import math
+import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +45,10 @@ __all__ = [
     "EXTEND_PATH",
     "HINTS_KEY",
     "INFO_PATH",
+    "LEASE_ERRORS",
     "RELEASE_PATH",
+    "RELEASE_REQUEST_PATH",
+    "REQUEST_TAG_PREFIX",
     "WIRE_VERSION",
     "ExtendRequest",
     "ExtendResult",
@@ -50,8 +56,12 @@ __all__ = [
     "LeaseAck",
     "LeaseRef",
     "PersistHint",
+    "RequestRelease",
     "ServerInfo",
     "for_prefill",
+    "new_request_secret",
+    "request_tag",
+    "tag_of_request_id",
     "with_expiry",
     "with_hint",
 ]
@@ -63,12 +73,70 @@ WIRE_VERSION = 1
 INFO_PATH = "/v1/agentkv/info"
 RELEASE_PATH = "/v1/agentkv/leases/release"
 EXTEND_PATH = "/v1/agentkv/leases/extend"
+# Release by the secret behind a D leg's client-chosen request id (see :class:`RequestRelease`).
+RELEASE_REQUEST_PATH = "/v1/agentkv/requests/release"
 
 # Error codes in {"error": {"code": ..., "message": ...}} answers of the lease routes.
 UNKNOWN_LEASE = "unknown_lease"  # 404: no such pin, or not the caller's (indistinguishable)
 LEASE_EXPIRED = "lease_expired"  # 410: the caller's pin, but its deadline has passed
 INVALID_REQUEST = "invalid_request"  # 400: the body is not a lease reference
 LEASES_UNAVAILABLE = "leases_unavailable"  # 501: the server runs without AgentKVConnector
+
+# The one table of lease-call errors: the engine's status -> (HTTP status, code, message). The
+# endpoint plugin and the fake servers both answer from it.
+LEASE_ERRORS: Mapping[str, tuple[int, str, str]] = {
+    "unknown": (404, UNKNOWN_LEASE, "no such lease, or not yours"),
+    "expired": (410, LEASE_EXPIRED, "the lease has expired; its blocks are being freed"),
+    "invalid": (400, INVALID_REQUEST, "not a lease request"),
+    "unavailable": (
+        501,
+        LEASES_UNAVAILABLE,
+        "this server's KV connector is not AgentKVConnector; hints are ignored",
+    ),
+}
+
+
+def lease_error(status: str, message: object = None) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and body of a lease route's answer for an engine ``status``."""
+    code, name, default = LEASE_ERRORS.get(
+        status, (500, "internal", f"lease call answered {status}")
+    )
+    text = message if isinstance(message, str) and message else default
+    return code, {"error": {"code": name, "message": text}}
+
+
+# A D leg's client-chosen request id (vLLM's ``X-Request-Id``) is this prefix and the SHA-256 of
+# a secret only the client knows. vLLM names the engine request ``chatcmpl-{X-Request-Id}`` plus
+# ``-`` and 8 random characters (unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set).
+REQUEST_TAG_PREFIX = "agentkv-"
+_ENGINE_ID = re.compile(r"chatcmpl-(agentkv-[0-9a-f]{64})(?:-[0-9A-Za-z]{1,16})?")
+
+
+def new_request_secret() -> str:
+    """A fresh secret for one D leg (128 random bits)."""
+    return secrets.token_urlsafe(16)
+
+
+def request_tag(secret: str) -> str:
+    """The request id a D leg is sent with: ``agentkv-`` + hex SHA-256 of its secret.
+
+    >>> request_tag("s3cret")[:20]
+    'agentkv-1ec1c26b50d5'
+    """
+    return REQUEST_TAG_PREFIX + hashlib.sha256(secret.encode()).hexdigest()
+
+
+def tag_of_request_id(request_id: str) -> str | None:
+    """The client's tag inside vLLM's engine request id, or ``None`` (not chosen by agentkv).
+
+    >>> tag = request_tag("s3cret")
+    >>> tag_of_request_id(f"chatcmpl-{tag}-1a2b3c4d") == tag
+    True
+    >>> tag_of_request_id("chatcmpl-0f1e2d-1a2b3c4d") is None
+    True
+    """
+    match = _ENGINE_ID.fullmatch(request_id)
+    return match.group(1) if match else None
 
 
 class HintError(ValueError):
@@ -304,6 +372,35 @@ class ExtendResult:
         if isinstance(expiry, bool) or not isinstance(expiry, int | float):
             raise HintError("an extend answer has no numeric remote_blocks_expiry_time")
         return cls(expiry=float(expiry), ttl_s=_number(data.get("ttl_s"), "ttl_s"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RequestRelease:
+    """Release whatever decode pinned for the D leg sent with ``request_tag(secret)``.
+
+    For a D leg whose answer (and so its handle and lease) the client never got: a timeout or
+    reset after decode finished, an unreadable answer, a stream left or cancelled. Decode frees
+    the request's pin if it holds one; if the request has not finished yet, it remembers the tag
+    for a while and pins nothing when it does.
+    """
+
+    secret: str
+
+    def __post_init__(self) -> None:
+        _text(self.secret, "request_secret")
+
+    @property
+    def tag(self) -> str:
+        return request_tag(self.secret)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"v": WIRE_VERSION, "request_secret": self.secret}
+
+    @classmethod
+    def from_wire(cls, value: object) -> RequestRelease:
+        data = _object(value, "a request release")
+        _version(data, "a request release")
+        return cls(secret=_text(data.get("request_secret"), "request_secret"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,7 +6,7 @@ Only this module catches ``httpx`` exceptions; everything above it sees ``agentk
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any, NoReturn
 
 import httpx
@@ -77,10 +77,19 @@ def _parse(content: bytes, url: str, summary: str) -> Any:
         ) from exc
 
 
-async def post_json(client: httpx.AsyncClient, url: str, body: bytes, *, summary: str) -> Any:
+async def post_json(
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    *,
+    summary: str,
+    headers: Mapping[str, str] | None = None,
+) -> Any:
     """POST a JSON body and return the parsed JSON answer."""
     try:
-        response = await client.post(_parsed(url), content=body, headers=_JSON_HEADERS)
+        response = await client.post(
+            _parsed(url), content=body, headers={**_JSON_HEADERS, **(headers or {})}
+        )
     except httpx.HTTPError as exc:
         raise_transport_error(exc, url)
     if response.status_code >= 300:
@@ -89,15 +98,20 @@ async def post_json(client: httpx.AsyncClient, url: str, body: bytes, *, summary
 
 
 async def stream_events(
-    client: httpx.AsyncClient, url: str, body: bytes, *, summary: str
-) -> AsyncIterator[Any]:
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    *,
+    summary: str,
+    headers: Mapping[str, str] | None = None,
+) -> AsyncGenerator[Any, None]:
     """POST a JSON body and yield each server-sent event's parsed ``data`` until ``[DONE]``.
 
     Closing the iterator early closes the connection (vLLM then aborts the request).
     """
     try:
         async with client.stream(
-            "POST", _parsed(url), content=body, headers=_JSON_HEADERS
+            "POST", _parsed(url), content=body, headers={**_JSON_HEADERS, **(headers or {})}
         ) as response:
             if response.status_code >= 300:
                 await response.aread()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +34,13 @@ from agentkv._hints import (
     EXTEND_PATH,
     INFO_PATH,
     RELEASE_PATH,
+    RELEASE_REQUEST_PATH,
     ExtendRequest,
     ExtendResult,
     HintError,
+    RequestRelease,
     ServerInfo,
+    request_tag,
 )
 from agentkv._http import exchange
 from agentkv._json import dumps
@@ -46,9 +50,22 @@ from agentkv._types import HandleState, KVHandle
 if TYPE_CHECKING:
     from agentkv._state import SessionState
 
-__all__ = ["LeaseCalls", "ToolWait", "begin_wait", "end_wait", "extend_handle", "release_handle"]
+__all__ = [
+    "LeaseCalls",
+    "ToolWait",
+    "begin_wait",
+    "end_wait",
+    "extend_handle",
+    "release_handle",
+    "release_lost",
+    "release_soon",
+]
 
 logger = structlog.get_logger("agentkv")
+
+# How long a decode found without agentkv's extension is taken at its word before it is asked
+# again (cluster clock).
+RECHECK_UNSUPPORTED_S = 60.0
 
 # Lease calls answer in milliseconds; a decode that takes longer is in trouble, and a close
 # must not hang on it.
@@ -87,18 +104,28 @@ class LeaseCalls:
     """The lease routes of a cluster's decode servers, and which servers have them.
 
     One per cluster: whether a decode runs agentkv's extension is asked once per server
-    (``GET /v1/agentkv/info``) and the answer kept for the cluster's life.
+    (``GET /v1/agentkv/info``). A "yes" is kept until the server is marked down (it may come
+    back restarted, with another build: :meth:`forget`); a "no" also for at most
+    :data:`RECHECK_UNSUPPORTED_S`, so a decode restarted with the extension is found.
     """
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._client = client
+        self._clock = clock
         self._support: dict[str, bool] = {}
+        self._unsupported_at: dict[str, float] = {}
+        self._warned: set[str] = set()
         self._asking: dict[str, asyncio.Task[bool | None]] = {}
+        self._lost: set[asyncio.Task[None]] = set()
 
     async def supported(self, decode: str) -> bool | None:
         """Whether ``decode`` has agentkv's extension: ``None`` when it could not be asked (it is
         asked again next time)."""
         known = self._support.get(decode)
+        if known is False and self._clock() - self._unsupported_at[decode] >= RECHECK_UNSUPPORTED_S:
+            known = None  # ask again: it may have been restarted with the extension
         if known is not None:
             return known
         task = self._asking.get(decode)
@@ -125,6 +152,7 @@ class LeaseCalls:
             else:
                 if info.leases:
                     self._support[decode] = True
+                    self._warned.discard(decode)
                     logger.debug(
                         "agentkv.leases_available",
                         decode=decode,
@@ -139,6 +167,10 @@ class LeaseCalls:
             logger.debug("agentkv.leases_unknown", decode=decode, status=status)
             return None
         self._support[decode] = False
+        self._unsupported_at[decode] = self._clock()
+        if decode in self._warned:
+            return False
+        self._warned.add(decode)
         logger.warning(
             "agentkv.leases_unavailable",
             decode=decode,
@@ -147,6 +179,10 @@ class LeaseCalls:
             hint="run decode with AgentKVConnector and VLLM_PLUGINS=agentkv (docs/connector.md)",
         )
         return False
+
+    def forget(self, decode: str) -> None:
+        """``decode`` went down: ask again once it is back (a restart may change the answer)."""
+        self._support.pop(decode, None)
 
     async def _call(self, url: str, body: dict[str, Any]) -> tuple[int, Any] | _CallResult:
         try:
@@ -164,6 +200,28 @@ class LeaseCalls:
         if status == 200:
             return _CallResult(outcome=OK, status=status)
         return _CallResult(outcome=_outcome(status), status=status, detail=_error_code(data))
+
+    async def release_request(self, decode: str, secret: str) -> _CallResult:
+        answer = await self._call(
+            decode + RELEASE_REQUEST_PATH, RequestRelease(secret=secret).to_wire()
+        )
+        if isinstance(answer, _CallResult):
+            return answer
+        status, data = answer
+        if status == 200:
+            released = data.get("released") if isinstance(data, dict) else None
+            return _CallResult(outcome=OK, status=status, detail=f"released {released}")
+        return _CallResult(outcome=_outcome(status), status=status, detail=_error_code(data))
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        """Keep a background release alive until it is done (:meth:`settle` waits for it)."""
+        self._lost.add(task)
+        task.add_done_callback(self._lost.discard)
+
+    async def settle(self) -> None:
+        """Wait for the releases of lost D legs still in flight (a close waits for them)."""
+        while self._lost:
+            await asyncio.gather(*list(self._lost), return_exceptions=True)
 
     async def extend(self, decode: str, handle: KVHandle, *, ttl_s: float) -> _CallResult:
         request = ExtendRequest(ref=lease_ref(handle), ttl_s=ttl_s)
@@ -193,6 +251,47 @@ async def release_handle(state: SessionState, handle: KVHandle, *, reason: str) 
     started = time.perf_counter()
     result = await cluster._leases.release(cluster._decode_url(handle.pair), handle)
     _log_lease_call("agentkv.release", state, handle, result, reason=reason, started=started)
+
+
+def release_soon(state: SessionState, handle: KVHandle, *, reason: str) -> asyncio.Task[None]:
+    """:func:`release_handle` in the background (from a turn ending by cancellation or a closed
+    stream); ``aclose()`` of the session waits for it."""
+    task = asyncio.ensure_future(release_handle(state, handle, reason=reason))
+    state.cluster._leases.track(task)
+    return task
+
+
+def release_lost(
+    state: SessionState, decode: str, secret: str, *, reason: str
+) -> asyncio.Task[None]:
+    """Free, in the background, whatever decode pinned for a D leg whose answer was lost.
+
+    The leg was sent with ``X-Request-Id: request_tag(secret)``; presenting the secret releases
+    its pin, or, when decode has not finished the request yet, keeps it from being pinned. A
+    background task, because the turn may be ending by cancellation or by its stream being
+    closed; ``aclose()`` of the session waits for it.
+    """
+    cluster = state.cluster
+
+    async def run() -> None:
+        started = time.perf_counter()
+        result = await cluster._leases.release_request(decode, secret)
+        log = logger.info if result.outcome in (OK, GONE) else logger.warning
+        log(
+            "agentkv.release_lost",
+            session_id=state.session_id,
+            decode=decode,
+            request_tag=request_tag(secret),
+            reason=reason,
+            outcome=result.outcome,
+            status=result.status,
+            detail=result.detail,
+            ms=_ms(started),
+        )
+
+    task = asyncio.ensure_future(run())
+    cluster._leases.track(task)
+    return task
 
 
 async def extend_handle(state: SessionState, ttl_s: float, *, reason: str) -> float | None:

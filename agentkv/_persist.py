@@ -1,11 +1,22 @@
 """Saving a session to a JSON file and loading it back, so that an agent process can restart.
 
-The file (``"format": "agentkv.session"``, ``"version": 1``) holds everything the next turn needs
+The file (``"format": "agentkv.session"``, ``"version": 2``) holds everything the next turn needs
 to stay token-exact: the transcript's messages, token ids and spans, the pending messages, the
-session id, pair, policy, options and turn stats, and the stored decode handle with the params
-decode sent. Handle deadlines live on the session's monotonic clock, which means nothing to
-another process: the file stores them as wall-clock times and ``load`` converts them back, so a
-handle that ran out while the agent was down is not attached (the turn recomputes).
+session id, pair, policy, options and turn stats, the model and a fingerprint of the tokenizer
+and chat template the token ids come from, and the stored decode handle with the params decode
+sent.
+
+A handle from a file is never trusted on its word: the pin may have been released (the session
+was closed after the save), consumed (a later turn ran, or the file was loaded before) or have
+expired, and decode may have given its blocks to other requests. The first turn after a load asks
+decode to confirm the lease (an extend call) and attaches the handle only then; on stock vLLM,
+which cannot confirm anything, a loaded handle is never attached. Loading into a cluster that
+serves another model is a ``SessionLoadError``; so is the first turn on a cluster whose tokenizer
+or template differs from the saved fingerprint.
+
+Handle deadlines live on the session's monotonic clock, which means nothing to another process:
+the file stores them as wall-clock times and ``load`` converts them back, so a handle that ran out
+while the agent was down is not attached (the turn recomputes).
 
 The handle's params may hold a lease secret: the file is created readable by its owner only.
 A save writes a temporary file in the same folder and renames it over the target, so a crash in
@@ -38,10 +49,12 @@ from agentkv._types import HandleState, KVHandle, Message, TurnStats
 if TYPE_CHECKING:
     from agentkv._cluster import AsyncCluster
 
-__all__ = ["FORMAT", "VERSION", "load_state", "save_state", "write_atomic"]
+__all__ = ["FORMAT", "VERSION", "load_state", "restore", "save_state", "snapshot", "write_atomic"]
 
 FORMAT = "agentkv.session"
-VERSION = 1
+VERSION = 2
+# Version 1 lacks the model and tokenizer fingerprint; it is read as if they matched.
+_READABLE = (1, 2)
 
 
 # --- saving --------------------------------------------------------------------------------------
@@ -66,6 +79,14 @@ def _handle_json(handle: KVHandle, *, now: float, wall: float) -> dict[str, Any]
     }
 
 
+def _flat(stats: TurnStats) -> dict[str, Any]:
+    # dataclasses.asdict deep-copies every value; TurnStats holds only scalars.
+    return {f.name: getattr(stats, f.name) for f in _TURN_FIELDS}
+
+
+_TURN_FIELDS = dataclasses.fields(TurnStats)
+
+
 def _options_json(options: SessionOptions) -> dict[str, Any]:
     return {
         "max_tokens": options.max_tokens,
@@ -84,6 +105,8 @@ def snapshot(state: SessionState, *, now: float, wall: float) -> dict[str, Any]:
         "version": VERSION,
         "saved_at": wall,
         "session_id": state.session_id,
+        "model": state.cluster.model,
+        "tokenizer": state.fingerprint,
         "pair": state.pair.name,
         "policy": dataclasses.asdict(state.policy),
         "options": _options_json(state.options),
@@ -99,10 +122,11 @@ def snapshot(state: SessionState, *, now: float, wall: float) -> dict[str, Any]:
         "handle": None if state.handle is None else _handle_json(state.handle, now=now, wall=wall),
         "lost": None if state.lost is None else [state.lost[0].value, state.lost[1]],
         "turns": [
-            {**dataclasses.asdict(t), "handle_state": t.handle_state.value} for t in state.turns
+            {**_flat(t), "handle_state": t.handle_state.value} for t in state.turns
         ],
         "ideal_base": state.ideal_base,
         "prefilled": state.prefilled,
+        "last_prefill": state.last_prefill,
         "tools_key": state.tools_key,
         "wait_note": state.wait_note,
     }
@@ -177,12 +201,16 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SessionLoadError(f"saved session {os.fspath(path)} is not JSON: {exc}") from exc
+    return _checked(data, os.fspath(path))
+
+
+def _checked(data: object, source: str) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise SessionLoadError(f"{os.fspath(path)} is not a saved agentkv session")
-    if data.get("version") != VERSION:
+        raise SessionLoadError(f"{source} is not a saved agentkv session")
+    if data.get("version") not in _READABLE:
         raise SessionLoadError(
-            f"saved session {os.fspath(path)} has schema version {data.get('version')!r}; "
-            f"this agentkv reads version {VERSION}"
+            f"saved session {source} has schema version {data.get('version')!r}; "
+            f"this agentkv reads versions {', '.join(map(str, _READABLE))}"
         )
     return data
 
@@ -190,7 +218,8 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _transcript(data: Mapping[str, Any]) -> Transcript:
     spans = [Span(int(start), int(end)) for start, end in _field(data, "spans", list)]
     token_ids = _field(data, "token_ids", list)
-    if not all(type(t) is int for t in token_ids):
+    # set(map(type, ...)) runs in C: a shared proxy state loads a transcript on every turn.
+    if not set(map(type, token_ids)) <= {int}:
         raise SessionLoadError("saved session: token_ids holds non-integers")
     return Transcript.restore(
         messages=[Message.from_openai(m) for m in _field(data, "messages", list)],
@@ -248,7 +277,18 @@ def load_state(
     Raises ``SessionLoadError`` for a missing, corrupt or unknown-version file. Call it on the
     cluster's event loop (it takes a place on a pair).
     """
-    data = _read(path)
+    return restore(_read(path), cluster, wall_clock=wall_clock, source=os.fspath(path))
+
+
+def restore(
+    data: object,
+    cluster: AsyncCluster,
+    *,
+    wall_clock: Callable[[], float] = time.time,
+    source: str = "saved session",
+) -> SessionState:
+    """A session from ``snapshot``'s dict, placed on ``cluster`` as ``load_state`` does."""
+    data = _checked(data, source)
     now, wall = cluster.clock(), wall_clock()
     try:
         session_id = _field(data, "session_id", str)
@@ -263,12 +303,20 @@ def load_state(
         turns = [_turn_stats(t) for t in _field(data, "turns", list)]
         ideal_base = _field(data, "ideal_base", int)
         prefilled = _field(data, "prefilled", int)
+        last_prefill = _optional(data, "last_prefill", str)
         tools_key = _optional(data, "tools_key", str)
         wait_note = _optional(data, "wait_note", str)
+        model = _optional(data, "model", str)
+        fingerprint = _optional(data, "tokenizer", str)
     except SessionLoadError:
         raise
     except (AgentKVError, KeyError, IndexError, TypeError, ValueError) as exc:
-        raise SessionLoadError(f"saved session {os.fspath(path)} is corrupt: {exc}") from exc
+        raise SessionLoadError(f"saved session {source} is corrupt: {exc}") from exc
+    if model is not None and model != cluster.model:
+        raise SessionLoadError(
+            f"saved session {source} ran on model {model!r}; this cluster serves "
+            f"{cluster.model!r}, whose tokens and KV are not the saved ones"
+        )
     known = {pair.name: pair for pair in cluster.pairs}
     cluster._check_open()
     pair = cluster._acquire(session_id, near=known.get(saved_pair))
@@ -286,6 +334,11 @@ def load_state(
     state.tools_key = tools_key
     state.wait_note = wait_note
     state.handle = handle
+    state.last_prefill = last_prefill
+    # Decode may have freed the blocks since the save (see TurnRunner._confirm_loaded).
+    state.unconfirmed = handle
+    # Checked against the cluster's tokenizer before the first turn's prompt is built.
+    state.fingerprint = fingerprint
     if pair.name == saved_pair:
         state.prefilled = prefilled
     else:

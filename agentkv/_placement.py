@@ -1,4 +1,9 @@
-"""Which prefill/decode pair a session lives on: a pure function of its id and the cluster's state.
+"""Where a session lives and where each turn prefills: pure functions of ids and observed load.
+
+A session is pinned to a decode server (a pair's, or one of a pool's): between turns its KV lives
+there. Each turn's prefill is chosen by ``choose_prefill`` over the prefills' outstanding tokens;
+any prefill can pull from any decode (the handle names decode's engine id, host and port, and
+vLLM's NIXL connector handshakes with a new remote engine on first use).
 
 Rendezvous (highest-random-weight) hashing ranks the pairs per session id, so a session's pair
 does not change when unrelated pairs come and go; the bounded-load rule skips a pair that already
@@ -15,8 +20,9 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
-__all__ = ["place", "rank"]
+__all__ = ["PrefillWeights", "choose_prefill", "place", "rank"]
 
 
 def _score(session_id: str, pair: str) -> int:
@@ -54,3 +60,65 @@ def place(
         if loads.get(pair, 0) < capacity:
             return pair
     return ranked[0]  # unreachable for load_factor >= 1: capacities sum past total
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefillWeights:
+    """How much load a prefill that still caches the session's prefix may carry and still win.
+
+    A prefill's load is its outstanding tokens: prompt tokens it has been sent and has not
+    answered yet, less the tokens those requests pull from decode (``AsyncCluster.
+    prefill_loads``). The warm prefill (the one that served the session's previous turn, whose
+    prefix cache still holds the session's blocks and so pulls less from decode) is kept while
+    its load exceeds the least loaded prefill's by less than ``max(slack_tokens, slack_ratio *
+    least)``; otherwise the least loaded prefill wins. ``slack_tokens=0, slack_ratio=0`` is pure
+    load (warmth counts for nothing, not even between equals).
+
+    What warmth saves is transfer, not compute: a prefill that lacks the prefix pulls all of it
+    from decode (every turn's cached tokens are the same either way). On GPUs with RDMA a pull of
+    a long context takes a few tens of milliseconds, about what 512 queued tokens of prefill cost,
+    so the defaults keep the warm prefill while it is at most 512 tokens (or 10% on a busy pool)
+    behind the least loaded. ``benchmarks/placement_sim.py`` measures the balance they give.
+    """
+
+    slack_tokens: int = 512
+    slack_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.slack_tokens < 0 or self.slack_ratio < 0:
+            raise ValueError("prefill weights must be non-negative")
+
+    def slack(self, least: int) -> float:
+        return max(float(self.slack_tokens), self.slack_ratio * least)
+
+
+def choose_prefill(
+    key: str,
+    prefills: Sequence[str],
+    *,
+    loads: Mapping[str, int],
+    healthy: Collection[str],
+    warm: str | None = None,
+    weights: PrefillWeights = PrefillWeights(),
+) -> str | None:
+    """The prefill for one turn, or ``None`` when no candidate is healthy.
+
+    The warm prefill wins while its load is less than ``weights.slack`` above the least loaded;
+    otherwise the least loaded wins, ties broken by the rendezvous rank of ``key`` (pass the
+    session id and turn number, so that equal loads spread turns and sessions over the pool).
+
+    >>> choose_prefill("s/1", ["p0", "p1"], loads={"p0": 100, "p1": 0}, healthy={"p0", "p1"},
+    ...                warm="p0")
+    'p0'
+    >>> choose_prefill("s/1", ["p0", "p1"], loads={"p0": 9000, "p1": 0}, healthy={"p0", "p1"},
+    ...                warm="p0")
+    'p1'
+    """
+    candidates = [name for name in prefills if name in healthy]
+    if not candidates:
+        return None
+    least = min(loads.get(name, 0) for name in candidates)
+    if warm in candidates and loads.get(warm, 0) - least < weights.slack(least):
+        return warm
+    ranked = rank(key, candidates)
+    return min(ranked, key=lambda name: loads.get(name, 0))  # min keeps the first of equals

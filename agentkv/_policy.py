@@ -164,11 +164,14 @@ class CachePolicy:
     def decide_release(self, handle: KVHandle | None, *, now: float) -> bool:
         """Release ``handle``'s blocks now (session closed, handle dropped unsent)?
 
-        Only a leased handle within our deadline: one past it is being freed by decode itself,
-        and a stock decode has no release call. Never call this for a handle a P leg carried:
-        prefill consumed it.
+        A leased handle until ``ttl_margin_s`` past our deadline: that deadline keeps the margin
+        before decode's, so decode may still hold the blocks (later, it has freed them itself).
+        A stock decode has no release call. Never call this for a handle a P leg may still be
+        reading.
         """
-        return handle is not None and handle.leased and now < handle.deadline
+        return (
+            handle is not None and handle.leased and now < handle.deadline + self.ttl_margin_s
+        )
 
     def decide_attach(
         self, handle: KVHandle | None, *, prompt_len: int, now: float

@@ -21,7 +21,7 @@ import contextlib
 import math
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
@@ -32,8 +32,9 @@ from agentkv._exceptions import (
     SessionBusyError,
     SessionClosedError,
 )
+from agentkv._fields import check_extra_body
 from agentkv._leasing import ToolWait, begin_wait, end_wait, extend_handle, release_handle
-from agentkv._persist import load_state, save_state
+from agentkv._persist import load_state, restore, save_state, snapshot
 from agentkv._policy import CachePolicy
 from agentkv._state import SessionState
 from agentkv._transcript import Transcript, TranscriptView
@@ -72,13 +73,17 @@ def _as_message(message: MessageLike) -> Message:
 
 
 def _merge(options: SessionOptions, overrides: TurnOverrides) -> SessionOptions:
+    """The turn's options; ``InvalidMessageError`` for an ``extra_body`` field that would change
+    the prompt's tokens behind the transcript's back (``_fields``)."""
     if not overrides:
+        check_extra_body(options.extra_body)
         return options
     unknown = set(overrides) - set(TurnOverrides.__annotations__)
     if unknown:
         raise TypeError(f"unexpected turn argument(s): {', '.join(sorted(unknown))}")
     tools = overrides.get("tools", options.tools)
     extra = overrides.get("extra_body", options.extra_body)
+    check_extra_body(extra)
     return SessionOptions(
         max_tokens=overrides.get("max_tokens", options.max_tokens),
         temperature=overrides.get("temperature", options.temperature),
@@ -134,7 +139,8 @@ class _SessionBase:
     def append(self, *messages: MessageLike) -> None:
         """Queue messages (``Message`` values or OpenAI-style dicts) for the next turn.
 
-        All are validated first: on an ``InvalidMessageError`` none is appended.
+        All are validated first: on an ``InvalidMessageError`` none is appended. Messages
+        appended while a turn runs are not part of it: they wait for the turn after.
         """
         self._check_open()
         parsed = [_as_message(m) for m in messages]
@@ -146,8 +152,13 @@ class _SessionBase:
         ``messages`` must start with every message the session already holds; the rest are
         appended. Returns how many were appended. An edited history raises
         ``PrefixDivergedError`` (the stored handle is never sent with it): ``fork`` instead.
+        While a turn runs the history is about to change: ``SessionBusyError``.
         """
         self._check_open()
+        if self._state.busy:
+            raise SessionBusyError(
+                f"session {self._state.session_id} is running a turn: its history is not final"
+            )
         parsed = [_as_message(m) for m in messages]
         known = self._state.transcript.match_prefix(parsed)
         self._state.transcript.append(*parsed[known:])
@@ -158,9 +169,15 @@ class _SessionBase:
 
         >>> session.save("run.json")  # doctest: +SKIP
         """
-        if self._state.busy:
-            raise SessionBusyError(f"session {self._state.session_id} is running a turn")
-        save_state(self._state, path)
+        state = self._state
+        if state.busy:
+            raise SessionBusyError(f"session {state.session_id} is running a turn")
+        save_state(state, path)
+        if state.handle is not None and state.handle.leased:
+            # The file now holds the handle too: a session loaded from it may consume or release
+            # the pin while this one lives on. Like a loaded handle, it is confirmed with decode
+            # before this session attaches it (one extend call, after a save only).
+            state.unconfirmed = state.handle
 
     def _check_open(self) -> None:
         state = self._state
@@ -169,9 +186,15 @@ class _SessionBase:
         if state.cluster.closed:
             raise SessionClosedError(f"session {state.session_id}'s cluster is closed")
 
-    def _check_turnable(self) -> None:
+    def _abandoned(self) -> bool:
+        """A stream holds the session but its caller stopped iterating (it waits at a yield)."""
+        stream = self._state.stream
+        # ``ag_running`` is true while the generator runs, also while it awaits the server.
+        return self._state.busy and stream is not None and not getattr(stream, "ag_running", True)
+
+    def _check_turnable(self, *, abandoned_ok: bool = False) -> None:
         self._check_open()
-        if self._state.busy:
+        if self._state.busy and not (abandoned_ok and self._abandoned()):
             raise SessionBusyError(f"session {self._state.session_id} is already running a turn")
         if not self._state.transcript.pending:
             raise InvalidMessageError("nothing to send: append a message before the turn")
@@ -209,9 +232,10 @@ class AsyncSession(_SessionBase):
         options: SessionOptions,
         transcript: Transcript | None = None,
         near: Pair | None = None,
+        placement_key: str | None = None,
     ) -> AsyncSession:
         sid = session_id or uuid.uuid4().hex
-        pair = cluster._acquire(sid, near=near)
+        pair = cluster._acquire(placement_key or sid, near=near)
         state = SessionState(
             cluster,
             session_id=sid,
@@ -243,13 +267,15 @@ class AsyncSession(_SessionBase):
         next one. The session stays open; a further turn just recomputes.
         """
         options = _merge(self._state.options, overrides)
+        await self._close_abandoned()
         self._check_turnable()
         self._state.busy = True
         try:
             runner = TurnRunner(self._state, options, stream=False, final=final)
-            async for event in runner.events():
-                if isinstance(event, TurnResult):
-                    return event
+            async with contextlib.aclosing(runner.events()) as events:
+                async for event in events:
+                    if isinstance(event, TurnResult):
+                        return event
         finally:
             self._state.busy = False
         raise AssertionError("a turn ended without a result")  # pragma: no cover
@@ -269,7 +295,8 @@ class AsyncSession(_SessionBase):
         try:
             return await self.turn(final=final, **overrides)
         except BaseException:
-            self._state.transcript.drop_pending(keep)
+            # Only this message: others appended while the turn ran stay queued.
+            self._state.transcript.drop_pending(keep, count=1)
             raise
 
     def stream(
@@ -278,23 +305,44 @@ class AsyncSession(_SessionBase):
         """Run a turn: ``TextDelta`` pieces as decode produces them, then the ``TurnResult``.
 
         The turn-end handle is stored as for ``turn()`` (``final`` too). Leaving the loop early
-        abandons the turn (nothing is committed). A stream is not retried once text was yielded.
+        abandons the turn (nothing is committed), and the session is free at once: the next
+        ``turn()``, ``send()``, ``stream()`` or ``aclose()`` closes the abandoned stream
+        (``await stream.aclose()`` does it yourself). A stream is not retried once text was
+        yielded.
         """
         options = _merge(self._state.options, overrides)
-        self._check_turnable()
-        return self._stream(options, final=final)
+        self._check_turnable(abandoned_ok=True)
+        holder: list[AsyncGenerator[TextDelta | TurnResult, None]] = []
+        stream = self._stream(options, final=final, holder=holder)
+        holder.append(stream)
+        return stream
+
+    async def _close_abandoned(self) -> None:
+        stream = self._state.stream
+        if stream is not None and self._abandoned():
+            await stream.aclose()  # its ``finally`` frees the session
 
     async def _stream(
-        self, options: SessionOptions, *, final: bool
-    ) -> AsyncIterator[TextDelta | TurnResult]:
+        self,
+        options: SessionOptions,
+        *,
+        final: bool,
+        holder: list[AsyncGenerator[TextDelta | TurnResult, None]],
+    ) -> AsyncGenerator[TextDelta | TurnResult, None]:
+        await self._close_abandoned()
         self._check_turnable()
-        self._state.busy = True
+        state = self._state
+        state.busy = True
+        state.stream = holder[0]
         try:
-            runner = TurnRunner(self._state, options, stream=True, final=final)
-            async for event in runner.events():
-                yield event
+            runner = TurnRunner(state, options, stream=True, final=final)
+            async with contextlib.aclosing(runner.events()) as events:
+                async for event in events:
+                    yield event
         finally:
-            self._state.busy = False
+            state.busy = False
+            if state.stream is holder[0]:
+                state.stream = None
 
     async def extend_handle(self, ttl_s: float) -> float | None:
         """Ask decode to keep the stored handle at least ``ttl_s`` more seconds.
@@ -368,7 +416,10 @@ class AsyncSession(_SessionBase):
         state = self._state
         if state.closed:
             return
+        await self._close_abandoned()
         state.closed = True
+        # Releases of this session's lost D legs, still in flight: done before close returns.
+        await state.cluster._leases.settle()
         handle, state.handle = state.handle, None
         state.cluster._release(state.pair)
         cluster = state.cluster
@@ -378,6 +429,24 @@ class AsyncSession(_SessionBase):
             and state.policy.decide_release(handle, now=cluster.clock())
         ):
             await release_handle(state, handle, reason="close")
+
+    def _detach(self) -> None:
+        """Close this copy of the session without releasing its handle: another process (a
+        proxy replica sharing sessions) owns the session and will send or release the handle."""
+        state = self._state
+        if not state.closed:
+            state.closed = True
+            state.handle = None
+            state.cluster._release(state.pair)
+
+    def _snapshot(self, *, wall: float) -> dict[str, Any]:
+        """The session as ``save`` writes it, as a dict."""
+        return snapshot(self._state, now=self._state.cluster.clock(), wall=wall)
+
+    @classmethod
+    def _restore(cls, data: object, cluster: AsyncCluster) -> AsyncSession:
+        """The session from ``_snapshot``'s dict, placed on ``cluster``."""
+        return cls(restore(data, cluster))
 
     async def __aenter__(self) -> AsyncSession:
         return self

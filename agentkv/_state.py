@@ -6,18 +6,18 @@ runner (``_turn.py``). It is mutated only on the event loop the session's cluste
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from agentkv._exceptions import InvalidMessageError, PrefixDivergedError
-from agentkv._handoff import DecodeResult, PrefillResult, TurnRequest
+from agentkv._exceptions import InvalidMessageError, PrefixDivergedError, SessionLoadError
+from agentkv._handoff import DecodeResult, PrefillResult, TurnRequest, no_handle_cause
 from agentkv._json import fragment
 from agentkv._policy import CachePolicy
 from agentkv._template import tools_key
 from agentkv._transcript import Transcript, TurnPrompt
-from agentkv._types import HandleState, KVHandle, TurnStats
+from agentkv._types import HandleState, KVHandle, Message, TurnStats
 
 if TYPE_CHECKING:
     from agentkv._cluster import AsyncCluster, Pair
@@ -35,17 +35,22 @@ class SessionState:
         "busy",
         "closed",
         "cluster",
+        "fingerprint",
+        "fingerprint_ok",
         "handle",
         "ideal_base",
+        "last_prefill",
         "lost",
         "options",
         "pair",
         "policy",
         "prefilled",
         "session_id",
+        "stream",
         "tools_key",
         "transcript",
         "turns",
+        "unconfirmed",
         "wait_note",
         "wire",
     )
@@ -76,10 +81,22 @@ class SessionState:
         self.ideal_base = 0
         # The last prompt this session prefilled on its pair (bounds prefill's own cache).
         self.prefilled = 0
+        # The prefill (a name) that prefilled ``prefilled`` tokens: its prefix cache may hold them.
+        self.last_prefill: str | None = None
         # The tools rendered into the transcript's first prompt; later turns must match.
         self.tools_key: str | None = None
         # What the last tool wait did to the handle, for the next turn's handle_reason.
         self.wait_note: str | None = None
+        # A handle read from a save file: decode may have freed (and reused) its blocks since, so
+        # it is attached only once decode confirms the lease (``TurnRunner._confirm_loaded``).
+        self.unconfirmed: KVHandle | None = None
+        # The tokenizer and chat template the transcript's token ids come from (see
+        # ``ChatTemplate.fingerprint``); checked against the cluster's once per session.
+        self.fingerprint: str | None = None
+        self.fingerprint_ok = False
+        # The stream running the current turn, if one does: left suspended by a caller that
+        # stopped iterating, it is closed by the next call rather than by garbage collection.
+        self.stream: AsyncGenerator[Any, None] | None = None
         self.closed = False
         self.busy = False
 
@@ -95,24 +112,45 @@ class SessionState:
             self.lost = (state, reason)
 
     async def build_prompt(
-        self, pair: Pair, tools: Sequence[Mapping[str, Any]] | None
+        self,
+        prefill_url: str,
+        tools: Sequence[Mapping[str, Any]] | None,
+        pending: Sequence[Message] | None = None,
     ) -> TurnPrompt:
+        """The turn's exact prompt for ``pending`` (the messages pending when the turn started;
+        all pending ones by default)."""
         key = tools_key(tools)
         if self.tools_key is not None and key != self.tools_key:
             raise PrefixDivergedError(
                 "the tools differ from those rendered into the session's first prompt; the "
                 "template put them in the prefix, so fork the session to change them"
             )
-        template = self.cluster._template(pair)
+        template = self.cluster._template(prefill_url)
+        if not self.fingerprint_ok:
+            self._check_fingerprint(await template.fingerprint())
         transcript = self.transcript
-        pending = transcript.pending
+        pending = transcript.pending if pending is None else tuple(pending)
         if not pending:
             raise InvalidMessageError("nothing to send: append a message before the turn")
         last = transcript.last_message
+        # Rendered for the messages pending now: any appended while the template renders stay
+        # queued for the next turn.
         if transcript.is_fresh or last is None:
-            return transcript.prompt_for_turn(await template.first(pending, tools=tools))
+            first = await template.first(pending, tools=tools)
+            return transcript.prompt_for_turn(first, messages=pending)
         delta = await template.delta(pending, last=last, tools=tools)
-        return transcript.prompt_for_turn(delta, closing=await template.closing(tools))
+        closing = await template.closing(tools)
+        return transcript.prompt_for_turn(delta, closing=closing, messages=pending)
+
+    def _check_fingerprint(self, served: str) -> None:
+        if self.fingerprint is not None and self.fingerprint != served:
+            raise SessionLoadError(
+                f"session {self.session_id}'s token ids come from another tokenizer or chat "
+                f"template (fingerprint {self.fingerprint}; the cluster serves {served}): they "
+                "cannot be continued here; start a new session from its messages instead"
+            )
+        self.fingerprint = served
+        self.fingerprint_ok = True
 
     def turn_request(self, prompt: TurnPrompt, options: SessionOptions) -> TurnRequest:
         messages = [*self.wire, *(m.to_openai() for m in prompt.messages)]
@@ -134,11 +172,13 @@ class SessionState:
         result: DecodeResult,
         *,
         pair: Pair,
+        prefill_name: str,
         prefill: PrefillResult,
         attached: KVHandle | None,
         handle_state: HandleState,
         handle_reason: str,
         ttft_s: float,
+        server_ttft_s: float,
         prefill_s: float,
         decode_s: float,
         total_s: float,
@@ -159,10 +199,14 @@ class SessionState:
         self.wire.append(result.message.to_openai())
         prompt_len = len(prompt)
         reused = min(prefill.cached_tokens, prompt_len)
+        if prefill_name != self.last_prefill:
+            self.prefilled = 0  # another prefill: its prefix cache holds nothing of ours
+        self.last_prefill = prefill_name
         stats = TurnStats(
             session_id=self.session_id,
             turn=self.transcript.version,
             pair=pair.name,
+            prefill=prefill_name,
             prompt_tokens=prompt_len,
             reused_tokens=reused,
             pulled_tokens=pulled_estimate(
@@ -175,6 +219,7 @@ class SessionState:
             generated_tokens=len(result.token_ids),
             ideal_reused_tokens=min(self.ideal_base, prompt_len - 1),
             ttft_s=ttft_s,
+            server_ttft_s=server_ttft_s,
             prefill_s=prefill_s,
             decode_s=decode_s,
             total_s=total_s,
@@ -191,7 +236,13 @@ class SessionState:
         elif final:
             self.lost = (HandleState.NONE, "the previous turn was final: decode pinned nothing")
         else:
-            self.lost = (HandleState.NONE, "decode returned no handle")
+            cause = no_handle_cause(result.finish_reason, result.stop_reason)
+            self.lost = (
+                HandleState.NONE,
+                f"the previous turn ended on a {cause.replace('_', ' ')}: vLLM kept no KV for it"
+                if cause is not None
+                else "decode returned no handle",
+            )
         self.ideal_base = prompt_len + len(result.token_ids) - 1
         self.prefilled = prompt_len
         logger.info(
@@ -199,12 +250,14 @@ class SessionState:
             session_id=self.session_id,
             turn=stats.turn,
             pair=stats.pair,
+            prefill=stats.prefill,
             prompt_tokens=stats.prompt_tokens,
             reused_tokens=stats.reused_tokens,
             pulled_tokens=stats.pulled_tokens,
             ideal_reused_tokens=stats.ideal_reused_tokens,
             generated_tokens=stats.generated_tokens,
             ttft_ms=round(stats.ttft_ms, 3),
+            server_ttft_ms=round(stats.server_ttft_s * 1000.0, 3),
             handle_state=stats.handle_state.value,
             handle_reason=stats.handle_reason,
             retries=stats.retries,

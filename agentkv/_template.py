@@ -29,6 +29,7 @@ assistant contents; it is added after the generated ids, minus what the model ge
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -173,6 +174,16 @@ class ChatTemplate:
             raise TemplateError("the template renders assistant contents '1' and '2' the same")
         generation_prompt = tuple(head_gen[len(head) :]) if _starts_with(head_gen, head) else ()
         return TemplateInfo(anchor=tuple(one), closing=closing, generation_prompt=generation_prompt)
+
+    async def fingerprint(self) -> str:
+        """A short digest of how this server tokenizes and templates a conversation.
+
+        Token ids saved under one fingerprint mean nothing under another (a session file loaded
+        into a cluster serving another tokenizer or template).
+        """
+        info = await self.info(None)
+        text = json.dumps([info.anchor, info.closing, info.generation_prompt])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     async def closing(self, tools: Tools = None) -> tuple[int, ...]:
         return (await self.info(tools)).closing

@@ -49,6 +49,9 @@ __all__ = [
     "describe_tools",
 ]
 
+# What the model reads for a tool that returned an empty string.
+EMPTY_RESULT = "(the tool returned nothing)"
+
 FINAL_ANSWER = ToolSpec(
     name="final_answer",
     description="Give the final answer to the task and stop.",
@@ -430,7 +433,9 @@ class NativeToolCalling:
         return ModelReply(text=result.text, calls=tuple(calls), answer=answer)
 
     def result_message(self, result: ToolResult) -> Message:
-        return Message.tool(result.output, tool_call_id=result.call.id)
+        # A tool message needs content (vLLM's templates and our own checks): say it was empty
+        # rather than let an empty result end the run.
+        return Message.tool(result.output or EMPTY_RESULT, tool_call_id=result.call.id)
 
     def retry_message(self, error: ToolCallFormatError) -> Message:
         return Message.user(f"Your reply could not be read: {error}. Call a tool.")

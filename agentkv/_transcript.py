@@ -210,9 +210,10 @@ class Transcript:
                 )
         self._pending.extend(messages)
 
-    def drop_pending(self, keep: int) -> None:
-        """Forget pending messages after the first ``keep`` (undoes an append)."""
-        del self._pending[keep:]
+    def drop_pending(self, keep: int, *, count: int | None = None) -> None:
+        """Forget pending messages after the first ``keep`` (undoes an append); only ``count`` of
+        them when given (those appended later stay queued)."""
+        del self._pending[keep : None if count is None else keep + count]
 
     def closing_suffix(self, closing: Sequence[int]) -> tuple[int, ...]:
         """The closing tokens still to add after the last generated assistant message.
@@ -230,11 +231,25 @@ class Transcript:
                 return tuple(closing[overlap:])
         return tuple(closing)
 
-    def prompt_for_turn(self, delta: Delta, *, closing: Sequence[int] = ()) -> TurnPrompt:
-        """The next prompt: committed tokens + closing suffix + the pending messages' delta."""
-        if not self._pending:
+    def prompt_for_turn(
+        self,
+        delta: Delta,
+        *,
+        closing: Sequence[int] = (),
+        messages: Sequence[Message] | None = None,
+    ) -> TurnPrompt:
+        """The next prompt: committed tokens + closing suffix + the pending messages' delta.
+
+        ``messages`` are the pending messages ``delta`` renders (all of them by default): the
+        first pending ones when more were appended while it was rendered; those stay queued for
+        the turn after.
+        """
+        sent = tuple(self._pending) if messages is None else tuple(messages)
+        if not sent:
             raise InvalidMessageError("nothing to send: append a message before the turn")
-        if len(delta.offsets) != len(self._pending):
+        if tuple(self._pending[: len(sent)]) != sent:
+            raise PrefixDivergedError("the prompt renders messages that are no longer pending")
+        if len(delta.offsets) != len(sent):
             raise ValueError("delta offsets must match the pending messages")
         suffix = self.closing_suffix(closing)
         base = len(self._tokens) + len(suffix)
@@ -255,7 +270,7 @@ class Transcript:
             base_version=self._version,
             base_len=len(self._tokens),
             closing_len=len(suffix),
-            messages=tuple(self._pending),
+            messages=sent,
             spans=tuple(spans),
             generation_start=base + delta.generation_start,
         )

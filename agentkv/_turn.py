@@ -11,6 +11,9 @@ Retry rules (each attempt is a whole P leg + D leg, so a decode failure re-runs 
   restarted, its block ids reused); the next attempt moves the session to a healthy pair
   (transcript kept, KV recomputed there). A connection lost or timed out, or a 5xx, probes the
   pair's ``/health`` at once: a dead server is treated the same way, a live one is retried.
+* In a pool (xPyD) a pair is the decode server: a prefill that refuses a connection is marked down
+  and the same P leg goes to another prefill with the same handle (a refused connection read
+  nothing, and the KV is on decode); a prefill lost mid-request is probed and the turn retried.
 * A streamed turn is not retried once text was yielded: the caller has seen it.
 * Nothing is committed until the D leg's answer is parsed, so a failed turn changes nothing.
 
@@ -22,30 +25,39 @@ pinned until its TTL.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_exponential, wait_random
 
-from agentkv._exceptions import ConnectError, ServerError, TransportError
+from agentkv._exceptions import (
+    ConnectError,
+    MalformedResponseError,
+    ServerError,
+    TransportError,
+    UpstreamStatusError,
+)
 from agentkv._handoff import (
     DecodeResult,
     PrefillResult,
     StreamAccumulator,
     TurnRequest,
     decode_body,
+    no_handle_cause,
     parse_decode,
     parse_prefill,
     prefill_body,
 )
+from agentkv._hints import new_request_secret, request_tag
 from agentkv._http import post_json, stream_events
 from agentkv._json import fragment
-from agentkv._leasing import release_handle
+from agentkv._leasing import extend_handle, release_handle, release_lost, release_soon
 from agentkv._transcript import TurnPrompt
 from agentkv._types import HandleState, KVHandle, TextDelta, TurnResult
 
@@ -55,9 +67,14 @@ if TYPE_CHECKING:
 
 __all__ = ["SessionOptions", "TurnRunner"]
 
+T = TypeVar("T")
+
 logger = structlog.get_logger("agentkv")
 
 _CHAT_PATH = "/v1/chat/completions"
+# How long a loaded handle's lease is extended when decode confirms it: past prefill's 5 s expiry
+# margin, with room for the P leg to reach prefill.
+_CONFIRM_TTL_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,6 +86,12 @@ class SessionOptions:
     tools: tuple[Mapping[str, Any], ...] | None = None
     tool_choice: Any = None
     extra_body: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _unexplained(result: DecodeResult) -> bool:
+    """An answer without a handle that vLLM would have pinned KV for (not a stop string)."""
+    cause = no_handle_cause(result.finish_reason, result.stop_reason)
+    return result.handle is None and cause is None
 
 
 class TurnRunner:
@@ -86,13 +109,19 @@ class TurnRunner:
         self._yielded = False
         self._prompt: TurnPrompt | None = None
         self._request: TurnRequest | None = None
+        self._prefill_name: str | None = None
+        self._t_prefill = self._started
+        self._ttft: float | None = None
+        # The turn sends the messages pending when it starts; later appends wait for the next.
+        self._pending = state.transcript.pending
 
-    async def events(self) -> AsyncIterator[TextDelta | TurnResult]:
+    async def events(self) -> AsyncGenerator[TextDelta | TurnResult, None]:
         # The first attempt runs outside tenacity: setting up its machinery costs more than the
         # rest of a turn's client-side work, and most turns succeed the first time.
         try:
-            async for event in self._attempt():
-                yield event
+            async with contextlib.aclosing(self._attempt()) as events:
+                async for event in events:
+                    yield event
         except Exception as exc:
             if self._state.cluster.retry.max_attempts == 1 or not self._retryable(exc):
                 raise
@@ -114,8 +143,9 @@ class TurnRunner:
                     # Replay the first attempt's failure so tenacity counts it and waits.
                     failure, first_failure = first_failure, None
                     raise failure
-                async for event in self._attempt():
-                    yield event
+                async with contextlib.aclosing(self._attempt()) as events:
+                    async for event in events:
+                        yield event
 
     def _retryable(self, exc: BaseException) -> bool:
         return not self._yielded and isinstance(exc, TransportError | ServerError)
@@ -133,37 +163,108 @@ class TurnRunner:
             detail=str(exc),
         )
 
-    async def _attempt(self) -> AsyncIterator[TextDelta | TurnResult]:
+    async def _attempt(self) -> AsyncGenerator[TextDelta | TurnResult, None]:
         state = self._state
         cluster = state.cluster
         self._attempts += 1
         pair = await cluster._pair_for(state.session_id, state.pair)
         if pair is not state.pair:
+            handle = state.handle
             state.move_to(pair)
+            # The old pair's decode may be alive (its prefill was the one that failed).
+            await self._release_unsent(handle, reason="moved")
         try:
-            async for event in self._legs(pair):
-                yield event
+            async with contextlib.aclosing(self._legs(pair)) as events:
+                async for event in events:
+                    yield event
         except ConnectError as exc:
             cluster._mark_down(pair, reason=str(exc))
             # A server that refused a connection may come back restarted, its block ids reused
             # by other requests: a handle into it is never safe again.
+            handle = state.handle
             state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} was unreachable")
+            # Never sent (prefill refused before the P leg carried it): decode may still pin it.
+            await self._release_unsent(handle, reason="pair_unreachable")
             raise
         except (TransportError, ServerError):
             # Lost, timed out or 5xx mid-turn (a vLLM API server whose engine died answers 500
             # before it exits): a server that died under the turn is found now (the probe marks
             # the pair down), so the retry moves instead of running into it again.
             if not await cluster._probe(pair):
+                handle = state.handle
                 state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} stopped answering")
+                # Unsent; the one that stopped answering may be the pair's prefill.
+                await self._release_unsent(handle, reason="pair_down")
+            if cluster.pooled and self._prefill_name is not None:
+                await cluster._probe_prefill(self._prefill_name)
             raise
+        finally:
+            self._prefill_name = None  # a retry chooses again, by the load it then sees
+
+    async def _p_leg(
+        self, pair: Pair, request: TurnRequest, ids: object, sent: KVHandle | None, length: int
+    ) -> tuple[PrefillResult, str]:
+        """The P leg on a prefill chosen by load, and that prefill's name; a handle the leg
+        carried and no prefill will read is released on decode."""
+        # Outstanding tokens: what the prefill computes (the handle's tokens are pulled).
+        cost = max(1, length - (sent.num_tokens if sent is not None else 0))
+        try:
+            prefill = await self._on_prefill(
+                pair, lambda url: self._prefill(url, request, ids, sent), cost=cost
+            )
+        except ConnectError:
+            # No prefill got the P leg, so none read the handle: free it on decode.
+            await self._release_unsent(sent, reason="prefill_unreachable")
+            raise
+        except (UpstreamStatusError, MalformedResponseError):
+            # Prefill answered, so it is done with the handle: it pulled the blocks (decode then
+            # freed them, and the release finds nothing) or never will. A lost P leg (timeout,
+            # reset) may still be reading: its handle is left to decode's TTL.
+            await self._release_unsent(sent, reason="prefill_failed")
+            raise
+        assert self._prefill_name is not None
+        return prefill, self._prefill_name
+
+    async def _on_prefill(
+        self, pair: Pair, call: Callable[[str], Awaitable[T]], *, cost: int = 0
+    ) -> T:
+        """Run ``call`` on a prefill chosen now; in a pool, another prefill if it refuses.
+
+        ``cost`` (tokens) counts as the prefill's load while ``call`` runs. It is added in the
+        same step as the choice, with no await between: turns that start together see each
+        other's load instead of all choosing the same idle prefill.
+        """
+        state = self._state
+        cluster = state.cluster
+        tried: set[str] = set()
+        key = f"{state.session_id}/{state.transcript.version + 1}"
+        while True:
+            name = cluster._choose_prefill(key, pair, warm=state.last_prefill, exclude=tried)
+            self._prefill_name = name
+            cluster._prefill_begin(name, cost)
+            try:
+                return await call(cluster._prefill_url(name))
+            except ConnectError as exc:
+                if not cluster.pooled:
+                    raise
+                cluster._mark_prefill_down(name, reason=str(exc))
+                tried.add(name)
+                logger.warning(
+                    "agentkv.prefill_refused", session_id=state.session_id, prefill=name
+                )
+            finally:
+                cluster._prefill_end(name, cost)
 
     async def _prompt_for(self, pair: Pair) -> TurnPrompt:
-        # Built once per turn: every pair serves the same model, so the tokens hold on any of them.
+        # Built once per turn: every server serves the same model, so the tokens hold on any.
         if self._prompt is None:
-            self._prompt = await self._state.build_prompt(pair, self._options.tools)
+            tools, pending = self._options.tools, self._pending
+            self._prompt = await self._on_prefill(
+                pair, lambda url: self._state.build_prompt(url, tools, pending)
+            )
         return self._prompt
 
-    async def _legs(self, pair: Pair) -> AsyncIterator[TextDelta | TurnResult]:
+    async def _legs(self, pair: Pair) -> AsyncGenerator[TextDelta | TurnResult, None]:
         state = self._state
         prompt = await self._prompt_for(pair)
         request = self._request or state.turn_request(prompt, self._options)
@@ -171,51 +272,56 @@ class TurnRunner:
         cluster = state.cluster
         # Asked once per decode server, then cached: whether to send hints at all.
         supported = await cluster._leases.supported(pair.decode)
+        await self._confirm_loaded(supported, len(prompt))
         sent, handle_state, reason, extends, unsent = self._take_handle(len(prompt))
         if unsent is not None:
             await release_handle(state, unsent, reason=handle_state.value)
         ids = fragment(prompt.tolist())
 
-        t_prefill = time.perf_counter()
-        prefill = await self._prefill(pair, request, ids, sent)
+        t_prefill = self._t_prefill = time.perf_counter()
+        prefill, prefill_name = await self._p_leg(pair, request, ids, sent, len(prompt))
         t_decode = time.perf_counter()
 
-        decode_url = pair.decode + _CHAT_PATH
         issued_at = cluster.clock()
-        deadline = state.policy.deadline(issued_at)
         # A stock decode ignores the hint; one known to be stock gets the request it expects.
         hint = None if supported is False else state.policy.decide_persist(final=self._final)
         body = decode_body(request, prompt_ids=ids, prefill=prefill, stream=self._stream, hint=hint)
-        summary = request.summary("decode")
-        client = cluster.http_client
-        ttft: float | None = None
-        result: DecodeResult
-        if self._stream:
-            acc = StreamAccumulator(url=decode_url)
-            async for chunk in stream_events(client, decode_url, body, summary=summary):
-                text = acc.feed(chunk)
-                if ttft is None and (text or acc.has_tokens):
-                    ttft = time.perf_counter() - t_prefill
-                if text:
-                    self._yielded = True
-                    yield TextDelta(text=text)
-            result = acc.result(pair=pair.name, issued_at=issued_at, deadline=deadline)
-        else:
-            data = await post_json(client, decode_url, body, summary=summary)
-            result = parse_decode(
-                data, url=decode_url, pair=pair.name, issued_at=issued_at, deadline=deadline
-            )
+        releasable = supported is True and hint is not None and hint.persist
+        result: DecodeResult | None = None
+        try:
+            async with contextlib.aclosing(
+                self._decode(pair, request, body, issued_at=issued_at, releasable=releasable)
+            ) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        yield event
+                    else:
+                        result = event
+        except BaseException:
+            # Prefill answered (above), so the handle it carried is done with: free it if the
+            # pull did not (cancelled or a stream left early too, hence in the background).
+            if sent is not None and state.policy.decide_release(sent, now=cluster.clock()):
+                release_soon(state, sent, reason="decode_failed")
+            raise
+        if result is None:  # pragma: no cover - _decode ends with the result or raises
+            raise RuntimeError("decode leg ended without a result")
         t_end = time.perf_counter()
+        # The first token's time, from the P leg's start: all of it on the servers (non-streamed,
+        # the whole answer arrives at once).
+        server_ttft = self._ttft if self._ttft is not None else t_end - t_prefill
         result = self._leased(result, issued_at=issued_at)
         stats = state.commit(
             prompt,
             result,
             pair=pair,
+            prefill_name=prefill_name,
             prefill=prefill,
             attached=sent,
             handle_state=handle_state,
             handle_reason=reason,
-            ttft_s=ttft if ttft is not None else t_end - t_prefill,
+            # What a user waits for: from the call, prompt rendering and retries included.
+            ttft_s=server_ttft + (t_prefill - self._started),
+            server_ttft_s=server_ttft,
             prefill_s=t_decode - t_prefill,
             decode_s=t_end - t_decode,
             total_s=t_end - self._started,
@@ -236,6 +342,99 @@ class TurnRunner:
             stats=stats,
             logprobs=result.logprobs,
         )
+
+    async def _decode(
+        self,
+        pair: Pair,
+        request: TurnRequest,
+        body: bytes,
+        *,
+        issued_at: float,
+        releasable: bool,
+    ) -> AsyncGenerator[TextDelta | DecodeResult, None]:
+        """The D leg: text deltas (streaming), then the parsed answer."""
+        state = self._state
+        decode_url = pair.decode + _CHAT_PATH
+        deadline = state.policy.deadline(issued_at)
+        summary = request.summary("decode")
+        client = state.cluster.http_client
+        # A request id of our choosing (vLLM honours X-Request-Id): if the answer, and with it
+        # the handle, never reaches us, its secret still releases what decode pinned for it.
+        secret = new_request_secret()
+        headers = {"X-Request-Id": request_tag(secret)}
+        self._ttft = None
+        result: DecodeResult | None = None
+        refused = False
+        try:
+            if self._stream:
+                acc = StreamAccumulator(url=decode_url)
+                chunks = stream_events(client, decode_url, body, summary=summary, headers=headers)
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        text = acc.feed(chunk)
+                        if self._ttft is None and (text or acc.has_tokens):
+                            self._ttft = time.perf_counter() - self._t_prefill
+                        if text:
+                            self._yielded = True
+                            yield TextDelta(text=text)
+                result = acc.result(pair=pair.name, issued_at=issued_at, deadline=deadline)
+            else:
+                data = await post_json(client, decode_url, body, summary=summary, headers=headers)
+                result = parse_decode(
+                    data, url=decode_url, pair=pair.name, issued_at=issued_at, deadline=deadline
+                )
+        except ConnectError:
+            refused = True  # decode never got the leg
+            raise
+        finally:
+            # Lost (timeout, reset), unreadable, cancelled, or a stream left early: decode may
+            # have finished and pinned the turn's KV for a handle nobody will ever send.
+            if releasable and not refused and (result is None or _unexplained(result)):
+                release_lost(
+                    state,
+                    pair.decode,
+                    secret,
+                    reason="no_handle" if result is not None else "answer_lost",
+                )
+        yield result
+
+    async def _release_unsent(self, handle: KVHandle | None, *, reason: str) -> None:
+        state = self._state
+        if handle is not None and state.policy.decide_release(handle, now=state.cluster.clock()):
+            await release_handle(state, handle, reason=reason)
+
+    async def _confirm_loaded(self, supported: bool | None, prompt_len: int) -> None:
+        """A handle read from a save file is attached only once decode confirms it still holds it.
+
+        The file may outlive the pin: the session was closed (which released it), a later turn
+        of the saved session consumed it, or the same file was loaded before. Decode has freed
+        those blocks and may have handed them to other requests; the pull is positional and
+        checks nothing, so attaching such a handle would load another tenant's KV. With agentkv's
+        extension, an extend call is the check (decode answers only for the exact request id,
+        block ids and lease secret it still holds, and the extension keeps the pin past
+        prefill's expiry margin); on stock vLLM nothing can confirm it, so it is never attached.
+        """
+        state = self._state
+        handle = state.handle
+        if handle is None or handle is not state.unconfirmed:
+            return
+        now = state.cluster.clock()
+        if not state.policy.decide_attach(handle, prompt_len=prompt_len, now=now).attach:
+            return  # not attached anyway (expired, diverged, ...): the turn says why
+        state.unconfirmed = None
+        if supported is not True or not handle.leased:
+            state.drop_handle(
+                HandleState.INVALIDATED,
+                "a handle from a save file is never attached on stock vLLM: decode cannot "
+                "confirm it still holds the blocks",
+            )
+            return
+        await extend_handle(state, _CONFIRM_TTL_S, reason="confirm_loaded")
+        if state.handle is handle:  # not extended, not dropped: the call failed
+            state.drop_handle(
+                HandleState.INVALIDATED,
+                "decode could not confirm the handle (it is also in a save file)",
+            )
 
     def _leased(self, result: DecodeResult, *, issued_at: float) -> DecodeResult:
         """Base a leased handle's deadline on the TTL decode granted, not on our assumption."""
@@ -266,9 +465,7 @@ class TurnRunner:
             state.drop_handle(HandleState.CONSUMED, "a failed turn may have read the handle")
         else:
             state.drop_handle(decision.state, decision.reason)
-            if decision.state is not HandleState.EXPIRED and state.policy.decide_release(
-                handle, now=now
-            ):
+            if state.policy.decide_release(handle, now=now):
                 unsent = handle
         note, state.wait_note = state.wait_note, None
         if note:
@@ -277,9 +474,9 @@ class TurnRunner:
         return (handle if decision.attach else None), handle_state, reason, extends, unsent
 
     async def _prefill(
-        self, pair: Pair, request: TurnRequest, ids: object, sent: KVHandle | None
+        self, base: str, request: TurnRequest, ids: object, sent: KVHandle | None
     ) -> PrefillResult:
-        url = pair.prefill + _CHAT_PATH
+        url = base + _CHAT_PATH
         data = await post_json(
             self._state.cluster.http_client,
             url,

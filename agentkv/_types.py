@@ -302,7 +302,14 @@ class TurnStats:
     generated tokens, less the last generated one (its KV is never computed).
     ``extends`` is how often the handle this turn started with was extended while the session
     waited (``session.tool_wait()``, ``session.extend_handle()``); ``handle_reason`` also says
-    whether it survived a tool wait.
+    whether it survived a tool wait. ``prefill`` names the prefill server that ran the turn (in a
+    pool it changes with load; ``pair`` is then the decode server the session is pinned to).
+
+    Times: ``ttft_s`` runs from the call (``send``/``turn``/``stream``) to the first generated
+    token, as a user waits for it: the prompt's rendering, lease calls and retries included.
+    The server-side split: ``server_ttft_s`` from the last attempt's P leg to the first token,
+    ``prefill_s`` the P leg, ``decode_s`` the D leg (to its last token), ``total_s`` the call.
+    A non-streamed turn's first token arrives with its last.
     """
 
     session_id: str
@@ -316,12 +323,14 @@ class TurnStats:
     ideal_reused_tokens: int
     ttft_s: float
     prefill_s: float
+    server_ttft_s: float = 0.0
     decode_s: float
     total_s: float
     handle_state: HandleState
     handle_reason: str = ""
     retries: int = 0
     extends: int = 0
+    prefill: str = ""
 
     @property
     def ttft_ms(self) -> float:

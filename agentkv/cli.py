@@ -38,7 +38,8 @@ def _local_config(args: argparse.Namespace) -> LocalClusterConfig:
     config = LocalClusterConfig(cluster_file=_cluster_file(args))
     overrides = {
         name: getattr(args, name)
-        for name in ("pairs", "model", "base_port", "base_side_channel_port", "kv_cache_gib",
+        for name in ("pairs", "prefill", "decode", "model", "base_port", "base_side_channel_port",
+                     "kv_cache_gib",
                      "decoder_kv_blocks_ttl", "kv_recompute_threshold", "max_model_len",
                      "startup_timeout_s", "dtype")
         if getattr(args, name, None) is not None
@@ -73,11 +74,7 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     record = ClusterRecord.read(_cluster_file(args))
-    servers = [
-        (pair.name, role, server)
-        for pair in record.pairs
-        for role, server in (("prefill", pair.prefill), ("decode", pair.decode))
-    ]
+    servers = record.servers
     alive = [s.pid for _, _, s in servers if pid_alive(s.pid)]
     cpu = group_cpu_percent(alive, window_s=args.window) if alive else {}
     rows = [
@@ -96,7 +93,7 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"(CPU over {args.window:.0f} s, % of one core)")
         for row in rows:
             state = "up" if row["healthy"] else ("starting?" if row["alive"] else "DOWN")
-            print(f"  {row['pair']:8} {row['role']:8} {row['url']:24} pid {row['pid']:<8} "
+            print(f"  {row['pair']:10} {row['role']:8} {row['url']:24} pid {row['pid']:<8} "
                   f"{state:9} cpu {row['cpu_percent']:5.1f}%")
     return 0 if up else 1
 
@@ -129,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = with_cluster_file(sub.add_parser("up", help="start local CPU prefill/decode pairs"))
     up.add_argument("--pairs", type=int, help="number of P/D pairs (default 1)")
+    up.add_argument("--prefill", type=int, help="start a pool instead of pairs: this many "
+                    "prefill servers (with --decode; any prefill serves any session)")
+    up.add_argument("--decode", type=int, help="decode servers of the pool (with --prefill)")
     up.add_argument("--model", choices=sorted(MODELS), help=f"default {DEFAULT_MODEL}")
     up.add_argument("--model-cache-dir", help="where prepared models live "
                     "(default ~/.cache/agentkv/models)")

@@ -136,14 +136,12 @@ class SdkRunner:
             # Without a handle the next turn cannot pull: the lane would measure affinity, not
             # agentkv. Stock vLLM puts no handle on streamed answers (vllm#40186).
             error = _NO_STREAMED_HANDLE if self._stream else _NO_HANDLE
-        # The SDK times its first token from the P leg's start; add what came before it
-        # (rendering the new messages' tokens), which the agent waits for too.
-        before_prefill = max(0.0, stats.total_s - stats.prefill_s - stats.decode_s)
         return TurnSample(
             mode=self._mode,
             session=self._index,
             turn=script.turn,
-            ttft_s=before_prefill + stats.ttft_s,
+            # From the call, rendering the new messages' tokens included (the SDK's own TTFT).
+            ttft_s=stats.ttft_s,
             total_s=stats.total_s,
             prompt_tokens=stats.prompt_tokens,
             reused_tokens=stats.reused_tokens,

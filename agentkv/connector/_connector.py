@@ -15,48 +15,17 @@ exactly as in vLLM.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
-import structlog
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
-from agentkv._hints import HINTS_KEY, LeaseAck
 from agentkv.connector import _engine_rpc, _quiet
-from agentkv.connector._leases import LeaseBook, LeaseService, decide_pin
-
-logger = structlog.get_logger("agentkv.connector")
+from agentkv.connector._leases import LeaseBook, LeaseService, SchedulerPins, apply_pin_policy
 
 # Longest pin a hint or extend may ask for, unless kv_connector_extra_config sets
 # "agentkv_max_ttl_s": a runaway lease must not hold decode memory forever.
 DEFAULT_MAX_TTL_S = 3600.0
-
-
-class _PinControl:
-    """The two fields of vLLM's NIXL scheduler that decide a finished request's blocks.
-
-    vLLM rebinds both to fresh containers at every step, so they are always read through the
-    scheduler. Checked once at start: if vLLM renames them, the server refuses to start rather
-    than silently ignoring hints.
-    """
-
-    def __init__(self, scheduler: Any) -> None:
-        for name, kind in (("_reqs_need_send", dict), ("_reqs_not_processed", set)):
-            if not isinstance(getattr(scheduler, name, None), kind):
-                raise RuntimeError(
-                    f"agentkv: vLLM's NIXL scheduler has no {kind.__name__} {name}; this vLLM "
-                    "version is not supported by AgentKVConnector"
-                )
-        self._scheduler = scheduler
-
-    def set_deadline(self, request_id: str, deadline: float) -> None:
-        self._scheduler._reqs_need_send[request_id] = deadline
-
-    def unpin(self, request_id: str) -> None:
-        # The same bookkeeping vLLM does for an aborted request: the worker stops tracking it.
-        self._scheduler._reqs_need_send.pop(request_id, None)
-        self._scheduler._reqs_not_processed.add(request_id)
 
 
 class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is untyped here
@@ -73,7 +42,7 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
         _quiet.apply()
         super().__init__(*args, **kwargs)
         self._book: LeaseBook | None = None
-        self._control: _PinControl | None = None
+        self._control: SchedulerPins | None = None
         self._service: LeaseService | None = None
         if self.connector_scheduler is not None:
             # Scheduler role: this runs in the EngineCore process, where lease calls arrive.
@@ -84,7 +53,7 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
                 max_ttl_s=float(extra.get_from_extra_config("agentkv_max_ttl_s",
                                                             DEFAULT_MAX_TTL_S)),
             )
-            self._control = _PinControl(self.connector_scheduler)
+            self._control = SchedulerPins(self.connector_scheduler)
             self._service = LeaseService(
                 self._book,
                 set_deadline=self._control.set_deadline,
@@ -125,35 +94,16 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
     def _apply_policy(
         self, request: Any, result: tuple[bool, dict[str, Any] | None]
     ) -> tuple[bool, dict[str, Any] | None]:
-        delay, out = result
-        book, control = self._book, self._control
-        # Only decode's turn-end pins are ours; prefill's blocks wait for decode as in vLLM.
-        if book is None or control is None or not delay or not out or (
-            out.get("do_remote_decode") is not True
-        ):
+        if self._book is None or self._control is None:
             return result
-        request_id: str = request.request_id
-        decision = decide_pin(request.kv_transfer_params, default_ttl_s=self._default_ttl_s,
-                              max_ttl_s=book.max_ttl_s)
-        if not decision.pin:
-            control.unpin(request_id)
-            logger.debug("pin_skipped", request_id=request_id)
-            return False, {
-                **out,
-                # The shape stock vLLM sends when it keeps nothing: no blocks, no tokens.
-                "remote_block_ids": [[] for _ in out["remote_block_ids"]],
-                "remote_num_tokens": 0,
-                "remote_blocks_expiry_time": None,
-                HINTS_KEY: LeaseAck(pinned=False).to_wire(),
-            }
-        blocks = tuple(tuple(int(b) for b in group) for group in out["remote_block_ids"])
-        lease, ack = book.grant(request_id, blocks, ttl_s=decision.ttl_s)
-        if decision.error is not None:
-            ack = dataclasses.replace(ack, error=decision.error)
-            logger.warning("hint_ignored", request_id=request_id, error=decision.error)
-        control.set_deadline(request_id, lease.deadline)
-        logger.debug("lease_granted", request_id=request_id, ttl_s=ack.ttl_s)
-        return True, {**out, "remote_blocks_expiry_time": lease.deadline, HINTS_KEY: ack.to_wire()}
+        return apply_pin_policy(
+            self._book,
+            self._control,
+            request_id=request.request_id,
+            params=request.kv_transfer_params,
+            result=result,
+            default_ttl_s=self._default_ttl_s,
+        )
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)

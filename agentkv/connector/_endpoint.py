@@ -4,7 +4,8 @@ Loaded by vLLM (entry point ``vllm.endpoint_plugins:agentkv``) only when ``VLLM_
 ``agentkv``; ``agentkv up`` sets it. Two jobs:
 
 * Routes (under ``/v1`` so ``--api-key`` guards them): ``GET /v1/agentkv/info``,
-  ``POST /v1/agentkv/leases/release`` and ``POST /v1/agentkv/leases/extend``. Each forwards to
+  ``POST /v1/agentkv/leases/release``, ``POST /v1/agentkv/leases/extend`` and
+  ``POST /v1/agentkv/requests/release``. Each forwards to
   the EngineCore's ``agentkv_leases`` utility (``_engine_rpc``), which asks the connector. One
   decode server serves any number of sessions: a call names its handle by the handle's own
   capability (``_leases``), never by a session id the server would have to trust.
@@ -23,32 +24,23 @@ from fastapi.responses import JSONResponse
 from agentkv._hints import (
     EXTEND_PATH,
     INFO_PATH,
-    INVALID_REQUEST,
-    LEASE_EXPIRED,
-    LEASES_UNAVAILABLE,
     RELEASE_PATH,
-    UNKNOWN_LEASE,
+    RELEASE_REQUEST_PATH,
     ExtendRequest,
     ExtendResult,
     HintError,
     LeaseRef,
+    RequestRelease,
     ServerInfo,
+    lease_error,
 )
 from agentkv.connector import _stream
 from agentkv.connector._engine_rpc import METHOD
 
-_ERRORS = {
-    "unknown": (404, UNKNOWN_LEASE, "no such lease, or not yours"),
-    "expired": (410, LEASE_EXPIRED, "the lease has expired; its blocks are being freed"),
-    "invalid": (400, INVALID_REQUEST, "not a lease request"),
-    "unavailable": (501, LEASES_UNAVAILABLE,
-                    "this server's KV connector is not AgentKVConnector; hints are ignored"),
-}
 
-
-def _error(status: str, message: str | None = None) -> JSONResponse:
-    code, name, default = _ERRORS.get(status, (500, "internal", f"lease call answered {status}"))
-    return JSONResponse({"error": {"code": name, "message": message or default}}, status_code=code)
+def _error(status: str, message: object = None) -> JSONResponse:
+    code, body = lease_error(status, message)
+    return JSONResponse(body, status_code=code)
 
 
 class _EngineLink:
@@ -133,6 +125,22 @@ async def release(request: Request) -> JSONResponse:
     if answer.get("status") != "ok":
         return _error(str(answer.get("status")), answer.get("message"))
     return JSONResponse({"released": True})
+
+
+@router.post(RELEASE_REQUEST_PATH)
+async def release_request(request: Request) -> JSONResponse:
+    try:
+        release = RequestRelease.from_wire(await _body(request))
+    except HintError as exc:
+        return _error("invalid", str(exc))
+    link = _link(request)
+    if link is None:
+        return _error("unavailable")
+    answer = await link.call("release_request", release.to_wire())
+    if answer.get("status") != "ok":
+        return _error(str(answer.get("status")), answer.get("message"))
+    released = answer.get("released")
+    return JSONResponse({"released": released if isinstance(released, int) else 0})
 
 
 @router.post(EXTEND_PATH)

@@ -7,6 +7,12 @@ The ``AIMessage`` s it returns carry an id that maps back to the exact assistant
 transcript, so echoing them back never re-renders (and never moves) the prefix. A history that
 does not extend the session's (a new conversation, an edited one) starts a new session.
 
+Calls may run at once (LangChain's ``batch``/``abatch`` call from a thread pool): each call takes
+a session no other call is using, the one whose history it extends when there is one, so every
+batch item runs on a session of its own and a later batch of the extended conversations reuses
+each one's KV. Idle sessions are kept (up to ``max_idle_sessions``, oldest closed first); a call
+that matches none while no other call runs closes them, as the conversation moved on.
+
 Tool calling uses the same protocols as ``Agent`` (``JsonToolCalling`` by default: a
 ``final_answer`` call comes back as a plain ``AIMessage`` with the answer, so the usual
 "loop while the model calls tools" ends). ``bind_tools(..., tool_choice=...)`` takes LangChain's
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -108,6 +115,7 @@ class ChatAgentKV(BaseChatModel):
         max_tokens: per turn.
         tool_calling: the tool-calling protocol (``JsonToolCalling()`` by default).
         extra_body: more fields for every decode request.
+        max_idle_sessions: sessions kept for conversations that may come back (batch items).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -116,8 +124,13 @@ class ChatAgentKV(BaseChatModel):
     max_tokens: int = 256
     tool_calling: Any = Field(default_factory=JsonToolCalling, exclude=True)
     extra_body: dict[str, Any] = Field(default_factory=dict)
+    max_idle_sessions: int = 32
 
     _session: Session | None = PrivateAttr(default=None)
+    # Sessions no call is using, oldest first; a call takes one out for its whole turn.
+    _idle: list[Session] = PrivateAttr(default_factory=list)
+    _busy: int = PrivateAttr(default=0)
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
     # AIMessage id -> the exact transcript messages behind it (a retried reply is several).
     _committed: dict[str, tuple[Message, ...]] = PrivateAttr(default_factory=dict)
 
@@ -150,10 +163,12 @@ class ChatAgentKV(BaseChatModel):
         return self.bind(tools=specs, tool_choice=tool_choice, **kwargs)
 
     def close(self) -> None:
-        """Close the current session (the cluster stays open)."""
-        if self._session is not None:
-            self._session.close()
+        """Close the sessions no call is using (the cluster stays open)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
             self._session = None
+        for session in idle:
+            session.close()
 
     # --- one call ---------------------------------------------------------------------------------
 
@@ -167,7 +182,22 @@ class ChatAgentKV(BaseChatModel):
         protocol: ToolCalling = self.tool_calling
         specs = [ToolSpec.from_openai(t) for t in kwargs.get("tools") or ()]
         choice = _choice(kwargs.get("tool_choice"), specs)
-        session = self._session_for(self._history(messages, specs, protocol))
+        session = self._checkout(self._history(messages, specs, protocol))
+        try:
+            return self._run(session, specs, choice, protocol, stop=stop, kwargs=kwargs)
+        finally:
+            self._checkin(session)
+
+    def _run(
+        self,
+        session: Session,
+        specs: list[ToolSpec],
+        choice: str,
+        protocol: ToolCalling,
+        *,
+        stop: list[str] | None,
+        kwargs: Mapping[str, Any],
+    ) -> ChatResult:
         options: TurnOverrides = protocol.turn_options(specs, choice=choice) if specs else {}
         extra = {**self.extra_body, **options.get("extra_body", {})}
         if stop:
@@ -190,18 +220,40 @@ class ChatAgentKV(BaseChatModel):
         self._committed[ai.id] = tuple(committed)
         return ChatResult(generations=[ChatGeneration(message=ai)])
 
-    def _session_for(self, history: list[Message]) -> Session:
-        if self._session is not None:
-            try:
-                self._session.append_history(history)
-            except PrefixDivergedError:
-                self.close()
-            else:
-                return self._session
+    def _checkout(self, history: list[Message]) -> Session:
+        """A session for ``history`` that no other call is using: one it extends, or a new one."""
+        stale: list[Session] = []
+        with self._lock:
+            found = None
+            for session in reversed(self._idle):  # the most recent first
+                try:
+                    session.append_history(history)
+                except PrefixDivergedError:
+                    continue
+                found = session
+                break
+            if found is not None:
+                self._idle.remove(found)
+            elif not self._busy:
+                stale, self._idle = self._idle, []  # a new conversation: the old one moved on
+            self._busy += 1
+        for session in stale:
+            session.close()
+        if found is not None:
+            return found
         session = self.cluster.session(max_tokens=self.max_tokens)
         session.append(*history)
-        self._session = session
         return session
+
+    def _checkin(self, session: Session) -> None:
+        with self._lock:
+            self._busy -= 1
+            self._session = session
+            self._idle.append(session)
+            excess = self._idle[: max(0, len(self._idle) - self.max_idle_sessions)]
+            del self._idle[: len(excess)]
+        for old in excess:
+            old.close()
 
     # --- conversions ------------------------------------------------------------------------------
 

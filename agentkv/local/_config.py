@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,20 @@ def default_cluster_file() -> Path:
 
 @dataclass(frozen=True, kw_only=True)
 class LocalClusterConfig:
-    """How ``agentkv up`` starts local vLLM CPU prefill/decode pairs.
+    """How ``agentkv up`` starts local vLLM CPU prefill/decode pairs, or a pool.
+
+    ``prefill``/``decode`` (both or neither) start a pool of that many servers instead of pairs:
+    prefill i and decode i keep the ports of pair i.
 
     >>> LocalClusterConfig(pairs=1).server_ports(0)
     (18100, 18101)
+    >>> LocalClusterConfig(prefill=2, decode=1).servers
+    [('prefill-0', 'prefill', 0), ('prefill-1', 'prefill', 1), ('decode-0', 'decode', 0)]
     """
 
     pairs: int = 1
+    prefill: int | None = None
+    decode: int | None = None
     model: str = DEFAULT_MODEL
     cluster_file: Path = field(default_factory=default_cluster_file)
     model_cache_dir: Path | None = None
@@ -51,6 +59,32 @@ class LocalClusterConfig:
     # agentkv's vLLM plugin settings that let an idle server sleep (docs/idle.md).
     quiet: bool = True
     extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from agentkv._exceptions import ConfigError
+
+        if (self.prefill is None) != (self.decode is None):
+            raise ConfigError("a pool needs both --prefill and --decode")
+        if (self.prefill is not None and self.prefill < 1) or (
+            self.decode is not None and self.decode < 1
+        ):
+            raise ConfigError("a pool needs at least one prefill and one decode server")
+
+    @property
+    def pool(self) -> bool:
+        return self.prefill is not None
+
+    @property
+    def servers(self) -> list[tuple[str, str, int]]:
+        """(name, role, index) of every server, prefills first; ports follow the index."""
+        if not self.pool:
+            return [
+                (f"pair-{i}", role, i) for i in range(self.pairs) for role in ("prefill", "decode")
+            ]
+        return [
+            *((f"prefill-{i}", "prefill", i) for i in range(self.prefill or 0)),
+            *((f"decode-{i}", "decode", i) for i in range(self.decode or 0)),
+        ]
 
     def server_ports(self, pair: int) -> tuple[int, int]:
         return self.base_port + 2 * pair, self.base_port + 2 * pair + 1
@@ -81,21 +115,92 @@ class PairRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PoolServerRecord:
+    """One server of a pool: its name (``prefill-0``), role and process."""
+
+    name: str
+    role: str
+    server: ServerRecord
+
+
+@dataclass(frozen=True, kw_only=True)
 class ClusterRecord:
-    """The cluster file: what ``agentkv up`` started, what the SDK connects to."""
+    """The cluster file: what ``agentkv up`` started, what the SDK connects to.
+
+    Pairs, or a pool (``pool`` non-empty, ``pairs`` empty): ``{"prefill": [...], "decode":
+    [...]}`` with each server's name, url, pid and log.
+    """
 
     model: str
-    pairs: tuple[PairRecord, ...]
+    pairs: tuple[PairRecord, ...] = ()
+    pool: tuple[PoolServerRecord, ...] = ()
     # The dtype the servers run in (None: a cluster file written before it was recorded).
     dtype: str | None = None
     # The ISA the servers were limited to (``--cpu-isa``); None: the CPU's own.
     cpu_isa: str | None = None
+    # The servers' kv_recompute_threshold: the SDK attaches handles down to it (None: not
+    # recorded, the SDK assumes vLLM's default).
+    kv_recompute_threshold: int | None = None
+
+    @property
+    def servers(self) -> list[tuple[str, str, ServerRecord]]:
+        """(name, role, server) of every server: pair name for pairs, server name in a pool."""
+        if self.pool:
+            return [(s.name, s.role, s.server) for s in self.pool]
+        return [
+            (pair.name, role, server)
+            for pair in self.pairs
+            for role, server in (("prefill", pair.prefill), ("decode", pair.decode))
+        ]
+
+    def with_pids(self, pids: Mapping[tuple[str, str], int]) -> ClusterRecord:
+        """The record with new pids for the (name, role) servers in ``pids``."""
+
+        def renewed(name: str, role: str, server: ServerRecord) -> ServerRecord:
+            pid = pids.get((name, role))
+            return server if pid is None else replace(server, pid=pid)
+
+        return replace(
+            self,
+            pairs=tuple(
+                replace(
+                    pair,
+                    prefill=renewed(pair.name, "prefill", pair.prefill),
+                    decode=renewed(pair.name, "decode", pair.decode),
+                )
+                for pair in self.pairs
+            ),
+            pool=tuple(
+                replace(s, server=renewed(s.name, s.role, s.server)) for s in self.pool
+            ),
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        head = {
             "model": self.model,
             **({"dtype": self.dtype} if self.dtype else {}),
             **({"cpu_isa": self.cpu_isa} if self.cpu_isa else {}),
+            **(
+                {"kv_recompute_threshold": self.kv_recompute_threshold}
+                if self.kv_recompute_threshold is not None
+                else {}
+            ),
+        }
+        if self.pool:
+            return {
+                **head,
+                **{
+                    role: [
+                        {"name": s.name, "url": s.server.url, "pid": s.server.pid,
+                         "log": s.server.log}
+                        for s in self.pool
+                        if s.role == role
+                    ]
+                    for role in ("prefill", "decode")
+                },
+            }
+        return {
+            **head,
             "pairs": [
                 {
                     "name": pair.name,
@@ -128,6 +233,27 @@ class ClusterRecord:
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"cluster file {path} is unreadable: {exc}") from exc
         try:
+            if "pairs" not in data and "prefill" in data:
+                pool = tuple(
+                    PoolServerRecord(
+                        name=str(s["name"]),
+                        role=role,
+                        server=ServerRecord(
+                            url=str(s["url"]), pid=int(s.get("pid", 0)), log=str(s.get("log", ""))
+                        ),
+                    )
+                    for role in ("prefill", "decode")
+                    for s in data[role]
+                )
+                dtype, cpu_isa = data.get("dtype"), data.get("cpu_isa")
+                threshold = data.get("kv_recompute_threshold")
+                return cls(
+                    model=str(data["model"]),
+                    pool=pool,
+                    dtype=None if dtype is None else str(dtype),
+                    cpu_isa=None if cpu_isa is None else str(cpu_isa),
+                    kv_recompute_threshold=None if threshold is None else int(threshold),
+                )
             pairs = tuple(
                 PairRecord(
                     name=str(p["name"]),
@@ -143,11 +269,13 @@ class ClusterRecord:
                 for p in data["pairs"]
             )
             dtype, cpu_isa = data.get("dtype"), data.get("cpu_isa")
+            threshold = data.get("kv_recompute_threshold")
             return cls(
                 model=str(data["model"]),
                 pairs=pairs,
                 dtype=None if dtype is None else str(dtype),
                 cpu_isa=None if cpu_isa is None else str(cpu_isa),
+                kv_recompute_threshold=None if threshold is None else int(threshold),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"cluster file {path} is malformed: {exc!r}") from exc

@@ -11,12 +11,18 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agentkv._exceptions import ConfigError
-from agentkv.local._config import ClusterRecord, LocalClusterConfig, PairRecord, ServerRecord
+from agentkv.local._config import (
+    ClusterRecord,
+    LocalClusterConfig,
+    PairRecord,
+    PoolServerRecord,
+    ServerRecord,
+)
 from agentkv.local._cpu import default_dtype, isa_env, read_cpu_info
 from agentkv.local._model import prepare_model
 from agentkv.local._procs import pid_alive, stop_group
@@ -94,50 +100,61 @@ def _prepared_model(config: LocalClusterConfig, say: Progress) -> Path:
     )
 
 
+STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
+"""The local pair's ``--structured-outputs-config`` (see ``plan_servers``)."""
+
+
 def plan_servers(config: LocalClusterConfig, *, model_path: Path) -> list[ServerPlan]:
     """Ports, cores, commands and environments for every server of the cluster."""
     cores = os.cpu_count() or 1
     dtype = serving_dtype(config)
     plans = []
-    for index in range(config.pairs):
-        name = f"pair-{index}"
+    for name, role, index in config.servers:
         ports = config.server_ports(index)
         channels = config.side_channel_ports(index)
-        for offset, role in enumerate(("prefill", "decode")):
-            core = (2 * index + offset) % cores
-            argv = (
-                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(model_path),
-                "--served-model-name", config.model,
-                "--host", config.host,
-                "--port", str(ports[offset]),
-                "--max-model-len", str(config.max_model_len),
-                "--dtype", dtype,
-                "--enable-prefix-caching",
-                "--enable-prompt-tokens-details",
-                "--kv-transfer-config", json.dumps(kv_transfer_config(role=role, config=config)),
-                *config.extra_args,
+        offset = 0 if role == "prefill" else 1
+        core = (2 * index + offset) % cores
+        argv = (
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_path),
+            "--served-model-name", config.model,
+            "--host", config.host,
+            "--port", str(ports[offset]),
+            "--max-model-len", str(config.max_model_len),
+            "--dtype", dtype,
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(kv_transfer_config(role=role, config=config)),
+            # Structured outputs without free whitespace: under a JSON schema SmolLM2 pads
+            # with newlines and indentation (a one-call tool reply took 32 tokens, not 17,
+            # and ran out of max_tokens). vLLM reads this from the server config only (the
+            # request field of that name is ignored) and only for a named backend: xgrammar,
+            # what "auto" picks for every schema agentkv sends.
+            "--structured-outputs-config",
+            json.dumps(STRUCTURED_OUTPUTS, separators=(",", ":")),
+            *config.extra_args,
+        )
+        env = dict(os.environ)
+        env.update(
+            HF_HUB_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE=str(config.kv_cache_gib),
+            VLLM_CPU_OMP_THREADS_BIND=str(core),
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(channels[offset]),
+            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            # Agents pause between turns; keep their connections (uvicorn's default is 5 s).
+            VLLM_HTTP_TIMEOUT_KEEP_ALIVE="75",
+        )
+        if config.quiet:
+            env.update(quiet_env())
+        if config.cpu_isa is not None:
+            env.update(isa_env(config.cpu_isa, environ=env))
+        plans.append(
+            ServerPlan(
+                role=role, pair=name, port=ports[offset], side_channel_port=channels[offset],
+                core=core, argv=argv, env=env,
+                log=config.log_dir / (f"{name}.log" if config.pool else f"{name}-{role}.log"),
             )
-            env = dict(os.environ)
-            env.update(
-                HF_HUB_OFFLINE="1",
-                VLLM_CPU_KVCACHE_SPACE=str(config.kv_cache_gib),
-                VLLM_CPU_OMP_THREADS_BIND=str(core),
-                VLLM_NIXL_SIDE_CHANNEL_PORT=str(channels[offset]),
-                VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-                # Agents pause between turns; keep their connections (uvicorn's default is 5 s).
-                VLLM_HTTP_TIMEOUT_KEEP_ALIVE="75",
-            )
-            if config.quiet:
-                env.update(quiet_env())
-            if config.cpu_isa is not None:
-                env.update(isa_env(config.cpu_isa, environ=env))
-            plans.append(
-                ServerPlan(
-                    role=role, pair=name, port=ports[offset], side_channel_port=channels[offset],
-                    core=core, argv=argv, env=env, log=config.log_dir / f"{name}-{role}.log",
-                )
-            )
+        )
     return plans
 
 
@@ -193,11 +210,7 @@ def _log_tail(path: Path, lines: int = 1) -> str:
 
 
 def _servers(record: ClusterRecord) -> list[tuple[str, str, ServerRecord]]:
-    return [
-        (pair.name, role, server)
-        for pair in record.pairs
-        for role, server in (("prefill", pair.prefill), ("decode", pair.decode))
-    ]
+    return record.servers
 
 
 def _read_record(config: LocalClusterConfig) -> ClusterRecord | None:
@@ -244,10 +257,28 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
     say(f"serving {config.model} in {serving_dtype(config)} on {read_cpu_info().model}"
         + (f", limited to {config.cpu_isa}" if config.cpu_isa else ""))
     started = _launch(plans, config, say)
+    if config.pool:
+        record = ClusterRecord(
+            model=config.model,
+            dtype=serving_dtype(config),
+            cpu_isa=config.cpu_isa,
+            kv_recompute_threshold=config.kv_recompute_threshold,
+            pool=tuple(
+                PoolServerRecord(
+                    name=plan.pair,
+                    role=plan.role,
+                    server=ServerRecord(url=plan.url, pid=process.pid, log=str(plan.log)),
+                )
+                for plan, process in started
+            ),
+        )
+        record.write(config.cluster_file)
+        return record
     record = ClusterRecord(
         model=config.model,
         dtype=serving_dtype(config),
         cpu_isa=config.cpu_isa,
+        kv_recompute_threshold=config.kv_recompute_threshold,
         pairs=tuple(
             PairRecord(
                 name=prefill.pair,
@@ -324,7 +355,8 @@ def _heal(
                 f"servers of {config.cluster_file} are running but not answering /health: "
                 f"{', '.join(sick)}; wait for them to finish starting or run `agentkv down`"
             )
-        say(f"reusing the running cluster in {config.cluster_file} ({len(record.pairs)} pairs)")
+        say(f"reusing the running cluster in {config.cluster_file} "
+            f"({len(record.servers)} servers)")
         return record
     model_path = _prepared_model(config, say)
     plans = restart_plans(
@@ -337,22 +369,7 @@ def _heal(
         if plan.log.exists():
             plan.log.replace(plan.log.with_suffix(".log.1"))
     pids = {(plan.pair, plan.role): process.pid for plan, process in _launch(plans, config, say)}
-
-    def renewed(pair: str, role: str, server: ServerRecord) -> ServerRecord:
-        pid = pids.get((pair, role))
-        return server if pid is None else replace(server, pid=pid)
-
-    record = replace(
-        record,
-        pairs=tuple(
-            replace(
-                pair,
-                prefill=renewed(pair.name, "prefill", pair.prefill),
-                decode=renewed(pair.name, "decode", pair.decode),
-            )
-            for pair in record.pairs
-        ),
-    )
+    record = record.with_pids(pids)
     record.write(config.cluster_file)
     return record
 

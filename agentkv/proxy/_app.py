@@ -6,7 +6,8 @@
 >>> cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
 >>> app = create_app(cluster, ProxyConfig())
 >>> sorted(route.path for route in app.routes)  # doctest: +NORMALIZE_WHITESPACE
-['/healthz', '/metrics', '/v1/chat/completions', '/v1/models', '/v1/sessions/{session_id:path}']
+['/healthz', '/metrics', '/v1/chat/completions', '/v1/models', '/v1/responses',
+ '/v1/sessions/{session_id:path}']
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from agentkv.proxy._config import ProxyConfig, key_digest
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import CONTENT_TYPE, ProxyMetrics
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
+from agentkv.proxy._responses import ResponsesService
 from agentkv.proxy._shape import turn_stats_json
+from agentkv.proxy._store import SessionStore, open_store
 
 __all__ = ["create_app"]
 
@@ -89,21 +92,43 @@ class _Proxy:
     """The app's state and handlers (one instance per app, no globals)."""
 
     def __init__(
-        self, cluster: AsyncCluster, config: ProxyConfig, *, clock: Callable[[], float]
+        self,
+        cluster: AsyncCluster,
+        config: ProxyConfig,
+        *,
+        clock: Callable[[], float],
+        store: SessionStore | None,
     ) -> None:
         self.cluster = cluster
         self.config = config
         self.clock = clock
         self.metrics = ProxyMetrics()
+        # A store the app opened (from config.state) is the app's to close.
+        self.owned_store = (
+            open_store(config.state, lease_s=config.state_lease_s)
+            if store is None and config.state is not None
+            else None
+        )
+        self.store = store or self.owned_store
         self.registry = SessionRegistry(
             cluster,
             max_sessions=config.max_sessions,
             idle_timeout_s=config.session_idle_timeout_s,
             metrics=self.metrics,
             clock=clock,
+            store=self.store,
         )
-        self.metrics.bind(sessions=lambda: len(self.registry), pair_sessions=cluster.loads)
+        self.metrics.bind(
+            sessions=lambda: len(self.registry),
+            pair_sessions=cluster.loads,
+            prefill_tokens=cluster.prefill_loads,
+        )
         self.chat = ChatService(cluster, self.registry, config=config, metrics=self.metrics)
+        # A stored response holds references to its session's messages, not copies: a few
+        # per session cost little.
+        self.responses = ResponsesService(
+            self.chat, self.registry, model=cluster.model, max_entries=4 * config.max_sessions
+        )
 
     def endpoint(self, name: str, handler: Handler) -> Handler:
         """Wrap ``handler``: every exception becomes an OpenAI-style error with its status."""
@@ -147,8 +172,21 @@ class _Proxy:
             started=started,
         )
 
+    async def create_response(self, request: Request) -> Response:
+        started = time.perf_counter()
+        principal = _principal(request, self.config)
+        body = await _read_json(request, self.config.max_body_bytes)
+        return await self.responses.create(
+            body,
+            principal=principal,
+            session_header=request.headers.get("x-session-id"),
+            started=started,
+        )
+
     async def models(self, request: Request) -> Response:
         _principal(request, self.config)
+        # How tool calls are served (decided once per served model; see _tools).
+        mode = await self.chat.tool_modes.mode()
         return json_response(
             {
                 "object": "list",
@@ -158,6 +196,7 @@ class _Proxy:
                         "object": "model",
                         "created": 0,
                         "owned_by": "agentkv",
+                        "agentkv": {"tool_calling": mode.value},
                     }
                 ],
             }
@@ -167,15 +206,25 @@ class _Proxy:
         del request
         pairs = {pair.name: self.cluster.is_healthy(pair.name) for pair in self.cluster.pairs}
         ok = any(pairs.values())
-        body = {
+        body: dict[str, Any] = {
             "status": "ok" if ok else "unavailable",
             "pairs": pairs,
             "sessions": len(self.registry),
         }
+        if self.store is not None:
+            # A replica that cannot reach the shared state cannot serve a session: not ready.
+            try:
+                state_ok = await asyncio.wait_for(self.store.ping(), timeout=2.0)
+            except Exception:  # any failure to reach it means the same: not ready
+                state_ok = False
+            body["state"] = "ok" if state_ok else "unreachable"
+            ok = ok and state_ok
+            body["status"] = "ok" if ok else "unavailable"
         return json_response(body, status=200 if ok else 503)
 
     async def metrics_text(self, request: Request) -> Response:
-        del request
+        if self.config.metrics_need_key:
+            _principal(request, self.config)  # 401 without a valid key
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def _entry(self, request: Request) -> tuple[str, str, SessionEntry]:
@@ -263,6 +312,8 @@ class _Proxy:
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
             await self.registry.close_all()
+            if self.owned_store is not None:
+                await self.owned_store.aclose()
             logger.info("agentkv.proxy.stopped")
 
 
@@ -281,16 +332,22 @@ def create_app(
     config: ProxyConfig | None = None,
     *,
     clock: Callable[[], float] = time.monotonic,
+    store: SessionStore | None = None,
 ) -> Starlette:
     """The proxy as an ASGI app serving ``cluster``; run it with any ASGI server.
 
     The app does not own the cluster: close it after the app stops. ``clock`` (monotonic seconds)
     drives idle expiry; tests pass a manual one. ``app.state.registry`` holds the open sessions.
+    ``store`` shares sessions with other replicas (default: the one ``config.state`` names, or
+    none: sessions in this process's memory).
     """
-    proxy = _Proxy(cluster, config or ProxyConfig(), clock=clock)
+    proxy = _Proxy(cluster, config or ProxyConfig(), clock=clock, store=store)
     routes = [
         Route(
             "/v1/chat/completions", proxy.endpoint("chat", proxy.chat_completions), methods=["POST"]
+        ),
+        Route(
+            "/v1/responses", proxy.endpoint("responses", proxy.create_response), methods=["POST"]
         ),
         Route("/v1/models", proxy.endpoint("models", proxy.models), methods=["GET"]),
         Route(

@@ -13,8 +13,9 @@ the connection is then cut without ``data: [DONE]``, so the client sees a broken
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
-from typing import Any
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
+from typing import Any, Protocol
 
 import structlog
 from starlette.requests import ClientDisconnect
@@ -25,12 +26,14 @@ from agentkv._cluster import AsyncCluster
 from agentkv._json import dumps
 from agentkv._session import AsyncSession, TurnOverrides
 from agentkv._template import tools_key
-from agentkv._types import HandleState, TextDelta, TurnResult
+from agentkv._types import HandleState, Message, TextDelta, TurnResult
+from agentkv.proxy._affinity import HistoryIndex
 from agentkv.proxy._config import ProxyConfig
 from agentkv.proxy._mapping import HistoryPlan, plan_history
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
 from agentkv.proxy._request import ChatRequest, parse_chat_request, session_id_from
+from agentkv.proxy._salt import CacheSalts
 from agentkv.proxy._shape import (
     HEADER_FORKED,
     HEADER_HANDLE,
@@ -38,8 +41,9 @@ from agentkv.proxy._shape import (
     HEADER_SESSION,
     Completion,
 )
+from agentkv.proxy._tools import HEADER_TOOL_CALLING, ToolModes, ToolPlan, plan_tools
 
-__all__ = ["ChatService", "json_response"]
+__all__ = ["AnswerShape", "ChatService", "json_response"]
 
 logger = structlog.get_logger("agentkv")
 
@@ -73,6 +77,79 @@ async def _aclose(events: AsyncIterator[object]) -> None:
         await close()
 
 
+class AnswerShape(Protocol):
+    """How a turn's answer is written: a chat completion, or a Responses API response.
+
+    One request, one shape: the mapping onto a session and the turn are the same for both.
+    """
+
+    def body(self, result: TurnResult, *, message: Message, finish: str) -> dict[str, Any]:
+        """The non-streamed answer."""
+        ...
+
+    def opening(self) -> list[bytes]:
+        """Stream events before the first text."""
+        ...
+
+    def delta(self, text: str) -> bytes:
+        """A stream event carrying text as decode produced it."""
+        ...
+
+    def closing(
+        self,
+        result: TurnResult,
+        *,
+        message: Message,
+        finish: str,
+        translated: bool,
+        include_usage: bool,
+    ) -> list[bytes]:
+        """Stream events after the text (``translated``: the text was held back, ``message``
+        is what to show for it)."""
+        ...
+
+    def answered(self, request: ChatRequest, message: Message, *, session_id: str | None) -> None:
+        """The turn committed ``message`` as the answer to ``request`` (on session
+        ``session_id``; ``None`` for a one-shot request)."""
+        ...
+
+
+class ChatShape:
+    """``chat.completion`` bodies and ``chat.completion.chunk`` streams."""
+
+    def __init__(self, *, model: str) -> None:
+        self._completion = Completion(model=model)
+
+    def body(self, result: TurnResult, *, message: Message, finish: str) -> dict[str, Any]:
+        return self._completion.body(result, message=message, finish_reason=finish)
+
+    def opening(self) -> list[bytes]:
+        return [_sse(self._completion.chunk({"role": "assistant", "content": ""}))]
+
+    def delta(self, text: str) -> bytes:
+        return _sse(self._completion.chunk({"content": text}))
+
+    def closing(
+        self,
+        result: TurnResult,
+        *,
+        message: Message,
+        finish: str,
+        translated: bool,
+        include_usage: bool,
+    ) -> list[bytes]:
+        chunks = self._completion.final_chunks(
+            result,
+            include_usage=include_usage,
+            message=message if translated else None,
+            finish_reason=finish,
+        )
+        return [*(_sse(chunk) for chunk in chunks), _DONE]
+
+    def answered(self, request: ChatRequest, message: Message, *, session_id: str | None) -> None:
+        del request, message, session_id
+
+
 class _Lease:
     """The session one request runs its turn on, and how to give it back."""
 
@@ -92,11 +169,15 @@ class _Lease:
         self.plan = plan
         self.forked = plan is not None and plan.forked
 
-    def committed(self, request: ChatRequest) -> None:
-        """Note what the finished turn added: the index of the generated message, the tools."""
+    def committed(self, request: ChatRequest, view: Message | None = None) -> None:
+        """Note what the finished turn added: the index of the generated message, what the
+        client was shown for it when that differs (``view``), the tools."""
         if self.entry is None or self.plan is None:
             return
-        self.entry.generated.add(self.plan.keep + len(self.plan.new))
+        index = self.plan.keep + len(self.plan.new)
+        self.entry.generated.add(index)
+        if view is not None:
+            self.entry.views[index] = view
         self.entry.tools_key = tools_key(request.tools)
 
     async def release(self, *, failed: bool) -> None:
@@ -155,49 +236,91 @@ class ChatService:
         self._registry = registry
         self._config = config
         self._metrics = metrics
+        self._salts = CacheSalts(config.cache_salt_secret)
+        self.tool_modes = ToolModes(cluster, configured=config.tool_calling)
+        self._histories = HistoryIndex(max_entries=config.max_sessions)
 
+
+    def _salted(self, extra: Mapping[str, Any], principal: str) -> Mapping[str, Any]:
+        """``extra`` with the principal's ``cache_salt`` (``isolate_prefix_caches``)."""
+        if not self._config.isolate_prefix_caches:
+            return extra
+        return {**extra, "cache_salt": self._salts.salt(principal)}
     async def complete(
-        self, body: object, *, principal: str, session_header: str | None, started: float
+        self,
+        body: object,
+        *,
+        principal: str,
+        session_header: str | None,
+        started: float,
+        shape: AnswerShape | None = None,
     ) -> Response:
         """Answer one chat completion request (``ProxyError`` or agentkv errors on failure).
 
         ``started`` is when the request arrived (``time.perf_counter()``): a plain answer says in
         ``Server-Timing`` how long the SDK's turn took and how long the proxy added around it.
+        ``shape`` writes the answer (default: a chat completion; ``/v1/responses`` passes its
+        own after translating its request into a chat completion request).
         """
         request = parse_chat_request(
             body, model=self._cluster.model, default_max_tokens=self._config.default_max_tokens
         )
+        shape = shape or ChatShape(model=self._cluster.model)
+        mode = await self.tool_modes.mode() if request.tools else None
+        tools = plan_tools(
+            mode=mode,
+            messages=request.messages,
+            tools=request.tools,
+            tool_choice=request.tool_choice,
+            parallel_tool_calls=request.parallel_tool_calls,
+            extra=request.extra,
+        )
         session_id = session_id_from(session_header, request)
+        placement: str | None = None
+        cache_key = request.prompt_cache_key
+        if session_id is None and cache_key is not None:
+            # A shared prefix, not a conversation: place by the key, find the conversation by
+            # its history (``_affinity``).
+            placement = f"{principal}:{cache_key}"
+            claimed = self._histories.claim(principal, cache_key, request.messages)
+            session_id = claimed or f"pck-{uuid.uuid4().hex}"
         if session_id is None:
             lease = _Lease(self._cluster.session())
             try:
-                lease.session.append(*request.messages)
+                lease.session.append(*tools.messages)
             except BaseException:
                 await lease.release(failed=True)
                 raise
         else:
-            lease = await self._map(principal, session_id, request)
+            lease = await self._map(principal, session_id, request, tools, placement)
         overrides: TurnOverrides = {
             "max_tokens": request.max_tokens,
             "temperature": request.temperature,
-            "tools": request.tools,
-            "tool_choice": request.tool_choice,
-            "extra_body": request.extra,
+            "tools": tools.tools,
+            "tool_choice": tools.tool_choice,
+            "extra_body": self._salted(tools.extra, principal),
         }
         if request.stream:
-            return await self._stream(lease, request, overrides, started)
+            return await self._stream(
+                lease, request, tools, overrides, started=started, principal=principal, shape=shape
+            )
         turn_started = time.perf_counter()
         try:
-            result = await lease.session.turn(**overrides)
+            # A one-shot request (no session id) has no next turn: decode pins nothing.
+            result = await lease.session.turn(final=lease.entry is None, **overrides)
         except BaseException:
             await lease.release(failed=True)
             raise
         turn_s = time.perf_counter() - turn_started
-        lease.committed(request)
+        message, finish = self._answered(
+            lease, request, tools, result, principal=principal, shape=shape
+        )
         await lease.release(failed=False)
         headers = lease.headers(pair=result.stats.pair, handle=result.stats.handle_state)
+        if tools.mode is not None:
+            headers[HEADER_TOOL_CALLING] = tools.mode.value
         response = json_response(
-            Completion(model=self._cluster.model).body(result), headers=headers
+            shape.body(result, message=message, finish=finish), headers=headers
         )
         total_s = time.perf_counter() - started
         response.headers["Server-Timing"] = (
@@ -207,10 +330,40 @@ class ChatService:
         self._record(result, stream=False, seconds=total_s)
         return response
 
-    async def _map(self, principal: str, session_id: str, request: ChatRequest) -> _Lease:
+    def _answered(
+        self,
+        lease: _Lease,
+        request: ChatRequest,
+        tools: ToolPlan,
+        result: TurnResult,
+        *,
+        principal: str,
+        shape: AnswerShape,
+    ) -> tuple[Message, str]:
+        """Commit the turn's bookkeeping; the message and finish reason the client gets."""
+        message, finish = tools.answer(result)
+        lease.committed(request, view=message if message is not result.message else None)
+        shape.answered(request, message, session_id=lease.entry.session_id if lease.entry else None)
+        if request.prompt_cache_key is not None and lease.entry is not None:
+            self._histories.remember(
+                principal,
+                request.prompt_cache_key,
+                [*request.messages, message],
+                lease.entry.session_id,
+            )
+        return message, finish
+
+    async def _map(
+        self,
+        principal: str,
+        session_id: str,
+        request: ChatRequest,
+        tools: ToolPlan,
+        placement: str | None = None,
+    ) -> _Lease:
         """Check the session out and bring it to the request's history (append, or fork)."""
         registry = self._registry
-        entry = await registry.checkout(principal, session_id)
+        entry = await registry.checkout(principal, session_id, placement_key=placement)
         try:
             session = entry.session
             view = session.transcript
@@ -218,10 +371,12 @@ class ChatService:
                 _discard_pending(session)
             if entry.tools_key is not None and tools_key(request.tools) != entry.tools_key:
                 # Templates render tools into the prefix: new tools mean a new rendering.
-                plan = HistoryPlan(keep=0, new=request.messages, forked=True)
+                plan = HistoryPlan(keep=0, new=tools.messages, forked=True)
                 reason = "tools changed"
             else:
-                plan = plan_history(view.messages, request.messages, generated=entry.generated)
+                plan = plan_history(
+                    view.messages, tools.messages, generated=entry.generated, views=entry.views
+                )
                 reason = "history does not extend the session"
             if plan.echoes:
                 self._metrics.echoes.inc(amount=plan.echoes)
@@ -257,12 +412,20 @@ class ChatService:
         return decision.state
 
     async def _stream(
-        self, lease: _Lease, request: ChatRequest, overrides: TurnOverrides, started: float
+        self,
+        lease: _Lease,
+        request: ChatRequest,
+        tools: ToolPlan,
+        overrides: TurnOverrides,
+        *,
+        started: float,
+        principal: str,
+        shape: AnswerShape,
     ) -> Response:
         session = lease.session
         handle = self._predicted_handle(session)
         try:
-            events = session.stream(**overrides)
+            events = session.stream(final=lease.entry is None, **overrides)
         except BaseException:
             await lease.release(failed=True)
             raise
@@ -272,15 +435,17 @@ class ChatService:
             await _aclose(events)
             await lease.release(failed=True)
             raise
-        completion = Completion(model=self._cluster.model)
         state: dict[str, TurnResult] = {}
 
         async def chunks() -> AsyncGenerator[bytes, None]:
-            yield _sse(completion.chunk({"role": "assistant", "content": ""}))
+            for opening in shape.opening():
+                yield opening
             event: TextDelta | TurnResult = first
             try:
                 while isinstance(event, TextDelta):
-                    yield _sse(completion.chunk({"content": event.text}))
+                    # A reply to be translated (JSON tool calls) is held back until it ends.
+                    if tools.protocol is None:
+                        yield shape.delta(event.text)
                     event = await anext(events)
             except Exception as exc:
                 # Too late for a status: the connection is cut without [DONE] (module docstring).
@@ -293,10 +458,17 @@ class ChatService:
                 )
                 raise
             state["result"] = event
-            lease.committed(request)
-            for chunk in completion.final_chunks(event, include_usage=request.include_usage):
-                yield _sse(chunk)
-            yield _DONE
+            message, finish = self._answered(
+                lease, request, tools, event, principal=principal, shape=shape
+            )
+            for closing in shape.closing(
+                event,
+                message=message,
+                finish=finish,
+                translated=tools.protocol is not None,
+                include_usage=request.include_usage,
+            ):
+                yield closing
 
         body = chunks()
 
@@ -309,6 +481,8 @@ class ChatService:
                 self._record(result, stream=True, seconds=time.perf_counter() - started)
 
         headers = lease.headers(pair=session.pair.name, handle=handle)
+        if tools.mode is not None:
+            headers[HEADER_TOOL_CALLING] = tools.mode.value
         headers["Cache-Control"] = "no-cache"
         headers["X-Accel-Buffering"] = "no"  # reverse proxies (nginx ingress) must not buffer
         return _SSEResponse(body, headers=headers, cleanup=cleanup)

@@ -7,6 +7,7 @@ Wired into ``agentkv.cli.build_parser`` with ``add_parser(sub)``. The cluster fi
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from agentkv.local._config import default_cluster_file
@@ -66,6 +67,31 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"generation limit of requests that set none (default {_DEFAULTS.default_max_tokens})",
     )
     parser.add_argument(
+        "--tool-calling",
+        default=_DEFAULTS.tool_calling,
+        choices=["auto", "native", "json"],
+        help="how tool calls are served: the backend's parser (native), agentkv's structured "
+        "outputs (json), or probe the backend once (auto, the default)",
+    )
+    parser.add_argument(
+        "--state",
+        default=None,
+        metavar="redis://HOST:PORT/DB",
+        help="keep sessions in Redis, shared by every proxy replica that names it (default: in "
+        "this process's memory)",
+    )
+    parser.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="let requests of different API keys share vLLM's prefix cache (by default each "
+        "key gets its own cache_salt: no timing side channel across keys)",
+    )
+    parser.add_argument(
+        "--metrics-need-key",
+        action="store_true",
+        help="GET /metrics asks for an API key like the API routes (needs --api-keys)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -84,6 +110,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_sessions=args.max_sessions,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
+        tool_calling=args.tool_calling,
+        state=args.state,
+        isolate_prefix_caches=not args.shared_prefix_cache,
+        cache_salt_secret=os.environ.get("AGENTKV_PROXY_CACHE_SALT_SECRET") or None,
+        metrics_need_key=args.metrics_need_key,
     )
 
 

@@ -93,6 +93,21 @@ class ProxyConfig:
         max_body_bytes: larger request bodies get 413 before they are parsed.
         default_max_tokens: the generation limit of requests that set none.
         sweep_interval_s: how often idle sessions are looked for.
+        tool_calling: ``auto`` (probe the backend once for a tool parser), ``native`` (the
+            backend parses tool calls) or ``json`` (agentkv's structured-output protocol).
+        state: where sessions live: ``None`` in this process's memory; ``redis://HOST:PORT/DB``
+            in Redis, shared by every replica that names it (any replica serves any session).
+        state_lease_s: how long a replica's claim on a session holds without renewal (it renews
+            every third of it while a turn runs); a crashed replica's claims free after it.
+        isolate_prefix_caches: give every principal (API key) its own vLLM ``cache_salt``, so
+            no one's requests hit another's prefix cache (a timing side channel: a fast first
+            token says someone sent that prefix). Off shares cached prefixes, such as a common
+            system prompt, across keys.
+        cache_salt_secret: the key the salts are derived with (HMAC-SHA256 of the principal).
+            ``None`` draws one per process; replicas that should share each principal's prefix
+            cache set the same secret.
+        metrics_need_key: ``GET /metrics`` asks for an API key like the API routes (only with
+            ``api_keys``).
     """
 
     host: str = "127.0.0.1"
@@ -103,8 +118,24 @@ class ProxyConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 1024
     sweep_interval_s: float = 15.0
+    tool_calling: str = "auto"
+    state: str | None = None
+    state_lease_s: float = 30.0
+    isolate_prefix_caches: bool = True
+    cache_salt_secret: str | None = field(default=None, repr=False)
+    metrics_need_key: bool = False
 
     def __post_init__(self) -> None:
+        if self.state is not None and not self.state.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigError(f"state must be a redis:// URL, got {self.state!r}")
+        if self.state_lease_s <= 0:
+            raise ConfigError("state_lease_s must be positive")
+        if self.metrics_need_key and self.api_keys is None:
+            raise ConfigError("metrics_need_key needs api_keys (--api-keys)")
+        if self.tool_calling not in ("auto", "native", "json"):
+            raise ConfigError("tool_calling must be auto, native or json")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.session_idle_timeout_s <= 0:

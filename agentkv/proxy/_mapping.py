@@ -22,7 +22,7 @@ must be equal.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 from agentkv._json import JSONDecodeError, loads
@@ -80,18 +80,25 @@ def is_echo(generated: Message, echoed: Message) -> bool:
 
 
 def plan_history(
-    held: Sequence[Message], incoming: Sequence[Message], *, generated: Container[int]
+    held: Sequence[Message],
+    incoming: Sequence[Message],
+    *,
+    generated: Container[int],
+    views: Mapping[int, Message] | None = None,
 ) -> HistoryPlan:
     """Plan a request: ``held`` are the session's committed messages, ``generated`` the indices
-    of those the model generated (echoes of them are matched by meaning).
+    of those the model generated (echoes of them are matched by meaning). ``views`` holds, for a
+    generated message the client was shown translated (tool calls read from JSON the model
+    wrote), what it was shown: its echo is matched against that.
     """
+    views = views or {}
     n, m = len(held), len(incoming)
     keep = 0
     echoes = 0
     while keep < min(n, m):
         mine, theirs = held[keep], incoming[keep]
         if mine != theirs:
-            if keep not in generated or not is_echo(mine, theirs):
+            if keep not in generated or not is_echo(views.get(keep, mine), theirs):
                 break
             echoes += 1
         keep += 1

@@ -181,9 +181,15 @@ class ProxyMetrics:
         self.sessions = Gauge("agentkv_proxy_sessions", "Open sessions", _none)
         self.pair_sessions = Gauge(
             "agentkv_proxy_pair_sessions",
-            "Open sessions per pair (one-shots included)",
+            "Open sessions per pair, in a pool per decode server (one-shots included)",
             _none,
             ("pair",),
+        )
+        self.prefill_tokens = Gauge(
+            "agentkv_proxy_prefill_outstanding_tokens",
+            "Prompt tokens sent to each prefill server and not answered yet (its load)",
+            _none,
+            ("prefill",),
         )
 
     def bind(
@@ -191,6 +197,7 @@ class ProxyMetrics:
         *,
         sessions: Callable[[], int],
         pair_sessions: Callable[[], dict[str, int]],
+        prefill_tokens: Callable[[], dict[str, int]] = dict,
     ) -> None:
         """Connect the gauges to the live state they read at scrape time."""
         self.sessions = Gauge(
@@ -201,6 +208,12 @@ class ProxyMetrics:
             self.pair_sessions.help,
             lambda: {(name,): float(n) for name, n in pair_sessions().items()},
             ("pair",),
+        )
+        self.prefill_tokens = Gauge(
+            self.prefill_tokens.name,
+            self.prefill_tokens.help,
+            lambda: {(name,): float(n) for name, n in prefill_tokens().items()},
+            ("prefill",),
         )
 
     def _all(self) -> tuple[_Metric, ...]:
@@ -220,6 +233,7 @@ class ProxyMetrics:
             self.sessions_closed,
             self.sessions,
             self.pair_sessions,
+            self.prefill_tokens,
         )
 
     def render(self) -> str:

@@ -10,22 +10,38 @@
   every session is in use the request gets 503 rather than the proxy growing without bound.
 
 Everything runs on the proxy's event loop; nothing here is thread-safe, nothing needs to be.
+
+With a shared ``SessionStore`` (``agentkv proxy --state redis://...``) the registry is a cache in
+front of the store, and the store is the truth (see ``_store``):
+
+* A checkout claims the session in the store after the local lock (one claim per replica at a
+  time), and takes the stored snapshot when the cached copy is not exactly it; a checkin commits
+  the snapshot and releases the claim. A claim whose lease ran out commits nothing.
+* Dropping a cached copy (local eviction, shutdown, a replica killed) never releases the
+  session's pin: another replica continues the session. Only a DELETE or the idle sweep, after
+  removing the session from the store under a claim, releases it: exactly once, on whichever
+  replica removed it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
 from agentkv._cluster import AsyncCluster
 from agentkv._exceptions import SessionClosedError
+from agentkv._json import dumps, loads
 from agentkv._session import AsyncSession
+from agentkv._types import Message
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
+from agentkv.proxy._store import Claim, ClaimLostError, SessionStore, StoreUnavailableError
 
 __all__ = ["SessionEntry", "SessionRegistry"]
 
@@ -43,6 +59,7 @@ class SessionEntry:
     """
 
     __slots__ = (
+        "claim",
         "closed",
         "created_at",
         "forks",
@@ -50,15 +67,21 @@ class SessionEntry:
         "key",
         "last_used",
         "lock",
+        "renewer",
         "session",
         "tools_key",
         "users",
+        "version",
+        "views",
     )
 
     def __init__(self, key: Key, session: AsyncSession, *, now: float) -> None:
         self.key = key
         self.session = session
         self.generated: set[int] = set()
+        # What the client was shown for a generated message, where it differs (tool calls
+        # translated from the JSON the model wrote): echoes are matched against it.
+        self.views: dict[int, Message] = {}
         self.tools_key: str | None = None
         self.lock = asyncio.Lock()
         self.users = 0
@@ -66,10 +89,50 @@ class SessionEntry:
         self.created_at = time.time()
         self.forks = 0
         self.closed = False
+        # With a shared store: the stored version this copy is, the claim held while checked out.
+        self.version = 0
+        self.claim: Claim | None = None
+        self.renewer: asyncio.Task[None] | None = None
 
     @property
     def session_id(self) -> str:
         return self.key[1]
+
+    def to_bytes(self, *, wall: float) -> bytes:
+        """The entry as the shared store keeps it: the session's snapshot and the mapping."""
+        return dumps(
+            {
+                "session": self.session._snapshot(wall=wall),
+                "generated": sorted(self.generated),
+                "views": {str(i): view.to_openai() for i, view in self.views.items()},
+                "tools_key": self.tools_key,
+                "forks": self.forks,
+                "created_at": self.created_at,
+            }
+        )
+
+    def load_bytes(self, data: bytes, cluster: AsyncCluster) -> None:
+        """Replace this copy with the stored one (the old copy is detached, its pin kept)."""
+        stored: dict[str, Any] = loads(data)
+        session = AsyncSession._restore(stored["session"], cluster)
+        self.session._detach()
+        self.session = session
+        self.generated = set(stored["generated"])
+        self.views = {int(i): Message.from_openai(v) for i, v in stored["views"].items()}
+        self.tools_key = stored["tools_key"]
+        self.forks = stored["forks"]
+        self.created_at = stored["created_at"]
+
+
+def store_key(principal: str, session_id: str) -> str:
+    """The shared store's key of a session: unambiguous whatever either part contains."""
+    return f"{len(principal)}:{principal}:{session_id}"
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    length, _, rest = key.partition(":")
+    n = int(length)
+    return rest[:n], rest[n + 1 :]
 
 
 class SessionRegistry:
@@ -83,8 +146,14 @@ class SessionRegistry:
         idle_timeout_s: float,
         metrics: ProxyMetrics,
         clock: Callable[[], float] = time.monotonic,
+        store: SessionStore | None = None,
+        claim_wait_s: float = 600.0,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._cluster = cluster
+        self._store = store
+        self._claim_wait_s = claim_wait_s
+        self._wall = wall_clock
         self._max = max_sessions
         self._idle_timeout_s = idle_timeout_s
         self._metrics = metrics
@@ -101,38 +170,73 @@ class SessionRegistry:
     def _expired(self, entry: SessionEntry) -> bool:
         return entry.users == 0 and self._clock() - entry.last_used >= self._idle_timeout_s
 
+    @property
+    def shared(self) -> bool:
+        return self._store is not None
+
     async def lookup(self, principal: str, session_id: str) -> SessionEntry | None:
         """The open session, without checking it out (``None`` when absent or expired)."""
+        if self._store is not None:
+            return await self._lookup_shared(principal, session_id)
         entry = self._entries.get((principal, session_id))
         if entry is not None and self._expired(entry):
             await self._close(entry, "idle")
             return None
         return entry
 
-    async def checkout(self, principal: str, session_id: str) -> SessionEntry:
+    async def _lookup_shared(self, principal: str, session_id: str) -> SessionEntry | None:
+        assert self._store is not None
+        key = (principal, session_id)
+        version, data = await self._store.peek(store_key(principal, session_id))
+        entry = self._entries.get(key)
+        if data is None:
+            if entry is not None and entry.users == 0:
+                self._forget(entry)
+            return None
+        if entry is None:
+            entry = self._new_entry(key, placement_key=None)
+        if entry.version != version and entry.users == 0:
+            entry.load_bytes(data, self._cluster)
+            entry.version = version
+        return entry
+
+    def _fresh_session(self, key: Key, *, placement_key: str | None) -> AsyncSession:
+        principal, session_id = key
+        return self._cluster.session(
+            session_id=f"{principal}:{session_id}", placement_key=placement_key
+        )
+
+    def _new_entry(self, key: Key, *, placement_key: str | None) -> SessionEntry:
+        entry = SessionEntry(
+            key, self._fresh_session(key, placement_key=placement_key), now=self._clock()
+        )
+        self._entries[key] = entry
+        return entry
+
+    async def checkout(
+        self, principal: str, session_id: str, *, placement_key: str | None = None
+    ) -> SessionEntry:
         """The session for this key, opened if needed, once no other request is on it.
 
         Raises ``ProxyError`` (503) when the registry is full of sessions in use, and
         ``SessionClosedError`` when the session was deleted while this request waited.
         """
         key = (principal, session_id)
-        entry = await self.lookup(principal, session_id)
+        if self._store is not None:
+            # The claim brings the stored session when this copy is stale: no lookup first,
+            # so a turn costs two round trips (claim, commit).
+            entry = self._entries.get(key)
+        else:
+            entry = await self.lookup(principal, session_id)
         if entry is None:
             await self._make_room()
             # Making room may have waited (closing a session), and another request for the same
             # key may have opened it meanwhile: one key, one session.
             entry = self._entries.get(key)
         if entry is None:
-            session = self._cluster.session(session_id=f"{principal}:{session_id}")
-            entry = SessionEntry(key, session, now=self._clock())
-            self._entries[key] = entry
-            self._metrics.sessions_opened.inc()
-            logger.info(
-                "agentkv.proxy.session_opened",
-                session_id=session_id,
-                principal=principal,
-                pair=session.pair.name,
-            )
+            entry = self._new_entry(key, placement_key=placement_key)
+            if self._store is None:
+                self._opened(entry)
         else:
             self._entries.move_to_end(key)
         entry.users += 1
@@ -144,10 +248,91 @@ class SessionRegistry:
         if entry.closed:
             await self.checkin(entry)
             raise SessionClosedError(f"session {session_id} was closed")
+        if self._store is not None:
+            try:
+                await self._claim(entry, placement_key=placement_key)
+            except BaseException:
+                await self.checkin(entry)
+                raise
         return entry
+
+    def _opened(self, entry: SessionEntry) -> None:
+        self._metrics.sessions_opened.inc()
+        logger.info(
+            "agentkv.proxy.session_opened",
+            session_id=entry.session_id,
+            principal=entry.key[0],
+            pair=entry.session.pair.name,
+        )
+
+    async def _claim(self, entry: SessionEntry, *, placement_key: str | None) -> None:
+        """Claim the checked-out ``entry`` in the store and make it the stored session."""
+        store = self._store
+        assert store is not None
+        try:
+            claim = await store.claim(
+                store_key(*entry.key), known_version=entry.version, wait_s=self._claim_wait_s
+            )
+        except TimeoutError as exc:
+            raise ProxyError(
+                503, str(exc), code="session_busy", headers={"Retry-After": "1"}
+            ) from exc
+        except StoreUnavailableError as exc:
+            raise ProxyError(
+                503, str(exc), code="state_unavailable", headers={"Retry-After": "1"}
+            ) from exc
+        entry.claim = claim
+        if claim.data is not None:
+            entry.load_bytes(claim.data, self._cluster)
+        elif claim.version == 0 and entry.version != 0:
+            # Deleted or expired elsewhere since this copy was made: a new session starts.
+            entry.session._detach()
+            entry.session = self._fresh_session(entry.key, placement_key=placement_key)
+            entry.generated, entry.views, entry.tools_key, entry.forks = set(), {}, None, 0
+        if claim.version == 0:
+            self._opened(entry)
+        entry.version = claim.version
+        entry.renewer = asyncio.ensure_future(self._renew(entry, claim))
+
+    async def _renew(self, entry: SessionEntry, claim: Claim) -> None:
+        store = self._store
+        assert store is not None
+        period = store.lease_s / 3
+        while True:
+            await asyncio.sleep(period)
+            if not await store.renew(claim):
+                logger.warning(
+                    "agentkv.proxy.claim_lost", session_id=entry.session_id, fence=claim.fence
+                )
+                return
+
+    async def _settle(self, entry: SessionEntry) -> None:
+        """Commit the entry to the store and release its claim (checkin, shared mode)."""
+        store, claim = self._store, entry.claim
+        if store is None or claim is None:
+            return
+        entry.claim = None
+        renewer, entry.renewer = entry.renewer, None
+        if renewer is not None:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+        if entry.closed:
+            return
+        try:
+            entry.version = await store.commit(
+                claim, entry.to_bytes(wall=self._wall()), used_at=self._wall()
+            )
+        except ClaimLostError:
+            # Another replica holds the session now: this copy is not the stored one.
+            entry.version = -1
+            logger.warning(
+                "agentkv.proxy.commit_refused", session_id=entry.session_id, fence=claim.fence
+            )
 
     async def checkin(self, entry: SessionEntry) -> None:
         """Give the session back; a session deleted meanwhile is closed by its last user."""
+        await self._settle(entry)
         entry.lock.release()
         entry.users -= 1
         entry.last_used = self._clock()
@@ -159,6 +344,7 @@ class SessionRegistry:
         old = entry.session
         entry.session = session
         entry.generated = {index for index in entry.generated if index < keep}
+        entry.views = {index: view for index, view in entry.views.items() if index < keep}
         entry.forks += 1
         if not session.transcript.token_ids:
             entry.tools_key = None  # rendered afresh: the next turn may bring any tools
@@ -166,22 +352,87 @@ class SessionRegistry:
 
     async def delete(self, principal: str, session_id: str) -> bool:
         """Close a session (now, or when its in-flight request ends); False if there is none."""
+        if self._store is not None:
+            return await self._remove(principal, session_id, reason="deleted")
         entry = await self.lookup(principal, session_id)
         if entry is None:
             return False
         await self._close(entry, "deleted")
         return True
 
+    async def _remove(
+        self, principal: str, session_id: str, *, reason: str, idle_before: float | None = None
+    ) -> bool:
+        """Remove a stored session under a claim; the one replica that removed it releases its
+        pin. ``False`` when there was none (or, for the sweep, it was used meanwhile)."""
+        store = self._store
+        assert store is not None
+        key = (principal, session_id)
+        cached = self._entries.get(key)
+        if idle_before is not None and cached is not None and cached.users:
+            return False  # in use here: not idle (and the sweep must not wait for it)
+        entry = cached or self._new_entry(key, placement_key=None)
+        entry.users += 1
+        await entry.lock.acquire()
+        try:
+            claim = await store.claim(
+                store_key(*key),
+                known_version=entry.version,
+                wait_s=0.0 if idle_before is not None else self._claim_wait_s,
+            )
+        except TimeoutError:
+            entry.lock.release()
+            entry.users -= 1
+            return False  # in use elsewhere: not idle, or deleted once that request ends
+        try:
+            if claim.data is not None:
+                entry.load_bytes(claim.data, self._cluster)
+            removed = claim.version != 0 and await store.remove(claim, idle_before=idle_before)
+        finally:
+            await store.release(claim)
+            entry.lock.release()
+            entry.users -= 1
+        if not removed:
+            if claim.version == 0:
+                self._forget(entry)
+            return False
+        await self._close(entry, reason)
+        return True
+
     async def sweep(self) -> int:
         """Close every session idle past the timeout; return how many."""
+        if self._store is not None:
+            return await self._sweep_shared()
         expired = [entry for entry in self._entries.values() if self._expired(entry)]
         for entry in expired:
             await self._close(entry, "idle")
         return len(expired)
 
+    async def _sweep_shared(self) -> int:
+        assert self._store is not None
+        for entry in [e for e in self._entries.values() if self._expired(e)]:
+            self._forget(entry)  # a cached copy only: the store decides what is idle
+        before = self._wall() - self._idle_timeout_s
+        closed = 0
+        for key in await self._store.idle(before=before, limit=1000):
+            principal, session_id = _split_key(key)
+            if await self._remove(principal, session_id, reason="idle", idle_before=before):
+                closed += 1
+        return closed
+
     async def close_all(self) -> None:
         for entry in list(self._entries.values()):
-            await self._close(entry, "shutdown")
+            if self._store is not None:
+                self._forget(entry)  # other replicas continue these sessions
+            else:
+                await self._close(entry, "shutdown")
+
+    def _forget(self, entry: SessionEntry) -> None:
+        """Drop a cached copy of a shared session (its pin stays: the session goes on)."""
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        if entry.users == 0:
+            entry.session._detach()
 
     async def _make_room(self) -> None:
         while len(self._entries) >= self._max:
@@ -193,7 +444,10 @@ class SessionRegistry:
                     code="too_many_sessions",
                     headers={"Retry-After": "1"},
                 )
-            await self._close(victim, "idle" if self._expired(victim) else "evicted")
+            if self._store is not None:
+                self._forget(victim)
+            else:
+                await self._close(victim, "idle" if self._expired(victim) else "evicted")
 
     async def _close(self, entry: SessionEntry, reason: str) -> None:
         if self._entries.get(entry.key) is entry:

@@ -1,10 +1,13 @@
 """A chat completions request body, checked and parsed into a ``ChatRequest``.
 
-Parameters are allow-listed, not deny-listed: a vLLM extension field the proxy does not know
-(``kv_transfer_params``, ``chat_template``, ``prompt_token_ids``, ...) could change the prompt's
-tokens behind the session's back or address KV the client does not own, so anything unknown is
-refused with a 400 naming it. ``kv_transfer_params`` gets its own message: it is the one field a
-client could use to read another session's KV blocks.
+Every field vLLM 0.32's ``ChatCompletionRequest`` accepts is accepted, in one of three ways
+(the table is ``agentkv._fields``, shared with the SDK; docs/proxy.md lists it):
+
+* **passed** to the decode leg when it only shapes sampling or the output (``seed``, ``stop``, ...);
+* **refused** with 400 (``forbidden_parameter``) when it could change the prompt's tokens behind
+  the session's back or address KV (``kv_transfer_params``, ``chat_template``, ``echo``, ...);
+* **ignored** with a structlog warning (``agentkv.proxy.fields_ignored``), as vLLM ignores
+  fields it does not know, when it has no meaning here (``user``, ``metadata``, unknown fields).
 
 >>> request = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}],
 ...                               "temperature": 0.2, "seed": 7}, model="m", default_max_tokens=64)
@@ -19,51 +22,29 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import structlog
+
 from agentkv._exceptions import InvalidMessageError
+from agentkv._fields import PASSED_FIELDS, refusal
 from agentkv._types import Message
 from agentkv.proxy._errors import ProxyError
 
 __all__ = ["ChatRequest", "parse_chat_request", "session_id_from"]
 
-# Sampling fields passed to the decode leg unchanged (vLLM validates their values).
-_PASSED = frozenset(
-    {
-        "frequency_penalty",
-        "ignore_eos",
-        "logit_bias",
-        "min_p",
-        "min_tokens",
-        "parallel_tool_calls",
-        "presence_penalty",
-        "repetition_penalty",
-        "response_format",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "top_k",
-        "top_p",
-    }
-)
-# OpenAI fields with no meaning for a vLLM backend; accepted so that clients sending them work.
-_IGNORED = frozenset(
-    {
-        "metadata",
-        "prompt_cache_key",
-        "prompt_cache_retention",
-        "safety_identifier",
-        "service_tier",
-        "store",
-        "user",
-    }
-)
+logger = structlog.get_logger("agentkv")
+
+# Read by the proxy itself.
 _HANDLED = frozenset(
     {
+        "conversation_id",
         "logprobs",
         "max_completion_tokens",
         "max_tokens",
         "messages",
         "model",
         "n",
+        "prompt_cache_key",
+        "session_id",
         "stream",
         "stream_options",
         "temperature",
@@ -72,6 +53,9 @@ _HANDLED = frozenset(
         "top_logprobs",
     }
 )
+# Fields the proxy sets itself for every request: a client's value could address KV or lift the
+# per-key isolation of prefix caches.
+_PROXY_SET = {"cache_salt": "is set by the proxy (prefix caches are isolated per API key)"}
 _MAX_SESSION_ID = 256
 
 
@@ -87,7 +71,11 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     prompt_cache_key: str | None = None
+    # ``conversation_id`` (vLLM's multi-turn convention), else the body's ``session_id``.
+    body_session_id: str | None = None
+    parallel_tool_calls: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()
 
 
 def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> ProxyError:
@@ -103,18 +91,34 @@ def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def _check_fields(body: Mapping[str, Any]) -> None:
+def _check_fields(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """Refuse what must not reach a turn; return the names of the ignored fields."""
     if "kv_transfer_params" in body:
         raise _bad(
             "'kv_transfer_params' is set by the proxy and may not come from a client",
             "kv_transfer_params",
             code="forbidden_parameter",
         )
-    for name in body:
-        if name not in _HANDLED and name not in _PASSED and name not in _IGNORED:
-            raise _bad(f"unsupported parameter '{name}'", str(name), code="unsupported_parameter")
+    ignored = []
+    for key, value in body.items():
+        name = str(key)
+        if name in _PROXY_SET and value is not None:
+            raise _bad(f"'{name}' {_PROXY_SET[name]}", name, code="forbidden_parameter")
+        reason = refusal(name, value)
+        if reason is not None:
+            raise _bad(reason, name, code="forbidden_parameter")
+        if name not in _HANDLED and name not in PASSED_FIELDS and name not in _PROXY_SET:
+            ignored.append(name)
     if body.get("logprobs") or body.get("top_logprobs"):
         raise _bad("logprobs are not supported by the proxy", "logprobs")
+    return tuple(ignored)
+
+
+def _optional_str(body: Mapping[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _bad(f"'{name}' must be a string", name)
+    return value or None
 
 
 def _messages(raw: object) -> tuple[Message, ...]:
@@ -152,15 +156,15 @@ def parse_chat_request(body: object, *, model: str, default_max_tokens: int) -> 
     """Check ``body`` (parsed JSON) and parse it; ``ProxyError`` (400/404) when it is refused."""
     if not isinstance(body, Mapping):
         raise _bad("the request body must be a JSON object")
-    _check_fields(body)
+    ignored = _check_fields(body)
+    if ignored:
+        # As vLLM does ("fields were present in the request but ignored").
+        logger.warning("agentkv.proxy.fields_ignored", fields=sorted(ignored))
     requested = body.get("model")
     if requested is not None and requested != model:
         raise ProxyError(
             404, f"the model '{requested}' does not exist", code="model_not_found", param="model"
         )
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise _bad("only 'n': 1 is supported", "n")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -172,9 +176,11 @@ def parse_chat_request(body: object, *, model: str, default_max_tokens: int) -> 
     ):
         raise _bad("'temperature' must be a number", "temperature")
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
-    cache_key = body.get("prompt_cache_key")
-    if cache_key is not None and not isinstance(cache_key, str):
-        raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
+    cache_key = _optional_str(body, "prompt_cache_key")
+    body_session = _optional_str(body, "conversation_id") or _optional_str(body, "session_id")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     return ChatRequest(
         messages=_messages(body.get("messages")),
         max_tokens=max_tokens or default_max_tokens,
@@ -183,14 +189,20 @@ def parse_chat_request(body: object, *, model: str, default_max_tokens: int) -> 
         tool_choice=body.get("tool_choice"),
         stream=stream,
         include_usage=_stream_options(body, stream),
-        prompt_cache_key=cache_key or None,
-        extra=MappingProxyType({k: v for k, v in body.items() if k in _PASSED}),
+        prompt_cache_key=cache_key,
+        body_session_id=body_session,
+        parallel_tool_calls=parallel is not False,
+        extra=MappingProxyType(
+            {k: v for k, v in body.items() if k in PASSED_FIELDS and k != "parallel_tool_calls"}
+        ),
+        ignored=ignored,
     )
 
 
 def session_id_from(header: str | None, request: ChatRequest) -> str | None:
-    """The session key: the ``X-Session-ID`` header, else ``prompt_cache_key``, else none."""
-    raw = header if header is not None else request.prompt_cache_key
+    """The session key: the ``X-Session-ID`` header, else the body's ``conversation_id``, else its
+    ``session_id``; else none (``prompt_cache_key`` is a shared prefix, not a conversation)."""
+    raw = header if header is not None else request.body_session_id
     if raw is None:
         return None
     session_id = raw.strip()

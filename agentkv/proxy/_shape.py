@@ -60,8 +60,15 @@ class Completion:
         self.model = model
         self.created = int(time.time())
 
-    def body(self, result: TurnResult) -> dict[str, Any]:
-        """The ``chat.completion`` object of a finished turn."""
+    def body(
+        self,
+        result: TurnResult,
+        *,
+        message: Message | None = None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
+        """The ``chat.completion`` object of a finished turn (``message`` and ``finish_reason``
+        replace the result's when the proxy translated its tool calls)."""
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -70,9 +77,9 @@ class Completion:
             "choices": [
                 {
                     "index": 0,
-                    "message": _message(result.message),
+                    "message": _message(message or result.message),
                     "logprobs": None,
-                    "finish_reason": result.finish_reason,
+                    "finish_reason": finish_reason or result.finish_reason,
                 }
             ],
             "usage": _usage(result.stats),
@@ -91,14 +98,24 @@ class Completion:
             ],
         }
 
-    def final_chunks(self, result: TurnResult, *, include_usage: bool) -> list[dict[str, Any]]:
-        """The chunks after the text: tool calls (whole, one delta), the finish, the usage."""
+    def final_chunks(
+        self,
+        result: TurnResult,
+        *,
+        include_usage: bool,
+        message: Message | None = None,
+        finish_reason: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """The chunks after the text: the held-back answer of a translated reply (``message``),
+        tool calls (one delta each, whole), the finish, the usage."""
         chunks = []
-        calls = result.message.tool_calls
+        if message is not None and message.content:
+            chunks.append(self.chunk({"content": message.content}))
+        calls = (message or result.message).tool_calls
         if calls:
             deltas = [{"index": index, **call.to_openai()} for index, call in enumerate(calls)]
             chunks.append(self.chunk({"tool_calls": deltas}))
-        chunks.append(self.chunk({}, result.finish_reason))
+        chunks.append(self.chunk({}, finish_reason or result.finish_reason))
         if include_usage:
             chunks.append(
                 {

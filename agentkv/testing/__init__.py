@@ -17,8 +17,11 @@ What is faithful (each module cites the vLLM code it follows):
   connector's own ``LeaseBook``; ``leases=False, stream_handles=False`` is stock vLLM.
 * Wrong KV: the model's output is a function of the KV it holds, so a handle sent with a
   history that is not its prefix changes the answer; ``wrong_reuse_events`` counts such pulls.
+* Stop strings (``stop``, ``include_stop_str_in_output``) as vLLM's front end checks them: the
+  text cut, the ids kept up to the completing token, the request aborted (nothing pinned,
+  ``kv_transfer_params: null``), streams holding back a stop string's length less one.
 
-What is simplified: greedy only (sampling parameters, ``stop``, ``logprobs`` and ``n > 1`` are
+What is simplified: greedy only (other sampling parameters, ``logprobs`` and ``n > 1`` are
 ignored or refused), one KV cache group, whole responses computed at once (streams are replayed
 one chunk per token), a full KV cache answers 500 instead of queueing, and only the metrics
 listed in ``_fake_metrics`` are exposed.

@@ -30,6 +30,7 @@ from agentkv.testing._fake_responses import (
     error_stream_chunks,
     random_uuid,
 )
+from agentkv.testing._fake_stop import stop_buffer_length
 
 ENGINE_ERROR = error_body(
     "Internal server error", err_type="InternalServerError", code=500, param=None
@@ -76,6 +77,8 @@ def _complete(
         tool=_tool_spec(ctx, request),
         kv_transfer_params=request.kv_transfer_params,
         cache_salt=request.cache_salt,
+        stop=request.stop,
+        include_stop_str_in_output=request.include_stop_str_in_output,
     )
     created = int(time.time())
     try:
@@ -104,6 +107,9 @@ def _complete(
         num_cached_tokens=_reported_cached_tokens(request, result.num_cached_tokens),
         num_cache_creation_tokens=result.num_cache_creation_tokens,
         kv_transfer_params=result.kv_transfer_params,
+        stop_reason=result.stop_reason,
+        text=result.text,
+        stop_buffer=stop_buffer_length(request.stop, include=request.include_stop_str_in_output),
     )
     parser = ctx.tool_call_parser is not None
     if request.stream:
@@ -212,7 +218,10 @@ def _forwarded_ids(ctx: ServerContext, ids: Any) -> list[int]:
 
 
 def _tool_spec(ctx: ServerContext, request: ChatRequest) -> ToolSpec | None:
-    """What structured outputs force: only ``required`` and named choices constrain."""
+    """What structured outputs force: a ``structured_outputs.json`` schema, else only
+    ``required`` and named choices constrain."""
+    if isinstance(request.json_schema, dict):
+        return ToolSpec(mode="json", schema=request.json_schema)
     if ctx.tool_call_parser is None or not request.tools:
         return None
     choice = request.tool_choice

@@ -94,9 +94,17 @@ class FakeCluster:
         bidirectional_kv_xfer: bool = True,
         leases: bool = True,
         agentkv_max_ttl_s: float = 3600.0,
+        prefills: int | None = None,
+        decodes: int | None = None,
     ) -> None:
         if pairs < 1:
             raise ValueError("a cluster needs at least one pair")
+        # A pool (xPyD): ``prefills`` and ``decodes`` servers, ``pool_spec`` describes them.
+        self._pool = prefills is not None or decodes is not None
+        num_prefill = pairs if prefills is None else prefills
+        num_decode = pairs if decodes is None else decodes
+        if num_prefill < 1 or num_decode < 1:
+            raise ValueError("a pool needs at least one prefill and one decode server")
         if chat_template not in CHAT_TEMPLATES:
             raise ValueError(f"chat_template must be one of {CHAT_TEMPLATES}")
         self._clock = clock
@@ -128,8 +136,8 @@ class FakeCluster:
             fabric=self._fabric,
             lock=threading.RLock(),
         )
-        self._prefill = [self._server(context, "prefill", i) for i in range(pairs)]
-        self._decode = [self._server(context, "decode", i) for i in range(pairs)]
+        self._prefill = [self._server(context, "prefill", i) for i in range(num_prefill)]
+        self._decode = [self._server(context, "decode", i) for i in range(num_decode)]
         self._by_netloc = {s.url.removeprefix("http://"): s for s in self.servers}
         self.transport = FakeTransport(self._by_netloc.get)
 
@@ -148,6 +156,11 @@ class FakeCluster:
         return server
 
     def __repr__(self) -> str:
+        if self._pool:
+            return (
+                f"FakeCluster(prefills={len(self._prefill)}, decodes={len(self._decode)}, "
+                f"model={self.model!r})"
+            )
         return f"FakeCluster(pairs={len(self._prefill)}, model={self.model!r})"
 
     @property
@@ -162,8 +175,25 @@ class FakeCluster:
         return self._decode[index]
 
     @property
+    def pool_spec(self) -> dict[str, Any]:
+        """The servers as a pool: ``{"model", "prefill": [{name, url}], "decode": [{name, url}]}``.
+
+        Example:
+            >>> FakeCluster(prefills=2, decodes=1).pool_spec["decode"]
+            [{'name': 'fake-d0', 'url': 'http://fake-d0.test:8000'}]
+        """
+        return {
+            "model": self.model,
+            "prefill": [{"name": s.name, "url": s.url} for s in self._prefill],
+            "decode": [{"name": s.name, "url": s.url} for s in self._decode],
+        }
+
+    @property
     def cluster_spec(self) -> dict[str, Any]:
-        """The cluster in cluster-file shape: ``{"model", "pairs": [{name, prefill, decode}]}``."""
+        """The cluster in cluster-file shape: ``{"model", "pairs": [{name, prefill, decode}]}``
+        (``pool_spec`` for a cluster made with ``prefills=``/``decodes=``)."""
+        if self._pool:
+            return self.pool_spec
         return {
             "model": self.model,
             "pairs": [
@@ -192,6 +222,8 @@ class FakeCluster:
             ...     served.cluster_spec["pairs"][0]["prefill"].startswith("http://127.0.0.1:")
             True
         """
+        if self._pool:
+            raise NotImplementedError("serve() serves pairs; build the fake with pairs=")
         pairs = list(zip(self._prefill, self._decode, strict=True))
         with serve_cluster(pairs, model=self.model) as served:
             yield served

@@ -15,21 +15,20 @@ The connector decisions follow ``vllm/distributed/kv_transfer/kv_connector/v1/ni
   ``kv_lease_duration`` (30 s) on a producer, for ``decoder_kv_blocks_ttl`` on a decoder.
 
 With ``leases`` the engine runs agentkv's ``AgentKVConnector`` instead (``agentkv/connector``): a
-decoder's turn-end pin follows the request's persist hint and is leased with the connector's own
-``LeaseBook``/``LeaseService``, and :meth:`FakeEngine.lease_op` serves the lease calls.
+decoder's turn-end pin is decided by the connector's own ``apply_pin_policy`` (persist hint,
+requests released early by their client) and leased with its ``LeaseBook``/``LeaseService``, and
+:meth:`FakeEngine.lease_op` serves the lease calls.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
-from agentkv._hints import HINTS_KEY, LeaseAck
-from agentkv.connector._leases import LeaseBook, LeaseService, decide_pin
+from agentkv.connector._leases import LeaseBook, LeaseService, apply_pin_policy
 from agentkv.testing._fake_kv import (
     ROOT_HASH,
     BlockContent,
@@ -42,6 +41,7 @@ from agentkv.testing._fake_kv import (
 )
 from agentkv.testing._fake_metrics import EngineStats
 from agentkv.testing._fake_model import FakeModel, Generation, ToolSpec
+from agentkv.testing._fake_stop import find_stop
 from agentkv.testing._fake_tokenizer import FakeTokenizer
 
 # pull_worker.py: slack subtracted from D's exported deadline on the turn-2 readback.
@@ -80,6 +80,9 @@ class EngineRequest:
     # vLLM mixes the salt into the prefix-cache keys: requests share cached blocks only when their
     # salts are equal. It changes which blocks are found, never what a block's KV is.
     cache_salt: str | None = None
+    # Checked by the front end as the tokens come (``_fake_stop``); a hit aborts the request.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +92,9 @@ class EngineResult:
     num_cached_tokens: int
     num_cache_creation_tokens: int
     kv_transfer_params: dict[str, Any] | None
+    # Set when a stop string ended the request: the string, and the output text vLLM returns.
+    stop_reason: str | None = None
+    text: str | None = None
 
 
 class EngineError(RuntimeError):
@@ -219,6 +225,13 @@ class FakeEngine:
         if params and params.get("do_remote_prefill"):
             self._notify_only(params)
 
+    def holds(self, request_id: Any, block_ids: list[Any]) -> bool:
+        """Whether ``block_ids`` are still pinned for ``request_id`` (not freed, not reused)."""
+        pin = self._pins.get(request_id) if isinstance(request_id, str) else None
+        return pin is not None and all(
+            b in pin.block_ids and self._pool.held(b) for b in block_ids
+        )
+
     def read_block(self, block_id: Any) -> BlockContent:
         if not isinstance(block_id, int) or isinstance(block_id, bool):
             raise IndexError(f"bad block id {block_id!r}")
@@ -250,6 +263,20 @@ class FakeEngine:
             ignore_eos=request.ignore_eos,
             tool=request.tool,
         )
+        hit = find_stop(
+            self._tok,
+            generation.token_ids,
+            stop=request.stop,
+            include=request.include_stop_str_in_output,
+            min_tokens=request.min_tokens,
+        )
+        # A stop string found before the engine finished the request: the front end aborts it
+        # (vLLM's ``reqs_to_abort``), so it ends there and its KV is not kept for a reader.
+        aborted = hit is not None and hit.num_tokens < len(generation.token_ids)
+        if hit is not None:
+            generation = Generation(
+                token_ids=generation.token_ids[: hit.num_tokens], finish_reason="stop"
+            )
         # The last sampled token is never fed back, so it has no KV.
         seq = prompt + generation.token_ids[:-1]
         write_tokens(blocks, seq, n_prompt, len(seq), bs)
@@ -258,12 +285,20 @@ class FakeEngine:
         num_cached = local + load.num_tokens
         full_blocks_after_prefill = (n_prompt // bs) * bs
         self._account(generation, n_prompt, local, load, params)
+        if aborted:
+            # An aborted request is not pinned (``request_finished`` with FINISHED_ABORTED).
+            self._pool.free(block_ids)
+            kv_params = None
+        else:
+            kv_params = self._finish(request, params, block_ids, len(seq), num_cached)
         return EngineResult(
             token_ids=generation.token_ids,
             finish_reason=generation.finish_reason,
             num_cached_tokens=num_cached,
             num_cache_creation_tokens=max(0, full_blocks_after_prefill - num_cached),
-            kv_transfer_params=self._finish(request, params, block_ids, len(seq), num_cached),
+            kv_transfer_params=kv_params,
+            stop_reason=None if hit is None else hit.stop_string,
+            text=None if hit is None else hit.text,
         )
 
     def _connector_load(
@@ -337,8 +372,13 @@ class FakeEngine:
         n_blocks = -(-(local + count) // bs) - local // bs
         if len(remote_ids) < n_blocks:
             raise EngineError("remote handle has fewer blocks than the tokens to load")
+        wanted = remote_ids[len(remote_ids) - n_blocks :]
+        # Strict: a pull of blocks the producer no longer pins for that request reads memory that
+        # may be handed to another request at any moment. vLLM cannot tell; its content may still
+        # look right, so the fake counts the read itself as wrong KV.
+        stale = not producer.holds(params["remote_request_id"], wanted)
         try:
-            contents = [producer.read_block(b) for b in remote_ids[len(remote_ids) - n_blocks :]]
+            contents = [producer.read_block(b) for b in wanted]
         except IndexError as exc:
             self.stats.nixl_failed_transfers += 1
             raise _KVLoadError(str(exc)) from exc
@@ -353,7 +393,7 @@ class FakeEngine:
             del content.tokens[need:]
             # A block that holds fewer tokens than claimed is garbage KV for the rest.
             content.tokens += [_GARBAGE] * (need - len(content.tokens))
-        if not all(
+        if stale or not all(
             is_true_content(c, prompt, first + i, hashes, bs) for i, c in enumerate(contents)
         ):
             self._fabric.record_wrong_reuse(self)
@@ -402,23 +442,7 @@ class FakeEngine:
             return None
         ttl = self.config.kv_lease_duration if is_producer else self.config.decoder_kv_blocks_ttl
         deadline = self._clock() + ttl
-        ack: LeaseAck | None = None
-        if not is_producer and self._book is not None:
-            # AgentKVConnector._apply_policy: the persist hint decides decode's pin.
-            decision = decide_pin(params, default_ttl_s=ttl, max_ttl_s=self._book.max_ttl_s)
-            if not decision.pin:
-                self._pool.free(block_ids)
-                # The shape stock vLLM sends when it keeps nothing: no blocks, no tokens.
-                return {
-                    **self._handle_params(request, [], producer=False, num_tokens=0, expiry=None),
-                    HINTS_KEY: LeaseAck(pinned=False).to_wire(),
-                }
-            lease, ack = self._book.grant(
-                request.request_id, (tuple(block_ids),), ttl_s=decision.ttl_s
-            )
-            if decision.error is not None:
-                ack = dataclasses.replace(ack, error=decision.error)
-            deadline = lease.deadline
+        # NixlPullConnector.request_finished: keep the blocks until the deadline, describe them.
         self._pins[request.request_id] = _Pin(block_ids, deadline, turn_end=not is_producer)
         heapq.heappush(self._deadlines, (deadline, request.request_id))
         out = self._handle_params(
@@ -430,9 +454,28 @@ class FakeEngine:
         )
         if is_producer:
             out["remote_prefill_cached_tokens"] = num_cached
-        if ack is not None:
-            out[HINTS_KEY] = ack.to_wire()
-        return out
+            return out
+        if self._book is None:
+            return out
+        # AgentKVConnector._apply_policy: the same function, on this engine's pins.
+        _, answer = apply_pin_policy(
+            self._book,
+            self,
+            request_id=request.request_id,
+            params=params,
+            result=(True, out),
+            default_ttl_s=ttl,
+        )
+        return answer
+
+    # PinControl (AgentKVConnector's view of vLLM's NIXL scheduler fields).
+    def set_deadline(self, request_id: str, deadline: float) -> None:
+        self._set_deadline(request_id, deadline)
+
+    def unpin(self, request_id: str) -> None:
+        pin = self._pins.pop(request_id, None)
+        if pin is not None:
+            self._pool.free(pin.block_ids)
 
     def _handle_params(
         self,

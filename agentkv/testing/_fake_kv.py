@@ -177,5 +177,10 @@ class BlockPool:
             raise IndexError(f"block {block_id} is outside the KV cache")
         return self._block(block_id).content.copy()
 
+    def held(self, block_id: int) -> bool:
+        """Whether some request still holds the block (a freed one may be handed out any time)."""
+        block = self._blocks.get(block_id)
+        return block is not None and block.ref_cnt > 0
+
     def write(self, block_id: int, content: BlockContent) -> None:
         self._block(block_id).content = content.copy()

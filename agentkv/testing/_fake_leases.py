@@ -1,6 +1,7 @@
 """agentkv's lease routes on a fake server, as ``agentkv/connector/_endpoint.py`` serves them.
 
-``GET /v1/agentkv/info``, ``POST /v1/agentkv/leases/release`` and ``/extend``: bodies, statuses
+``GET /v1/agentkv/info``, ``POST /v1/agentkv/leases/release``, ``/extend`` and
+``/v1/agentkv/requests/release``: bodies, statuses
 and error codes as the endpoint plugin answers them; the decisions are the real connector's
 (``LeaseService`` on the engine's ``LeaseBook``, see ``FakeEngine.lease_op``). A server with the
 plugin but a stock connector (``FakeCluster(leases=False)`` with ``stream_handles``) answers
@@ -10,38 +11,24 @@ plugin but a stock connector (``FakeCluster(leases=False)`` with ``stream_handle
 from __future__ import annotations
 
 import json
-from typing import Any, Final
+from typing import Any
 
 from agentkv._hints import (
-    INVALID_REQUEST,
-    LEASE_EXPIRED,
-    LEASES_UNAVAILABLE,
-    UNKNOWN_LEASE,
     ExtendRequest,
     ExtendResult,
     HintError,
     LeaseRef,
+    RequestRelease,
     ServerInfo,
+    lease_error,
 )
 from agentkv.testing._fake_engine import FakeEngine
 from agentkv.testing._fake_reply import Reply
 
-_ERRORS: Final = {
-    "unknown": (404, UNKNOWN_LEASE, "no such lease, or not yours"),
-    "expired": (410, LEASE_EXPIRED, "the lease has expired; its blocks are being freed"),
-    "invalid": (400, INVALID_REQUEST, "not a lease request"),
-    "unavailable": (
-        501,
-        LEASES_UNAVAILABLE,
-        "this server's KV connector is not AgentKVConnector; hints are ignored",
-    ),
-}
-
 
 def _error(status: str, message: object = None) -> Reply:
-    code, name, default = _ERRORS.get(status, (500, "internal", f"lease call answered {status}"))
-    text = message if isinstance(message, str) and message else default
-    return Reply.error(code, {"error": {"code": name, "message": text}})
+    code, body = lease_error(status, message)
+    return Reply.error(code, body)
 
 
 def _body(body: bytes) -> Any:
@@ -75,6 +62,18 @@ def release(engine: FakeEngine, body: bytes) -> Reply:
     if answer.get("status") != "ok":
         return _error(str(answer.get("status")), answer.get("message"))
     return Reply(json={"released": True})
+
+
+def release_request(engine: FakeEngine, body: bytes) -> Reply:
+    try:
+        release = RequestRelease.from_wire(_body(body))
+    except HintError as exc:
+        return _error("invalid", str(exc))
+    answer = engine.lease_op("release_request", release.to_wire())
+    if answer.get("status") != "ok":
+        return _error(str(answer.get("status")), answer.get("message"))
+    released = answer.get("released")
+    return Reply(json={"released": released if isinstance(released, int) else 0})
 
 
 def extend(engine: FakeEngine, body: bytes) -> Reply:

@@ -37,9 +37,11 @@ FinishReason = Literal["stop", "length"]
 class ToolSpec:
     """What the tool-call grammar forces: ``required`` (any tool) or a ``named`` one."""
 
-    mode: Literal["required", "named"]
-    tools: tuple[Mapping[str, Any], ...]
+    mode: Literal["required", "named", "json"]
+    tools: tuple[Mapping[str, Any], ...] = ()
     name: str | None = None
+    # ``json``: an instance of this schema (``structured_outputs.json``).
+    schema: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +141,8 @@ def tool_call_text(rng: random.Random, tool: ToolSpec) -> str:
     ``required``: a JSON array of ``{"name", "parameters"}`` objects (vLLM's schema for
     required tool calls); ``named``: the function's arguments object alone.
     """
+    if tool.mode == "json":
+        return json.dumps(_value(rng, tool.schema or {}))
     functions = {str(_function(t).get("name")): _function(t) for t in tool.tools}
     if tool.mode == "named":
         function = functions[str(tool.name)]
@@ -161,6 +165,12 @@ def _arguments(rng: random.Random, schema: Any) -> dict[str, Any]:
 
 
 def _value(rng: random.Random, schema: Mapping[str, Any]) -> Any:
+    if "const" in schema:
+        return schema["const"]
+    for key in ("anyOf", "oneOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and options:
+            return _value(rng, rng.choice(options))
     enum = schema.get("enum")
     if isinstance(enum, Sequence) and not isinstance(enum, str) and enum:
         return rng.choice(list(enum))
@@ -175,7 +185,8 @@ def _value(rng: random.Random, schema: Mapping[str, Any]) -> Any:
         return {n: _value(rng, props[n]) for n in names}
     if kind == "array":
         items = schema.get("items")
-        return [_value(rng, items)] if isinstance(items, Mapping) else []
+        count = max(1, int(schema.get("minItems", 1)))
+        return [_value(rng, items) for _ in range(count)] if isinstance(items, Mapping) else []
     scalars: dict[str, Callable[[], Any]] = {
         "integer": lambda: rng.randint(0, 100),
         "number": lambda: round(rng.uniform(0, 100), 2),

@@ -139,6 +139,10 @@ class ChatRequest:
     chat_template: Any
     chat_template_kwargs: Any
     cache_salt: str | None = None
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    # ``structured_outputs.json``: the schema decoding is constrained to.
+    json_schema: Any = None
 
 
 _TYPE_ERRORS: Final[dict[type, tuple[str, str]]] = {
@@ -224,9 +228,23 @@ def parse_chat_request(data: Any) -> ChatRequest:
         prompt_token_ids=prompt_token_ids,
         request_id=_field(data, "request_id", str, None),
         cache_salt=_field(data, "cache_salt", str, None),
+        stop=_stop(data.get("stop")),
+        json_schema=(_field(data, "structured_outputs", dict, None) or {}).get("json"),
+        include_stop_str_in_output=bool(_field(data, "include_stop_str_in_output", bool, False)),
         chat_template=data.get("chat_template"),
         chat_template_kwargs=data.get("chat_template_kwargs"),
     )
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    """``StopParam``: a string, a list of strings, or null."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise schema_error("string_type", ("body", "stop"), "Input should be a valid string", value)
+    return tuple(value)
 
 
 def _tool_fields(data: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any]:

@@ -43,6 +43,11 @@ class ChatOutput:
     num_cached_tokens: int
     num_cache_creation_tokens: int
     kv_transfer_params: dict[str, Any] | None
+    # A stop string ended the output: the string, and the text as vLLM truncated it.
+    stop_reason: str | None = None
+    text: str | None = None
+    # Characters a stream holds back while a stop string could still be completing.
+    stop_buffer: int = 0
 
 
 def _named_tool(request: ChatRequest) -> str | None:
@@ -92,7 +97,9 @@ def chat_completion(
     request: ChatRequest, output: ChatOutput, tok: FakeTokenizer, *, tool_parser: bool
 ) -> dict[str, Any]:
     """The non-streaming body."""
-    text = tok.decode(output.token_ids, skip_special_tokens=True)
+    text = output.text
+    if text is None:
+        text = tok.decode(output.token_ids, skip_special_tokens=True)
     content: str | None = text
     tool_calls: list[dict[str, Any]] = []
     named = _named_tool(request)
@@ -122,7 +129,7 @@ def chat_completion(
         "message": message,
         "logprobs": None,
         "finish_reason": finish,
-        "stop_reason": None,
+        "stop_reason": output.stop_reason,
         "token_ids": list(output.token_ids) if request.return_token_ids else None,
         "routed_experts": None,
     }
@@ -161,6 +168,25 @@ def _utf8_deltas(tok: FakeTokenizer, ids: list[int]) -> list[str]:
         else:
             text, pending = pending.decode(errors="replace"), b""
         out.append(text)
+    return out
+
+
+def _held_back(deltas: list[str], final: str | None, buffer: int) -> list[str]:
+    """``get_next_output_text`` with a stop buffer: each delta holds back ``buffer`` characters
+    (a stop string may be completing), the last one sends the rest of the final text."""
+    full = "".join(deltas) if final is None else final
+    out: list[str] = []
+    sent = 0
+    seen = 0
+    last = len(deltas) - 1
+    for i, delta in enumerate(deltas):
+        seen += len(delta)
+        upto = len(full) if i == last else min(seen - buffer, len(full))
+        if upto > sent:
+            out.append(full[sent:upto])
+            sent = upto
+        else:
+            out.append("")
     return out
 
 
@@ -305,6 +331,8 @@ def chat_completion_chunks(
     head = _chunk_head(output.response_id, output.created, output.model)
     chunks = [_role_chunk(request, head, output.role, output.prompt_token_ids)]
     deltas = _utf8_deltas(tok, output.token_ids)
+    if output.text is not None or output.stop_buffer:
+        deltas = _held_back(deltas, output.text, output.stop_buffer)
     stream = _DeltaStream(request, "".join(deltas), tool_parser=tool_parser)
     last = len(output.token_ids) - 1
     for i, (token_id, delta_text) in enumerate(zip(output.token_ids, deltas, strict=True)):
@@ -314,7 +342,7 @@ def chat_completion_chunks(
         choice: dict[str, Any] = {"index": 0, "delta": delta or {}, "logprobs": None}
         choice["finish_reason"] = stream.finish_reason(output.finish_reason) if i == last else None
         if i == last:
-            choice["stop_reason"] = None
+            choice["stop_reason"] = output.stop_reason
         choice["token_ids"] = [token_id] if request.return_token_ids else None
         chunk: dict[str, Any] = {**head, "choices": [choice]}
         if request.continuous_usage:

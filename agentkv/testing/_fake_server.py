@@ -6,7 +6,7 @@ import copy
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from agentkv._hints import EXTEND_PATH, INFO_PATH, RELEASE_PATH
+from agentkv._hints import EXTEND_PATH, INFO_PATH, RELEASE_PATH, RELEASE_REQUEST_PATH
 from agentkv.testing import _fake_endpoints as endpoints
 from agentkv.testing import _fake_leases as leases
 from agentkv.testing._fake_chat import serve_chat
@@ -49,6 +49,8 @@ class FakeServer:
         self.side_channel = side_channel
         self.requests: list[Any] = []
         """Parsed JSON bodies of the chat completion requests this server received."""
+        self.request_headers: list[dict[str, str]] = []
+        """Their headers (lower-case names), in the same order."""
         self._ctx = context
         self._faults = FaultQueue()
         self._listeners: list[Lifecycle] = []
@@ -177,6 +179,7 @@ class FakeServer:
             )
             routes[RELEASE_PATH] = ("POST", lambda: leases.release(engine, body))
             routes[EXTEND_PATH] = ("POST", lambda: leases.extend(engine, body))
+            routes[RELEASE_REQUEST_PATH] = ("POST", lambda: leases.release_request(engine, body))
         route = routes.get(path)
         if route is None:
             return endpoints.http_error(404, "Not Found")
@@ -197,6 +200,7 @@ class FakeServer:
         """Parse a chat body and keep a copy in :attr:`requests` (raises on bad JSON)."""
         data = parse_json_body(body, headers.get("content-type"))
         self.requests.append(copy.deepcopy(data))
+        self.request_headers.append({k.lower(): v for k, v in headers.items()})
         return data
 
     def _new_engine(self) -> FakeEngine:

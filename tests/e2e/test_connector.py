@@ -22,12 +22,16 @@ from agentkv._hints import (
     EXTEND_PATH,
     INFO_PATH,
     RELEASE_PATH,
+    RELEASE_REQUEST_PATH,
     ExtendRequest,
     ExtendResult,
     LeaseAck,
     LeaseRef,
     PersistHint,
+    RequestRelease,
     for_prefill,
+    new_request_secret,
+    request_tag,
     with_expiry,
     with_hint,
 )
@@ -61,8 +65,10 @@ class Pair:
     def post(self, url: str, path: str, body: dict[str, Any]) -> httpx.Response:
         return self.client.post(f"{url}{path}", json=body)
 
-    def chat(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = self.post(url, "/v1/chat/completions", body)
+    def chat(
+        self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        response = self.client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
         assert response.status_code == 200, response.text
         data: dict[str, Any] = response.json()
         return data
@@ -182,9 +188,12 @@ class Conversation:
                 "max_tokens": self.max_tokens, "temperature": 0.0, "return_token_ids": True,
                 "kv_transfer_params": with_hint(params, hint) if hint else params}
 
-    def decode(self, p_params: dict[str, Any], hint: PersistHint | None) -> dict[str, Any]:
+    def decode(
+        self, p_params: dict[str, Any], hint: PersistHint | None, *, request_id: str | None = None
+    ) -> dict[str, Any]:
         """A non-streamed D leg; returns decode's turn-end params (the handle)."""
-        data = self.pair.chat(self.pair.d_url, self._decode_body(p_params, hint))
+        headers = {"X-Request-Id": request_id} if request_id else None
+        data = self.pair.chat(self.pair.d_url, self._decode_body(p_params, hint), headers)
         self.generated = data["choices"][0]["token_ids"]
         params: dict[str, Any] = data["kv_transfer_params"]
         return params
@@ -278,6 +287,40 @@ def test_release_returns_decode_kv_usage_to_idle_within_seconds(pair: Pair) -> N
     usage, waited = pair.wait_usage(lambda u: u <= idle, timeout_s=5)
     assert usage <= idle, (usage, idle, waited)
     assert _release(pair, handle).status_code == 404  # gone: nothing left to release
+
+
+def test_a_d_leg_is_released_by_the_secret_behind_its_client_chosen_request_id(
+    pair: Pair,
+) -> None:
+    """vLLM names the engine request after X-Request-Id; the connector finds it by the tag."""
+    idle = pair.settle()
+    convo = Conversation(pair, "granary")
+    secret = new_request_secret()
+    p_params, _ = convo.prefill(None)
+    handle = convo.decode(p_params, PersistHint(ttl_s=300), request_id=request_tag(secret))
+    assert handle["remote_request_id"].startswith(f"chatcmpl-{request_tag(secret)}-")
+    assert pair.kv_usage() > idle
+    by_tag = RequestRelease(secret=request_tag(secret)).to_wire()  # the public tag opens nothing
+    assert pair.post(pair.d_url, RELEASE_REQUEST_PATH, by_tag).json() == {"released": 0}
+    response = pair.post(pair.d_url, RELEASE_REQUEST_PATH, RequestRelease(secret=secret).to_wire())
+    assert response.status_code == 200, response.text
+    assert response.json() == {"released": 1}
+    usage, waited = pair.wait_usage(lambda u: u <= idle, timeout_s=5)
+    assert usage <= idle, (usage, idle, waited)
+    assert _release(pair, handle).status_code == 404
+
+
+def test_a_request_released_before_it_finished_is_never_pinned(pair: Pair) -> None:
+    idle = pair.settle()
+    convo = Conversation(pair, "cellar")
+    secret = new_request_secret()
+    early = pair.post(pair.d_url, RELEASE_REQUEST_PATH, RequestRelease(secret=secret).to_wire())
+    assert early.json() == {"released": 0}
+    p_params, _ = convo.prefill(None)
+    handle = convo.decode(p_params, PersistHint(ttl_s=300), request_id=request_tag(secret))
+    assert LeaseAck.from_params(handle) == LeaseAck(pinned=False)
+    assert not any(handle["remote_block_ids"])
+    assert pair.settle() <= idle
 
 
 def test_a_final_turn_pins_nothing(pair: Pair) -> None:

@@ -214,7 +214,11 @@ def test_a_server_killed_between_turns_moves_the_session_with_its_transcript_int
     ):
         s.append(Message.system(SYSTEM))
         s.send(QUESTIONS[0])
-        s.save(saved)
+        # The transcript for the cold reference, saved from a fork: a session that saved its own
+        # handle confirms it with decode before the next attach (a dead decode cannot), which
+        # would skip the pull from the dead decode this test is about.
+        with s.fork(keep=3) as copy:
+            copy.save(saved)
         victim = _pair_of(record, s)
         stop_group(victim.decode.pid if role == "decode" else victim.prefill.pid)
         moved = s.send(QUESTIONS[1])
@@ -282,7 +286,11 @@ def test_a_server_killed_mid_turn_reruns_the_turn_on_the_other_pair(
     ):
         s.append(Message.system(SYSTEM))
         s.send(QUESTIONS[0])
-        s.save(saved)
+        # The transcript for the cold reference, saved from a fork: a session that saved its own
+        # handle confirms it with decode before the next attach (a dead decode cannot), which
+        # would skip the pull from the dead decode this test is about.
+        with s.fork(keep=3) as copy:
+            copy.save(saved)
         victim = _pair_of(record, s)
         server = victim.decode if role == "decode" else victim.prefill
         hit = _kill_while_busy(lambda: s.send(question, **options), server.url, server.pid)

@@ -92,9 +92,9 @@ def test_a_different_conversation_starts_a_new_session(cluster):
 
 
 def test_unreadable_replies_are_retried_and_still_line_up_with_the_history(cluster, fake):
-    """The fake ignores structured outputs, so JSON replies are unreadable: the model is told,
-    twice, and the answer's id still maps to every message of those turns."""
-    llm = ChatAgentKV(cluster=cluster, tool_calling=JsonToolCalling())
+    """Replies cut by max_tokens are unreadable JSON: the model is told, twice, and the answer's
+    id still maps to every message of those turns."""
+    llm = ChatAgentKV(cluster=cluster, tool_calling=JsonToolCalling(), max_tokens=3)
     history: list[BaseMessage] = [HumanMessage("Add.")]
     ai = llm.bind_tools([add]).invoke(history)
     assert ai.tool_calls == []
@@ -125,3 +125,57 @@ def test_tool_errors_and_async_calls(cluster):
     assert (tool_message.role, tool_message.content) == ("tool", "it broke")
     with pytest.raises(InvalidMessageError):
         llm.invoke([HumanMessage("x"), ChatMessage(content="x", role="critic")])
+
+
+def _solo_answers(
+    conversations: list[list[BaseMessage]], max_tokens: int, rounds: int = 1
+) -> list[list[str]]:
+    """Each conversation alone, on a pair of its own: ``rounds`` calls, each extending the last."""
+    answers = []
+    for conversation in conversations:
+        fake = FakeCluster(pairs=1, clock=ManualClock())
+        with Cluster.from_dict(fake.cluster_spec, transport=fake.transport, block_size=16) as c:
+            llm = ChatAgentKV(
+                cluster=c, max_tokens=max_tokens, extra_body={"min_tokens": max_tokens - 10}
+            )
+            texts, history = [], list(conversation)
+            for _ in range(rounds):
+                ai = llm.invoke(history)
+                texts.append(str(ai.content))
+                history += [ai, HumanMessage("Go on.")]
+            llm.close()
+        answers.append(texts)
+    return answers
+
+
+def test_batch_items_get_a_session_each_and_answer_as_if_run_alone(cluster, fake):
+    """LangChain's ``batch`` calls the model from several threads at once."""
+    # Answers long enough that the next turn's pull clears the recompute threshold.
+    llm = ChatAgentKV(cluster=cluster, max_tokens=80, extra_body={"min_tokens": 70})
+    conversations: list[list[BaseMessage]] = [
+        [SystemMessage("Be brief."), HumanMessage(f"Tell me about topic number {i}.")]
+        for i in range(6)
+    ]
+    solo = _solo_answers(conversations, 80, rounds=2)
+    for round_ in range(2):  # the second round extends each conversation: each reuses its KV
+        answers = llm.batch(conversations, config={"max_concurrency": 6})
+        assert [a.content for a in answers] == [texts[round_] for texts in solo]
+        assert len({a.response_metadata["agentkv"]["session_id"] for a in answers}) == 6
+        conversations = [
+            [*conversation, answer, HumanMessage("Go on.")]
+            for conversation, answer in zip(conversations, answers, strict=True)
+        ]
+    assert all(a.response_metadata["agentkv"]["handle_state"] == "attached" for a in answers)
+    assert fake.wrong_reuse_events == 0
+    llm.close()
+    assert fake.decode(0).pinned_handles == 0
+
+
+async def test_abatch_items_get_a_session_each(cluster, fake):
+    llm = ChatAgentKV(cluster=cluster, max_tokens=16, extra_body={"min_tokens": 6})
+    conversations = [[HumanMessage(f"Question {i}?")] for i in range(4)]
+    answers = await llm.abatch(conversations)
+    assert len({a.response_metadata["agentkv"]["session_id"] for a in answers}) == 4
+    assert [[a.content] for a in answers] == _solo_answers(conversations, 16)
+    llm.close()
+    assert fake.wrong_reuse_events == 0

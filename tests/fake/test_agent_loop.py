@@ -135,6 +135,23 @@ def test_tool_exceptions_become_messages_and_the_loop_goes_on(cluster):
     assert run.stop_reason == "answer"
 
 
+@tool
+def silent(key: str) -> str:
+    """Finds nothing."""
+    return ""
+
+
+def test_a_tool_returning_nothing_is_reported_to_the_model_and_the_loop_goes_on(cluster):
+    """An empty result used to make ``InvalidMessageError`` (empty tool content) end the run."""
+    run = Agent(cluster, tools=[silent], max_steps=2, tool_calling=forced("silent")).run("Go.")
+    (empty,) = run.tool_results
+    assert empty.ok
+    assert empty.output == ""
+    (message,) = [m for m in run.messages if m.role == "tool"]
+    assert message.content == "(the tool returned nothing)"
+    assert run.stop_reason == "answer"
+
+
 def test_invalid_arguments_and_timeouts_are_reported_to_the_model(cluster):
     run = Agent(cluster, tools=[picky], max_steps=2, tool_calling=forced("picky")).run("Go.")
     (invalid,) = run.tool_results

@@ -221,12 +221,13 @@ async def test_one_shot_requests_keep_no_session(openai_client, fake, http, clus
     assert (await http.get("/healthz")).json()["sessions"] == 0
 
 
-async def test_prompt_cache_key_names_the_session(openai_client, fake, http):
+async def test_prompt_cache_key_places_conversations_but_does_not_name_one(openai_client, fake):
+    """Many conversations under one key: each extends its own session (test_proxy_fields.py)."""
     messages = [{"role": "user", "content": "Hi"}]
-    await openai_client.chat.completions.create(
+    raw = await openai_client.chat.completions.with_raw_response.create(
         model=fake.model, messages=messages, max_tokens=8, extra_body={"prompt_cache_key": "pck"}
     )
-    assert (await http.get("/v1/sessions/pck")).status_code == 200
+    assert raw.headers["x-agentkv-session-id"].startswith("pck-")
 
 
 async def test_forged_kv_transfer_params_get_400_and_reach_no_server(openai_client, fake):

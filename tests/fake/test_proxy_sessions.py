@@ -282,3 +282,59 @@ def _digest(key: str) -> str:
     from agentkv.proxy._config import key_digest
 
     return key_digest(key)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_shot_requests_ask_decode_to_pin_nothing(stream):
+    """No session id: no next turn. The D leg says so (a final turn), so decode pins nothing and
+    no release call is needed (one that a lost connection would skip)."""
+    fake = FakeCluster(pairs=1, clock=ManualClock())
+    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
+        app = create_app(cluster, ProxyConfig())
+        async with _client(app) as client:
+            response = await client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "Hi"}], "stream": stream},
+            )
+            assert response.status_code == 200, response.text
+    assert fake.decode(0).requests[-1]["kv_transfer_params"]["agentkv"]["persist"] is False
+    assert fake.decode(0).pinned_handles == 0
+
+
+def _salts(server) -> list[object]:
+    return [body.get("cache_salt") for body in server.requests]
+
+
+async def test_each_key_gets_its_own_prefix_cache_salt_on_both_legs(cluster, fake):
+    """No key's requests can hit (and so time) another key's cached prefix (issue 15.7)."""
+    app = create_app(cluster, ProxyConfig(api_keys=KEYS))
+    async with _client(app, "sk-alice") as alice, _client(app, "sk-bob") as bob:
+        await _turn(alice, "a", [{"role": "user", "content": "Shared system prompt. Hi"}])
+        await _turn(alice, "a2", [{"role": "user", "content": "Shared system prompt. Hi"}])
+        await _turn(bob, "b", [{"role": "user", "content": "Shared system prompt. Hi"}])
+    legs = [s for server in fake.servers for s in _salts(server)]
+    assert len(legs) == 6
+    assert all(isinstance(salt, str) and salt for salt in legs)
+    assert len(set(legs)) == 2  # one salt per key, the same on every leg of that key
+
+
+async def test_the_prefix_cache_can_be_shared_across_keys_when_asked(cluster, fake):
+    app = create_app(cluster, ProxyConfig(api_keys=KEYS, isolate_prefix_caches=False))
+    async with _client(app, "sk-alice") as alice:
+        await _turn(alice, "a", [{"role": "user", "content": "Hi"}])
+    assert [s for server in fake.servers for s in _salts(server)] == [None, None]
+
+
+async def test_metrics_can_be_put_behind_the_api_keys(cluster):
+    app = create_app(cluster, ProxyConfig(api_keys=KEYS, metrics_need_key=True))
+    async with _client(app) as anonymous, _client(app, "sk-alice") as alice:
+        assert (await anonymous.get("/metrics")).status_code == 401
+        assert (await alice.get("/metrics")).status_code == 200
+        assert (await anonymous.get("/healthz")).status_code == 200
+
+
+def test_metrics_behind_keys_needs_keys():
+    from agentkv import ConfigError
+
+    with pytest.raises(ConfigError, match="api_keys"):
+        ProxyConfig(metrics_need_key=True)

@@ -136,9 +136,20 @@ def test_when_retries_run_out_the_turn_fails_and_changes_nothing(cluster, fake, 
     assert fake.wrong_reuse_events == 0
 
 
-@pytest.mark.parametrize("leg", ["prefill", "decode"])
 @pytest.mark.parametrize(
-    "kind", ["malformed_json", "truncated_json", "no_kv_transfer_params", "bad_kv_transfer_params"]
+    ("leg", "kind"),
+    [
+        (leg, kind)
+        for leg in ("prefill", "decode")
+        for kind in (
+            "malformed_json",
+            "truncated_json",
+            "no_kv_transfer_params",
+            "bad_kv_transfer_params",
+        )
+        # A decode answer without params is a turn without a handle (test_stop_strings.py).
+        if (leg, kind) != ("decode", "no_kv_transfer_params")
+    ],
 )
 def test_malformed_answers_are_typed_errors_and_leave_the_transcript(cluster, fake, leg, kind):
     s, prefill, decode = started(cluster, fake)
@@ -256,4 +267,19 @@ def test_leaving_a_stream_early_commits_nothing(cluster, fake):
     stream.close()
     assert s.transcript == before
     assert s.turn().stats.handle_state is HandleState.CONSUMED
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_handle_dropped_because_prefill_refused_the_connection_is_released_on_decode(
+    cluster, fake, clock
+):
+    """Prefill never got the P leg, so the handle was never read: decode must not keep it."""
+    s, prefill, decode = started(cluster, fake)
+    assert decode.leased_handles == 1
+    prefill.kill()
+    result = s.send("And Spain?")
+    assert result.stats.handle_state is HandleState.INVALIDATED
+    assert servers(fake, s)[0] is not prefill  # the session moved to the healthy pair
+    assert decode.leased_handles == 0  # released now, not after its 480 s TTL
+    assert result.token_ids == reference_answer(clock)
     assert fake.wrong_reuse_events == 0

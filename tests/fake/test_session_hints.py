@@ -1,7 +1,9 @@
 """Sessions and agentkv's decode extension, on the fake pair: what decode holds, and for how long.
 
 Facts are read from the fake decode server (its pins, leases and KV usage, the bodies it got),
-not from the SDK's bookkeeping.
+not from the SDK's bookkeeping. The fake decides pins with ``AgentKVConnector``'s own code
+(``apply_pin_policy``, ``LeaseBook``, ``LeaseService`` in ``agentkv/connector/_leases.py``), not a
+copy of it; ``tests/unit/test_connector_policy.py`` tests that code on vLLM's scheduler fields.
 """
 
 from __future__ import annotations

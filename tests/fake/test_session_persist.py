@@ -13,6 +13,7 @@ from agentkv import (
     Cluster,
     HandleState,
     Message,
+    RequestTimeoutError,
     RetryPolicy,
     Session,
     SessionBusyError,
@@ -109,8 +110,9 @@ def test_a_handle_decode_freed_behind_our_back_costs_a_retry_never_a_wrong_answe
     clock.advance(3600.0)  # decode's TTL ran out; the wall clock (our deadline) did not move
     with open_cluster(fake, clock) as cluster, Session.load(path, cluster) as s:
         result = s.send(QUESTIONS[2])
-    assert result.stats.handle_state is HandleState.CONSUMED
-    assert result.stats.retries == 1
+    # Decode is asked before the handle is attached: it no longer holds it, so no pull is tried.
+    assert result.stats.handle_state is HandleState.EXPIRED
+    assert result.stats.retries == 0
     assert result.token_ids == uninterrupted(clock)[2]
     assert fake.wrong_reuse_events == 0
 
@@ -247,3 +249,164 @@ async def test_a_session_cannot_be_saved_while_a_turn_runs(fake, clock, tmp_path
             s.save(tmp_path / "s.json")
         await stream.aclose()
         assert not (tmp_path / "s.json").exists()
+
+
+# --- a handle from a file is never trusted on its word (issue 15, item 1) -----------------------
+
+
+def _fill_decode(cluster, n=6):
+    """Other tenants run long turns on the same decode node, taking whatever blocks are free."""
+    for i in range(n):
+        with cluster.session(session_id=f"other-{i}", max_tokens=60) as other:
+            other.append(Message.user(f"Tenant {i}: write a long story about topic {i}. " * 6))
+            other.turn(extra_body={"min_tokens": 50})
+
+
+def test_a_handle_released_by_close_is_never_attached_after_a_load(clock, tmp_path):
+    """save -> close (releases decode's pin) -> other tenants take the blocks -> load -> send."""
+    fake = FakeCluster(pairs=1, clock=clock, num_kv_blocks=90)
+    path = tmp_path / "session.json"
+    with open_cluster(fake, clock) as cluster:
+        s = cluster.session(session_id="s", **LONG)
+        s.append(SYSTEM)
+        for question in QUESTIONS[:2]:
+            s.send(question)
+        s.save(path)
+        s.close()  # releases decode's pin: the file still names its blocks
+        assert fake.decode(0).leased_handles == 0
+        _fill_decode(cluster)
+        with Session.load(path, cluster) as again:
+            result = again.send(QUESTIONS[2])
+    assert fake.wrong_reuse_events == 0
+    assert result.stats.handle_state is not HandleState.ATTACHED
+    assert "decode no longer holds" in result.stats.handle_reason
+    assert result.token_ids == uninterrupted(clock)[2]
+
+
+def test_a_file_loaded_twice_attaches_its_handle_at_most_once(clock, tmp_path):
+    fake = FakeCluster(pairs=1, clock=clock, num_kv_blocks=90)
+    path = tmp_path / "session.json"
+    two_turns_saved(fake, clock, path)
+    with open_cluster(fake, clock) as cluster:
+        with Session.load(path, cluster) as first:
+            assert first.send(QUESTIONS[2]).stats.handle_state is HandleState.ATTACHED
+        _fill_decode(cluster)
+        with Session.load(path, cluster) as second:  # the crash-and-reload case
+            result = second.send(QUESTIONS[2])
+    assert result.stats.handle_state is not HandleState.ATTACHED
+    assert fake.wrong_reuse_events == 0
+    assert result.token_ids == uninterrupted(clock)[2]
+
+
+def test_on_stock_vllm_a_loaded_handle_is_never_attached(clock, tmp_path):
+    """Stock decode has no lease to ask about: a handle from a file cannot be confirmed."""
+    fake = FakeCluster(pairs=1, clock=clock, leases=False, stream_handles=False)
+    path = tmp_path / "session.json"
+    two_turns_saved(fake, clock, path)
+    with open_cluster(fake, clock) as cluster, Session.load(path, cluster) as s:
+        result = s.send(QUESTIONS[2])
+    assert result.stats.handle_state is HandleState.INVALIDATED
+    assert "stock vLLM" in result.stats.handle_reason
+    assert result.token_ids == uninterrupted(clock)[2]
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_consumed_or_released_handle_is_never_saved(fake, clock, tmp_path):
+    once = RetryPolicy(max_attempts=1)
+    with Cluster.from_dict(
+        fake.cluster_spec, transport=fake.transport, clock=clock, block_size=16, retry=once
+    ) as cluster:
+        s = cluster.session(session_id="s", **LONG)
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        s.append(Message.user(QUESTIONS[1]))
+        fake.decode(0).fail_next("timeout")  # the P leg read (consumed) the handle; D's answer lost
+        with pytest.raises(RequestTimeoutError):
+            s.turn(max_tokens=100)
+        assert s.handle is None
+        s.save(tmp_path / "a.json")
+        s.close()
+        s.save(tmp_path / "b.json")
+    for name in ("a.json", "b.json"):
+        assert json.loads((tmp_path / name).read_text())["handle"] is None
+
+
+def test_a_file_saved_for_another_model_is_a_session_load_error(fake, clock, tmp_path):
+    path = tmp_path / "session.json"
+    two_turns_saved(fake, clock, path)
+    other = FakeCluster(pairs=2, clock=clock, model="another-model")
+    with open_cluster(other, clock) as cluster:
+        with pytest.raises(SessionLoadError, match="another-model"):
+            Session.load(path, cluster)
+        assert cluster.loads() == {"pair-0": 0, "pair-1": 0}
+
+
+def test_a_file_saved_under_another_tokenizer_is_a_session_load_error(fake, clock, tmp_path):
+    """Same model name, another tokenizer or chat template: the saved token ids mean nothing."""
+    path = tmp_path / "session.json"
+    two_turns_saved(fake, clock, path)
+    data = json.loads(path.read_text())
+    assert data["model"] == fake.model
+    assert isinstance(data["tokenizer"], str)
+    data["tokenizer"] = "0123456789abcdef"  # what another tokenizer's fingerprint looks like
+    path.write_text(json.dumps(data))
+    with open_cluster(fake, clock) as cluster, Session.load(path, cluster) as s:
+        with pytest.raises(SessionLoadError, match="tokenizer"):
+            s.send(QUESTIONS[2])
+        assert len(s.turns) == 2  # nothing sent, nothing committed
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_live_session_whose_saved_copy_consumed_its_handle_never_attaches_it(clock, tmp_path):
+    """Found by the fuzzer (tests/fake/fuzz_corpus): save -> load a copy -> the copy's turn
+    consumes the handle (decode frees it) -> the original, still open, attached it and pulled
+    freed blocks. After a save the original confirms its handle with decode like a loaded one."""
+    fake = FakeCluster(pairs=1, clock=clock, num_kv_blocks=90)
+    path = tmp_path / "session.json"
+    with open_cluster(fake, clock) as cluster:
+        original = cluster.session(session_id="s", **LONG)
+        original.append(SYSTEM)
+        for question in QUESTIONS[:2]:
+            original.send(question)
+        original.save(path)
+        with Session.load(path, cluster) as copy:
+            assert copy.send(QUESTIONS[2]).stats.handle_state is HandleState.ATTACHED
+        _fill_decode(cluster)
+        result = original.send(QUESTIONS[2])
+        original.close()
+    assert fake.wrong_reuse_events == 0
+    assert result.stats.handle_state is not HandleState.ATTACHED
+    assert result.token_ids == uninterrupted(clock)[2]
+
+
+def test_a_live_session_whose_saved_copy_was_closed_early_never_attaches_the_released_handle(
+    clock, tmp_path
+):
+    """An early release, not an expiry: the copy's close frees the pin the original still names."""
+    fake = FakeCluster(pairs=1, clock=clock, num_kv_blocks=90)
+    path = tmp_path / "session.json"
+    with open_cluster(fake, clock) as cluster:
+        original = cluster.session(session_id="s", **LONG)
+        original.append(SYSTEM)
+        for question in QUESTIONS[:2]:
+            original.send(question)
+        original.save(path)
+        Session.load(path, cluster).close()  # releases decode's pin long before its TTL
+        assert fake.decode(0).leased_handles == 0
+        _fill_decode(cluster)
+        result = original.send(QUESTIONS[2])
+        original.close()
+    assert fake.wrong_reuse_events == 0
+    assert "decode no longer holds" in result.stats.handle_reason
+    assert result.token_ids == uninterrupted(clock)[2]
+
+
+def test_after_a_save_the_original_still_attaches_a_handle_decode_confirms(fake, clock, tmp_path):
+    with open_cluster(fake, clock) as cluster, cluster.session(session_id="s", **LONG) as s:
+        s.append(SYSTEM)
+        for question in QUESTIONS[:2]:
+            s.send(question)
+        s.save(tmp_path / "session.json")
+        result = s.send(QUESTIONS[2])
+    assert result.stats.handle_state is HandleState.ATTACHED
+    assert fake.wrong_reuse_events == 0

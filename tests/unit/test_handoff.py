@@ -254,7 +254,7 @@ def test_decode_without_pinned_blocks_gives_no_handle():
         (_without(DECODE_ANSWER, "choices", 0, "message"), "message"),
         (_with(DECODE_ANSWER, 5, "choices", 0, "message", "content"), "content"),
         (_with(DECODE_ANSWER, [{"id": 1}], "choices", 0, "message", "tool_calls"), "tool call"),
-        (_without(DECODE_ANSWER, "kv_transfer_params"), "no kv_transfer_params"),
+        (_with(DECODE_ANSWER, "x", "kv_transfer_params"), "not an object"),
         (_without(DECODE_ANSWER, "kv_transfer_params", "remote_host"), "remote_host"),
         (_with(DECODE_ANSWER, "502", "kv_transfer_params", "remote_num_tokens"), "remote_num"),
         (_with(DECODE_ANSWER, False, "kv_transfer_params", "do_remote_decode"), "do_remote_decode"),
@@ -264,6 +264,22 @@ def test_decode_without_pinned_blocks_gives_no_handle():
 def test_parse_decode_rejects_what_vllm_would_not_send(data, detail):
     with pytest.raises(MalformedResponseError, match=detail):
         decode(data)
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop_reason"), [("stop", "Observation:"), ("repetition", None), ("stop", None)]
+)
+def test_a_decode_answer_without_params_is_a_turn_without_a_handle(finish, stop_reason):
+    """vLLM ends stop-string and repetition requests in its front end: ``kv_transfer_params`` is
+    null. That is a normal answer without a handle, not a malformed one."""
+    data = _with(DECODE_ANSWER, None, "kv_transfer_params")
+    data = _with(data, finish, "choices", 0, "finish_reason")
+    data = _with(data, stop_reason, "choices", 0, "stop_reason")
+    result = decode(data)
+    assert result.handle is None
+    assert result.finish_reason == finish
+    assert result.stop_reason == stop_reason
+    assert result.token_ids
 
 
 def _chunks():

@@ -6,8 +6,15 @@ import itertools
 
 import pytest
 
-from agentkv._hints import LeaseRef
-from agentkv.connector._leases import LeaseBook, Outcome, PinDecision, decide_pin
+from agentkv._hints import LeaseRef, RequestRelease, request_tag, tag_of_request_id
+from agentkv.connector._leases import (
+    MAX_TOMBSTONES,
+    TOMBSTONE_S,
+    LeaseBook,
+    Outcome,
+    PinDecision,
+    decide_pin,
+)
 
 BLOCKS = ((10, 11, 12),)
 
@@ -137,3 +144,68 @@ def test_pins_freed_by_vllm_leave_the_book() -> None:
 def test_the_book_needs_a_positive_cap() -> None:
     with pytest.raises(ValueError, match="max_ttl_s"):
         LeaseBook(clock=Clock(), max_ttl_s=0)
+
+
+# --- release by the client's request id (a D leg whose answer was lost) -----------------------
+
+
+def _engine_id(secret: str, suffix: str = "1a2b3c4d") -> str:
+    # vLLM: "chatcmpl-{X-Request-Id}-{8 random characters}".
+    return f"chatcmpl-{request_tag(secret)}-{suffix}"
+
+
+def test_the_secret_behind_a_request_id_releases_its_pin() -> None:
+    book = _book(Clock())
+    book.grant(_engine_id("mine"), BLOCKS, ttl_s=30)
+    book.grant(_engine_id("theirs"), ((20,),), ttl_s=30)
+    assert book.release_request(RequestRelease(secret="mine")) == [_engine_id("mine")]
+    assert _engine_id("mine") not in book
+    assert _engine_id("theirs") in book
+
+
+def test_the_request_id_itself_releases_nothing() -> None:
+    """The tag travels in the clear (logs, response ids, prefill); only its preimage acts."""
+    book = _book(Clock())
+    book.grant(_engine_id("mine"), BLOCKS, ttl_s=30)
+    assert book.release_request(RequestRelease(secret=request_tag("mine"))) == []
+    assert book.release_request(RequestRelease(secret=_engine_id("mine"))) == []
+    assert _engine_id("mine") in book
+
+
+def test_a_release_before_the_request_finished_keeps_it_from_being_pinned() -> None:
+    clock = Clock()
+    book = _book(clock)
+    assert book.release_request(RequestRelease(secret="early")) == []
+    decision = book.decide(_engine_id("early"), None, default_ttl_s=480)
+    assert decision == PinDecision(pin=False, ttl_s=0.0, withheld=True)
+    # Another request, or the same one long after, is pinned as usual.
+    assert book.decide(_engine_id("other"), None, default_ttl_s=480).pin
+    clock.now += TOMBSTONE_S
+    assert book.decide(_engine_id("early"), None, default_ttl_s=480).pin
+
+
+def test_a_flood_of_early_releases_keeps_only_the_newest_tombstones() -> None:
+    clock = Clock()
+    book = _book(clock)
+    for i in range(MAX_TOMBSTONES + 10):
+        book.release_request(RequestRelease(secret=f"s{i}"))
+    assert not book.decide(_engine_id(f"s{MAX_TOMBSTONES + 9}"), None, default_ttl_s=1).pin
+    assert book.decide(_engine_id("s0"), None, default_ttl_s=1).pin  # evicted: stock pinning
+
+
+def test_request_ids_not_chosen_by_agentkv_are_never_matched() -> None:
+    book = _book(Clock())
+    book.grant("chatcmpl-0123abcd-1a2b3c4d", BLOCKS, ttl_s=30)
+    assert tag_of_request_id("chatcmpl-0123abcd-1a2b3c4d") is None
+    assert tag_of_request_id(_engine_id("x")) == request_tag("x")
+    assert tag_of_request_id(f"chatcmpl-{request_tag('x')}") == request_tag("x")  # no suffix
+    assert book.decide("chatcmpl-0123abcd-1a2b3c4d", None, default_ttl_s=480).pin
+
+
+def test_a_lease_freed_by_vllm_leaves_the_tag_index_too() -> None:
+    book = _book(Clock())
+    book.grant(_engine_id("mine"), BLOCKS, ttl_s=30)
+    book.forget([_engine_id("mine")])
+    # Nothing to release, so this only tombstones (the request is gone anyway).
+    assert book.release_request(RequestRelease(secret="mine")) == []
+    assert len(book) == 0

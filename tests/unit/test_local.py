@@ -7,12 +7,19 @@ import json
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from agentkv import ConfigError
-from agentkv.local._config import ClusterRecord, LocalClusterConfig, PairRecord, ServerRecord
+from agentkv import AsyncCluster, ConfigError
+from agentkv.local._config import (
+    ClusterRecord,
+    LocalClusterConfig,
+    PairRecord,
+    PoolServerRecord,
+    ServerRecord,
+)
 from agentkv.local._launch import (
     ServerPlan,
     StartupError,
@@ -61,6 +68,20 @@ def test_the_cluster_file_records_dtype_and_an_emulated_isa(tmp_path: Path) -> N
     assert ClusterRecord.read(path) == record
 
 
+def test_the_servers_recompute_threshold_reaches_the_sdks_policy(tmp_path: Path) -> None:
+    """The local pair pulls down to 1 token; a default policy would skip handles below 64."""
+    path = tmp_path / "cluster.json"
+    record = replace(_record(), kv_recompute_threshold=1)
+    record.write(path)
+    assert ClusterRecord.read(path) == record
+    assert AsyncCluster.from_file(path).policy.recompute_threshold == 1
+    _record().write(path)  # not recorded: vLLM's default
+    assert AsyncCluster.from_file(path).policy.recompute_threshold == 64
+    bad = {**record.to_json(), "kv_recompute_threshold": "1"}
+    with pytest.raises(ConfigError, match="kv_recompute_threshold"):
+        AsyncCluster.from_dict(bad)
+
+
 @pytest.mark.parametrize(
     "content", ["", "{", "[]", '{"model": "m"}', '{"model": "m", "pairs": [{}]}']
 )
@@ -97,6 +118,8 @@ def test_every_server_gets_distinct_ports_and_a_role(tmp_path: Path) -> None:
         assert transfer["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
         assert "--enable-prefix-caching" in argv
         assert "--enable-prompt-tokens-details" in argv
+        outputs = json.loads(argv[argv.index("--structured-outputs-config") + 1])
+        assert outputs == {"backend": "xgrammar", "disable_any_whitespace": True}
         assert plan.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(plan.side_channel_port)
         assert plan.env["VLLM_CPU_OMP_THREADS_BIND"] == str(plan.core)
         assert plan.log.parent == (tmp_path / "logs").resolve()
@@ -252,3 +275,89 @@ def test_healing_refuses_a_cluster_of_another_shape(tmp_path: Path) -> None:
     plans = plan_servers(config, model_path=tmp_path)
     with pytest.raises(StartupError, match=r"pair-0 decode .*18101.*agentkv down"):
         restart_plans(_record(), [("pair-0", "decode")], plans, source=config.cluster_file)
+
+
+# --- pools (agentkv up --prefill N --decode M) --------------------------------------------------
+
+
+def _pool_record(config: LocalClusterConfig, plans: list[ServerPlan]) -> ClusterRecord:
+    return ClusterRecord(
+        model=config.model,
+        pool=tuple(
+            PoolServerRecord(
+                name=p.pair,
+                role=p.role,
+                server=ServerRecord(url=p.url, pid=100 + i, log=str(p.log)),
+            )
+            for i, p in enumerate(plans)
+        ),
+    )
+
+
+def test_a_pool_plans_its_servers_by_role_on_distinct_ports(tmp_path: Path) -> None:
+    config = LocalClusterConfig(prefill=2, decode=1, cluster_file=tmp_path / "c.json")
+    plans = plan_servers(config, model_path=tmp_path / "model")
+    assert [(p.pair, p.role, p.port) for p in plans] == [
+        ("prefill-0", "prefill", 18100),
+        ("prefill-1", "prefill", 18102),
+        ("decode-0", "decode", 18101),
+    ]
+    ports = [p.port for p in plans] + [p.side_channel_port for p in plans]
+    assert len(set(ports)) == len(ports)
+    assert len({p.log for p in plans}) == 3
+    for plan in plans:
+        argv = list(plan.argv)
+        transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert transfer["kv_role"] == ("kv_producer" if plan.role == "prefill" else "kv_consumer")
+
+
+def test_a_pool_cluster_file_round_trips_and_opens_as_a_pool(tmp_path: Path) -> None:
+    from agentkv import Cluster
+
+    config = LocalClusterConfig(prefill=2, decode=1, cluster_file=tmp_path / "c.json")
+    record = _pool_record(config, plan_servers(config, model_path=tmp_path))
+    record.write(config.cluster_file)
+    data = json.loads(config.cluster_file.read_text())
+    assert [s["name"] for s in data["prefill"]] == ["prefill-0", "prefill-1"]
+    assert {"name", "url", "pid", "log"} <= set(data["decode"][0])
+    assert ClusterRecord.read(config.cluster_file) == record
+    assert [(n, r) for n, r, _ in record.servers] == [
+        ("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")
+    ]
+    with Cluster.from_file(config.cluster_file) as cluster:
+        assert [pair.name for pair in cluster.pairs] == ["decode-0"]
+        assert list(cluster._async.prefills) == ["prefill-0", "prefill-1"]
+    threshold = replace(record, kv_recompute_threshold=1)
+    threshold.write(config.cluster_file)
+    assert ClusterRecord.read(config.cluster_file) == threshold
+    with Cluster.from_file(config.cluster_file) as cluster:
+        assert cluster._async.policy.recompute_threshold == 1
+
+
+def test_healing_a_pool_restarts_exactly_its_dead_servers(tmp_path: Path) -> None:
+    config = LocalClusterConfig(prefill=2, decode=1, cluster_file=tmp_path / "c.json")
+    plans = plan_servers(config, model_path=tmp_path)
+    record = _pool_record(config, plans)
+    chosen = restart_plans(record, [("prefill-1", "prefill")], plans, source=config.cluster_file)
+    assert [(p.pair, p.port) for p in chosen] == [("prefill-1", 18102)]
+    renewed = record.with_pids({("prefill-1", "prefill"): 999})
+    assert [s.pid for _, _, s in renewed.servers] == [100, 999, 102]
+
+
+@pytest.mark.parametrize("shape", [{"prefill": 2}, {"decode": 1}, {"prefill": 0, "decode": 1}])
+def test_a_pool_needs_both_roles(shape: dict[str, int]) -> None:
+    with pytest.raises(ConfigError, match="pool"):
+        LocalClusterConfig(**shape)  # type: ignore[arg-type]
+
+
+def test_up_with_prefill_and_decode_flags_configures_a_pool(tmp_path: Path) -> None:
+    from agentkv.cli import _local_config, build_parser
+
+    args = build_parser().parse_args(
+        ["up", "--prefill", "2", "--decode", "1", "--cluster-file", str(tmp_path / "c.json")]
+    )
+    config = _local_config(args)
+    assert (config.prefill, config.decode, config.pool) == (2, 1, True)
+    assert [role for _, role, _ in config.servers] == ["prefill", "prefill", "decode"]
+    pairs = _local_config(build_parser().parse_args(["up", "--pairs", "2"]))
+    assert not pairs.pool

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv._placement import place, rank
+from agentkv._placement import PrefillWeights, choose_prefill, place, rank
 
 PAIRS = ["pair0", "pair1", "pair2", "pair3"]
 ids = st.text(min_size=1, max_size=30)
@@ -59,3 +60,82 @@ def test_an_overloaded_first_choice_is_skipped():
 def test_spread_is_roughly_even_without_load_feedback():
     counts = Counter(place(f"s{i}", PAIRS, loads={}, healthy=set(PAIRS)) for i in range(4000))
     assert min(counts.values()) > 800
+
+
+# --- prefill choice (pools) --------------------------------------------------------------------
+
+PREFILLS = ["p0", "p1", "p2"]
+loads_st = st.dictionaries(st.sampled_from(PREFILLS), st.integers(0, 100_000))
+
+
+@given(ids, loads_st, st.sampled_from([*PREFILLS, None]))
+def test_a_prefill_is_the_least_loaded_or_the_warm_one_within_the_slack(key, loads, warm):
+    weights = PrefillWeights(slack_tokens=1000, slack_ratio=0.5)
+    chosen = choose_prefill(
+        key, PREFILLS, loads=loads, healthy=set(PREFILLS), warm=warm, weights=weights
+    )
+    least = min(loads.get(p, 0) for p in PREFILLS)
+    if chosen == warm:
+        assert loads.get(warm, 0) - least < max(1000, 0.5 * least)
+    else:
+        assert loads.get(chosen, 0) == least
+        assert warm is None or loads.get(warm, 0) - least >= max(1000, 0.5 * least)
+
+
+def test_the_warm_prefill_wins_when_loads_are_close_and_loses_when_they_are_not():
+    weights = PrefillWeights(slack_tokens=2048, slack_ratio=0.25)
+    healthy = set(PREFILLS)
+    close = {"p0": 2047, "p1": 0, "p2": 10}
+    assert (
+        choose_prefill("k", PREFILLS, loads=close, healthy=healthy, warm="p0", weights=weights)
+        == "p0"
+    )
+    far = {"p0": 2048, "p1": 0, "p2": 10}
+    assert (
+        choose_prefill("k", PREFILLS, loads=far, healthy=healthy, warm="p0", weights=weights)
+        == "p1"
+    )
+    # On a busy pool the slack is proportional: 25% of the least loaded.
+    busy = {"p0": 12_400, "p1": 10_000, "p2": 10_000}
+    assert (
+        choose_prefill("k", PREFILLS, loads=busy, healthy=healthy, warm="p0", weights=weights)
+        == "p0"
+    )
+
+
+def test_a_dead_warm_prefill_is_never_chosen_and_none_when_all_are_dead():
+    assert choose_prefill("k", PREFILLS, loads={}, healthy={"p2"}, warm="p0") == "p2"
+    assert choose_prefill("k", PREFILLS, loads={}, healthy=set(), warm="p0") is None
+
+
+def test_equal_loads_spread_turns_over_the_pool_by_key():
+    """Without a warm prefill, ties go by the key's rendezvous rank: turns spread evenly."""
+    counts = Counter(
+        choose_prefill(f"s/{i}", PREFILLS, loads={}, healthy=set(PREFILLS)) for i in range(3000)
+    )
+    assert set(counts) == set(PREFILLS)
+    assert max(counts.values()) < 1.15 * min(counts.values())
+
+
+def test_pure_load_weights_ignore_warmth():
+    weights = PrefillWeights(slack_tokens=0, slack_ratio=0.0)
+    loads = {"p0": 1, "p1": 0, "p2": 0}
+    assert (
+        choose_prefill(
+            "k", PREFILLS, loads=loads, healthy=set(PREFILLS), warm="p0", weights=weights
+        )
+        != "p0"
+    )
+    # Between equals the key's rank decides, not warmth.
+    for warm in PREFILLS:
+        assert (
+            choose_prefill(
+                "k", PREFILLS, loads={}, healthy=set(PREFILLS), warm=warm, weights=weights
+            )
+            == rank("k", PREFILLS)[0]
+        )
+
+
+def test_negative_weights_are_refused():
+    with pytest.raises(ValueError, match="non-negative"):
+        PrefillWeights(slack_tokens=-1)

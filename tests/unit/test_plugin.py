@@ -13,10 +13,29 @@ def test_the_plugin_environment_adds_agentkv_to_the_allowlist_and_keeps_others()
     assert _plugin.plugin_env({"VLLM_PLUGINS": "a"})["VLLM_PLUGINS"] == "a,agentkv"
 
 
-def test_without_the_flag_the_plugin_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("allowlist", [None, "agentkv"])
+def test_without_the_flag_the_plugin_does_nothing(
+    monkeypatch: pytest.MonkeyPatch, allowlist: str | None
+) -> None:
+    from agentkv.connector import _compile_cache, _engine_rpc, _quiet
+
+    calls: list[str] = []
+    monkeypatch.setattr(_quiet, "apply", lambda: calls.append("quiet"))
+    monkeypatch.setattr(_engine_rpc, "install", lambda: calls.append("leases"))
+    monkeypatch.setattr(_compile_cache, "apply", lambda: calls.append("compile_cache"))
     monkeypatch.delenv("AGENTKV_VLLM_PLUGIN", raising=False)
-    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    _plugin.register()  # no error, no vLLM import
+    if allowlist is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", allowlist)
+    assert _plugin.enabled() is False
+    _plugin.register()  # no error, and nothing installed in this vLLM process
+    assert calls == []
+    # The same environment with the flag installs all three (so the check above can fail).
+    monkeypatch.setenv("AGENTKV_VLLM_PLUGIN", "1")
+    monkeypatch.setenv("VLLM_PLUGINS", "agentkv")
+    _plugin.register()
+    assert sorted(calls) == ["compile_cache", "leases", "quiet"]
 
 
 @pytest.mark.parametrize("allowlist", [None, "", "lora_filesystem_resolver"])

@@ -22,6 +22,10 @@ yaml = pytest.importorskip("yaml")
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 # Flags whose values belong to a deployment (which model, where it listens, how long a context).
 DEPLOYMENT_FLAGS = {"--model", "--served-model-name", "--host", "--port", "--max-model-len"}
+# The local pair's tool calls go through structured outputs (no tool parser) with a 135M model,
+# which pads free-whitespace JSON past max_tokens; GPU deployments parse tool calls natively and
+# keep vLLM's "auto" backend (docs/proxy.md, "Tool calls").
+LOCAL_ONLY_FLAGS = {"--structured-outputs-config"}
 # What only the local CPU stack needs: vLLM's CPU backend, and an offline model cache.
 LOCAL_ONLY_ENV = {"VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "HF_HUB_OFFLINE"}
 # NIXL stages KV through host memory on the CPU build only; on GPUs it moves device memory.
@@ -76,7 +80,7 @@ def test_vllm_flags_match_agentkv_up(role):
     assert container["command"][-1] == module
     local = _flags(list(_local_plan(role).argv))
     deployed = _flags(container["args"])
-    shared = set(local) - DEPLOYMENT_FLAGS - {"--kv-transfer-config"}
+    shared = set(local) - DEPLOYMENT_FLAGS - LOCAL_ONLY_FLAGS - {"--kv-transfer-config"}
     assert set(deployed) - DEPLOYMENT_FLAGS - {"--kv-transfer-config"} == shared
     for flag in shared:
         assert deployed[flag] == local[flag], flag
@@ -111,31 +115,70 @@ def test_vllm_environment_matches_agentkv_up(role):
     assert host == "status.podIP"
 
 
-def test_the_cluster_file_names_every_pair_of_the_statefulsets():
+def test_the_cluster_file_names_every_server_of_the_pools():
     prefill = _workload("StatefulSet", "prefill")
     decode = _workload("StatefulSet", "decode")
-    pairs = prefill["spec"]["replicas"]
-    assert decode["spec"]["replicas"] == pairs
     config_map = next(d for d in _documents() if d["kind"] == "ConfigMap")
     spec = json.loads(config_map["data"]["cluster.json"])
-    pair_list, model, _ = _parse_spec(spec, "cluster.json")
+    pairs, model, extra = _parse_spec(spec, "cluster.json")
     served = _flags(_container(prefill)["args"])["--served-model-name"]
     assert model == served == _flags(_container(decode)["args"])["--served-model-name"]
     namespace = prefill["metadata"]["namespace"]
-    for i, pair in enumerate(pair_list):
-        for role, workload in (("prefill", prefill), ("decode", decode)):
-            service = workload["spec"]["serviceName"]
-            port = _flags(_container(workload)["args"])["--port"]
-            expected = f"http://{service}-{i}.{service}.{namespace}.svc.cluster.local:{port}"
-            assert getattr(pair, role) == expected
-    assert len(pair_list) == pairs
+
+    def urls(workload):
+        service = workload["spec"]["serviceName"]
+        port = _flags(_container(workload)["args"])["--port"]
+        return [
+            f"http://{service}-{i}.{service}.{namespace}.svc.cluster.local:{port}"
+            for i in range(workload["spec"]["replicas"])
+        ]
+
+    # A pool, scaled separately: every prefill pod in the prefill list, every decode pod a "pair".
+    assert list(extra["prefill_pool"].values()) == urls(prefill)
+    assert [pair.decode for pair in pairs] == urls(decode)
+    assert prefill["spec"]["replicas"] != decode["spec"]["replicas"]
 
 
-def test_the_proxy_manifest_parses_with_the_proxy_cli():
+def _proxy_args():
     container = _container(_workload("Deployment", "proxy"))
     parser = argparse.ArgumentParser(prog="agentkv")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(container["args"])
+    return container, parser.parse_args(container["args"])
+
+
+def test_the_proxy_replicas_share_sessions_in_the_deployed_redis():
+    proxy = _workload("Deployment", "proxy")
+    assert proxy["spec"]["replicas"] == 3
+    _, args = _proxy_args()
+    args.api_keys = None  # the key file exists only in the cluster
+    config = config_from_args(args)
+    redis = _workload("Deployment", "redis")
+    service = next(
+        d
+        for d in _documents()
+        if d["kind"] == "Service"
+        and d["metadata"]["labels"]["app.kubernetes.io/component"] == "redis"
+    )
+    port = service["spec"]["ports"][0]["port"]
+    namespace = redis["metadata"]["namespace"]
+    host = f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
+    assert config.state is not None
+    assert config.state.startswith(f"redis://{host}:{port}/")
+    assert _container(redis)["ports"][0]["containerPort"] == service["spec"]["ports"][0][
+        "targetPort"
+    ]
+    assert redis["spec"]["replicas"] == 1  # the store's scripts need one primary
+
+
+@pytest.mark.parametrize("component", ["proxy", "redis"])
+def test_every_deployment_has_readiness_and_liveness_probes(component):
+    container = _container(_workload("Deployment", component))
+    assert container["readinessProbe"]
+    assert container["livenessProbe"]
+
+
+def test_the_proxy_manifest_parses_with_the_proxy_cli():
+    container, args = _proxy_args()
     assert args.command == "proxy"
     assert args.cluster_file == "/etc/agentkv/cluster.json"
     assert args.api_keys, "a deployed proxy authenticates its clients"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from agentkv import (
     BadRequestError,
@@ -16,6 +19,7 @@ from agentkv import (
 from agentkv.proxy import ApiKeys, ProxyConfig
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
+from agentkv.proxy._registry import _split_key, store_key
 from agentkv.proxy._request import parse_chat_request, session_id_from
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -42,18 +46,71 @@ def test_client_kv_transfer_params_are_refused():
 
 
 @pytest.mark.parametrize(
-    "field",
-    ["chat_template", "prompt_token_ids", "return_token_ids", "cache_salt", "echo", "priority"],
+    ("field", "value"),
+    [
+        ("chat_template", "{{ messages }}"),
+        ("chat_template_kwargs", {"enable_thinking": True}),
+        ("prompt_token_ids", [1, 2]),
+        ("cache_salt", "x"),
+        ("echo", True),
+        ("add_generation_prompt", False),
+        ("continue_final_message", True),
+        ("add_special_tokens", True),
+        ("truncate_prompt_tokens", 10),
+        ("reasoning_effort", "low"),
+        ("documents", [{"title": "t", "text": "x"}]),
+        ("vllm_xargs", {"a": 1}),
+        ("ec_transfer_params", {}),
+        ("use_beam_search", True),
+        ("n", 2),
+    ],
 )
-def test_unknown_and_vllm_only_fields_are_refused(field):
-    """Fields that could change the prompt's tokens behind the session's back never pass."""
-    error = refusal(**{field: "x"})
-    assert (error.status, error.param, error.code) == (400, field, "unsupported_parameter")
+def test_fields_that_change_the_prompt_or_address_kv_are_refused(field, value):
+    """Before: chat_template etc. were "unsupported", n=2 "only 1"; now each says why."""
+    error = refusal(**{field: value})
+    assert (error.status, error.param, error.code) == (400, field, "forbidden_parameter")
+    assert field in error.message
 
 
-def test_sampling_fields_pass_to_decode_and_openai_only_fields_are_dropped():
-    request = parse(top_p=0.9, seed=3, stop=["\n"], user="u1", store=False, metadata={"a": "b"})
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("echo", False), ("add_generation_prompt", True), ("n", 1), ("chat_template", None)],
+)
+def test_harmless_defaults_of_refused_fields_are_accepted(field, value):
+    assert field not in parse(**{field: value}).extra
+
+
+def test_every_field_vllm_accepts_is_passed_ignored_or_refused_never_unknown():
+    """vLLM 0.32's ChatCompletionRequest fields: none gets 'unsupported parameter'."""
+    passed = {
+        "frequency_penalty": 0.1, "logit_bias": {"5": 1.0}, "presence_penalty": 0.1,
+        "response_format": {"type": "text"}, "seed": 1, "stop": ["x"], "top_p": 0.9,
+        "include_reasoning": True, "thinking_token_budget": 5, "top_k": 3, "min_p": 0.1,
+        "repetition_penalty": 1.1, "watermarking": False, "length_penalty": 1.0,
+        "stop_token_ids": [3], "include_stop_str_in_output": True, "ignore_eos": False,
+        "min_tokens": 1, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+        "allowed_token_ids": [1, 2], "bad_words": ["x"], "structured_outputs": {"json": {}},
+        "priority": 0, "repetition_detection": None, "stream_interval": 1,
+    }  # fmt: skip
+    ignored = {
+        "user": "u", "request_id": "r", "return_token_ids": True, "prompt_logprobs": 1,
+        "return_tokens_as_token_ids": True, "return_token_offsets": True,
+        "return_prompt_text": True, "return_mm_kwargs": True, "routed_experts_prompt_start": 0,
+        "logprob_token_ids": [1], "metadata": {}, "store": False, "service_tier": "auto",
+        "safety_identifier": "s", "prompt_cache_retention": "24h", "modalities": ["text"],
+        "some_future_field": 1,
+    }  # fmt: skip
+    request = parse(**passed, **ignored, conversation_id="c1", session_id="s1")
+    assert dict(request.extra) == passed
+    assert set(request.ignored) == set(ignored)
+
+
+def test_sampling_fields_pass_to_decode_and_openai_only_fields_are_ignored_with_a_warning():
+    with capture_logs() as logs:
+        request = parse(top_p=0.9, seed=3, stop=["\n"], user="u1", store=False, metadata={})
     assert dict(request.extra) == {"top_p": 0.9, "seed": 3, "stop": ["\n"]}
+    [event] = [e for e in logs if e["event"] == "agentkv.proxy.fields_ignored"]
+    assert event["fields"] == ["metadata", "store", "user"]
 
 
 def test_max_completion_tokens_wins_and_the_default_fills_in():
@@ -67,7 +124,6 @@ def test_max_completion_tokens_wins_and_the_default_fills_in():
     [
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
-        ({"n": 2}, "n"),
         ({"stream": "yes"}, "stream"),
         ({"temperature": "hot"}, "temperature"),
         ({"logprobs": True}, "logprobs"),
@@ -94,10 +150,13 @@ def test_streams_read_include_usage():
     assert not parse(stream=True).include_usage
 
 
-def test_the_session_id_comes_from_the_header_then_prompt_cache_key():
-    request = parse(prompt_cache_key="from-body")
+def test_the_session_id_comes_from_the_header_then_conversation_id_then_session_id():
+    """prompt_cache_key names a shared prefix, not a conversation: it is no session key."""
+    request = parse(prompt_cache_key="pck", conversation_id="conv", session_id="sid")
     assert session_id_from("from-header", request) == "from-header"
-    assert session_id_from(None, request) == "from-body"
+    assert session_id_from(None, request) == "conv"
+    assert session_id_from(None, parse(session_id="sid", prompt_cache_key="pck")) == "sid"
+    assert session_id_from(None, parse(prompt_cache_key="pck")) is None
     assert session_id_from(None, parse()) is None
     for bad in ("", "   ", "x" * 257, "a\nb"):
         with pytest.raises(ProxyError):
@@ -180,7 +239,11 @@ def test_an_upstream_400_keeps_vllms_message():
 
 def test_metrics_render_in_prometheus_text_format():
     metrics = ProxyMetrics()
-    metrics.bind(sessions=lambda: 3, pair_sessions=lambda: {"pair-0": 2})
+    metrics.bind(
+        sessions=lambda: 3,
+        pair_sessions=lambda: {"pair-0": 2},
+        prefill_tokens=lambda: {"p1": 4096},
+    )
     metrics.requests.inc("chat", "200")
     metrics.request_seconds.observe(0.02, "false")
     metrics.reused_tokens.inc(amount=128)
@@ -192,4 +255,11 @@ def test_metrics_render_in_prometheus_text_format():
     assert "agentkv_proxy_reused_tokens_total 128" in text
     assert "agentkv_proxy_sessions 3" in text
     assert 'agentkv_proxy_pair_sessions{pair="pair-0"} 2' in text
+    assert 'agentkv_proxy_prefill_outstanding_tokens{prefill="p1"} 4096' in text
     assert "# TYPE agentkv_proxy_ttft_seconds histogram" in text
+
+
+@given(st.text(), st.text())
+def test_store_keys_are_unambiguous_whatever_the_principal_and_session_id_hold(principal, sid):
+    key = store_key(principal, sid)
+    assert _split_key(key) == (principal, sid)

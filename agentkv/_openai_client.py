@@ -1,0 +1,172 @@
+"""``agentkv.OpenAI`` / ``agentkv.AsyncOpenAI``: the openai SDK's clients, served in-process.
+
+Code written against the openai SDK (and every framework that takes an openai client) gets
+session reuse by changing the line that builds its client. These are real subclasses of
+``openai.OpenAI`` / ``openai.AsyncOpenAI``; their HTTP client's transport hands each request to
+the proxy's own ASGI app (``agentkv.proxy.create_app``) in this process, so a request is mapped
+onto its session by the proxy's code, not by a copy of it, with no network hop. Answers are the
+openai SDK's typed objects; the proxy's error answers become the SDK's own exceptions
+(``openai.BadRequestError``, ``openai.NotFoundError``, ...).
+
+The session key is what the proxy reads: ``extra_headers={"X-Session-ID": ...}``, the body's
+``conversation_id``, or ``session_id=`` given to the client (sent as ``X-Session-ID`` on every
+request); ``prompt_cache_key`` alone places conversations and finds each by its history.
+``close()`` closes every session and releases their pinned handles; a cluster the client opened
+from a file is closed with it.
+
+>>> import agentkv
+>>> client = agentkv.OpenAI(".agentkv/cluster.json", session_id="ticket-4711")  # doctest: +SKIP
+>>> reply = client.chat.completions.create(  # doctest: +SKIP
+...     model=client.model, messages=[{"role": "user", "content": "Hello!"}]
+... )
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+
+from agentkv._asgi_transport import AppTransport, AsyncAppTransport
+from agentkv._cluster import AsyncCluster, Cluster
+from agentkv.proxy._app import create_app
+from agentkv.proxy._config import ProxyConfig
+
+__all__ = ["AsyncOpenAI", "OpenAI"]
+
+# Requests never leave the process; the host only has to be a valid URL's.
+BASE_URL = "http://agentkv.in-process/v1"
+# Sessions are scoped by the key a client presents (docs/proxy.md): one key per process is
+# enough, and the caller's real OPENAI_API_KEY is never read.
+API_KEY = "agentkv-in-process"
+
+ClusterSource = str | Path
+
+
+def _headers(session_id: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    headers = dict(options.pop("default_headers", None) or {})
+    if session_id is not None:
+        headers["X-Session-ID"] = session_id
+    return headers
+
+
+def _is_copy(cluster: object, options: dict[str, Any]) -> bool:
+    """``copy()`` / ``with_options()`` build a new client from openai's own arguments, sharing
+    the HTTP client (and so the in-process app)."""
+    return cluster is None and options.get("http_client") is not None
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    for name in ("http_client", "base_url"):
+        if options.get(name) is not None:
+            raise TypeError(f"{name} is agentkv's: requests are served in-process by the cluster")
+
+
+def _served_model(http_client: object) -> str:
+    transport = getattr(http_client, "_transport", None)
+    return transport.model if isinstance(transport, AppTransport | AsyncAppTransport) else ""
+
+
+class AsyncOpenAI(openai.AsyncOpenAI):
+    """``openai.AsyncOpenAI`` on an agentkv cluster, in-process.
+
+    Args:
+        cluster: an ``AsyncCluster`` (not closed by the client) or a cluster file's path
+            (opened here and closed with the client).
+        session_id: the session every request of this client runs on (``X-Session-ID``);
+            without it, each request names its own (see the module docstring).
+        config: the proxy's configuration (idle expiry, session bound, tool calling mode).
+        **options: the openai client's own (``max_retries``, ``timeout``, ``default_headers``).
+
+    >>> async def main():  # doctest: +SKIP
+    ...     async with agentkv.AsyncOpenAI(cluster, session_id="s1") as client:
+    ...         reply = await client.chat.completions.create(model=client.model, messages=[...])
+    """
+
+    model: str
+
+    def __init__(
+        self,
+        cluster: AsyncCluster | ClusterSource | None = None,
+        *,
+        session_id: str | None = None,
+        config: ProxyConfig | None = None,
+        **options: Any,
+    ) -> None:
+        if _is_copy(cluster, options):
+            self.model = _served_model(options["http_client"])
+            super().__init__(**options)
+            return
+        if cluster is None:
+            raise TypeError("AsyncOpenAI needs a cluster: an AsyncCluster or a cluster file path")
+        _check_options(options)
+        owned = not isinstance(cluster, AsyncCluster)
+        source = cluster if isinstance(cluster, AsyncCluster) else AsyncCluster.from_file(cluster)
+        app = create_app(source, config)
+        transport = AsyncAppTransport(
+            app,
+            model=source.model,
+            lifespan=lambda: app.router.lifespan_context(app),
+            on_close=source.aclose if owned else None,
+        )
+        self.model = source.model
+        options.setdefault("api_key", API_KEY)
+        options["base_url"] = BASE_URL
+        super().__init__(
+            default_headers=_headers(session_id, options),
+            http_client=httpx2.AsyncClient(transport=transport, base_url=BASE_URL),
+            **options,
+        )
+
+
+class OpenAI(openai.OpenAI):
+    """``openai.OpenAI`` on an agentkv cluster, in-process (the sync twin of ``AsyncOpenAI``).
+
+    Args:
+        cluster: a ``Cluster`` (not closed by the client) or a cluster file's path (opened here
+            and closed with the client). The app runs on the cluster's own event-loop thread.
+        session_id: the session every request of this client runs on (``X-Session-ID``).
+        config: the proxy's configuration.
+        **options: the openai client's own.
+
+    >>> with agentkv.OpenAI(".agentkv/cluster.json", session_id="s1") as client:  # doctest: +SKIP
+    ...     reply = client.chat.completions.create(model=client.model, messages=[...])
+    """
+
+    model: str
+
+    def __init__(
+        self,
+        cluster: Cluster | ClusterSource | None = None,
+        *,
+        session_id: str | None = None,
+        config: ProxyConfig | None = None,
+        **options: Any,
+    ) -> None:
+        if _is_copy(cluster, options):
+            self.model = _served_model(options["http_client"])
+            super().__init__(**options)
+            return
+        if cluster is None:
+            raise TypeError("OpenAI needs a cluster: a Cluster or a cluster file path")
+        _check_options(options)
+        owned = not isinstance(cluster, Cluster)
+        source = cluster if isinstance(cluster, Cluster) else Cluster.from_file(cluster)
+        app = create_app(source._async, config)
+        transport = AppTransport(
+            app,
+            model=source.model,
+            portal=source._portal,
+            lifespan=lambda: app.router.lifespan_context(app),
+            on_close=source.close if owned else None,
+        )
+        self.model = source.model
+        options.setdefault("api_key", API_KEY)
+        options["base_url"] = BASE_URL
+        super().__init__(
+            default_headers=_headers(session_id, options),
+            http_client=httpx2.Client(transport=transport, base_url=BASE_URL),
+            **options,
+        )

@@ -1,0 +1,200 @@
+"""``SessionStore`` on Redis (or Valkey), through the ``redis`` library's asyncio client.
+
+Keys (``prefix`` defaults to ``agentkv:``):
+
+* ``{prefix}s:{key}``: a hash, ``snap`` (the snapshot bytes) and ``ver`` (its version).
+* ``{prefix}l:{key}``: the lock, holding the fencing token, with a ``PX`` lease.
+* ``{prefix}fence``: the fencing counter (``INCR``), shared by every session.
+* ``{prefix}idle``: a sorted set, session key -> last use (wall-clock milliseconds).
+
+Every operation is one Lua script, so one round trip and atomic: claiming (lock, fence, and the
+snapshot when the caller's copy is stale), committing (fence check, write, unlock, idle index),
+renewing, releasing and removing. A turn costs two round trips: ``claim`` and ``commit``.
+The multi-key scripts need every key on one node: a single Redis or a primary with replicas,
+not Redis Cluster.
+
+>>> store = RedisSessions.from_url("redis://127.0.0.1:6379/0")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from agentkv.proxy._store import Claim, ClaimLostError, StoreUnavailableError
+
+__all__ = ["RedisSessions"]
+
+_CLAIM = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return {0, redis.call('PTTL', KEYS[2])} end
+local fence = redis.call('INCR', KEYS[3])
+redis.call('SET', KEYS[2], fence, 'PX', ARGV[1])
+local ver = tonumber(redis.call('HGET', KEYS[1], 'ver') or '0')
+if ver > 0 and ver ~= tonumber(ARGV[2]) then
+  return {fence, ver, redis.call('HGET', KEYS[1], 'snap')}
+end
+return {fence, ver}
+"""
+
+_COMMIT = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'snap', ARGV[2], 'ver', ARGV[1])
+redis.call('DEL', KEYS[2])
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[4])
+return tonumber(ARGV[1])
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+_REMOVE = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+local cutoff = tonumber(ARGV[3])
+if cutoff >= 0 then
+  local used = redis.call('ZSCORE', KEYS[3], ARGV[2])
+  if used and tonumber(used) >= cutoff then
+    redis.call('DEL', KEYS[2])
+    return 0
+  end
+end
+local existed = redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[2])
+return existed
+"""
+
+
+@contextlib.contextmanager
+def _reachable() -> Iterator[None]:
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        raise StoreUnavailableError(f"the session store is unreachable: {exc}") from exc
+
+
+class RedisSessions:
+    """Sessions in Redis (see the module docstring).
+
+    Args:
+        client: a ``redis.asyncio.Redis`` (the store closes it in ``aclose``).
+        lease_s: how long a claim holds without renewal; the proxy renews it every third.
+        prefix: prepended to every key, so several deployments can share one Redis.
+        poll_s: the longest pause between attempts while another replica holds a session.
+    """
+
+    def __init__(
+        self,
+        client: Redis,
+        *,
+        lease_s: float = 30.0,
+        prefix: str = "agentkv:",
+        poll_s: float = 0.05,
+    ) -> None:
+        self._redis = client
+        self.lease_s = lease_s
+        self._lease_ms = max(1, int(lease_s * 1000))
+        self._prefix = prefix
+        self._poll_s = poll_s
+        self._claim = client.register_script(_CLAIM)
+        self._commit = client.register_script(_COMMIT)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+        self._remove = client.register_script(_REMOVE)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisSessions:
+        """From ``redis://HOST:PORT/DB`` (any URL ``redis.asyncio.Redis.from_url`` takes)."""
+        return cls(Redis.from_url(url), **options)
+
+    def _keys(self, key: str) -> tuple[str, str]:
+        return f"{self._prefix}s:{key}", f"{self._prefix}l:{key}"
+
+    @property
+    def _idle_key(self) -> str:
+        return f"{self._prefix}idle"
+
+    async def claim(self, key: str, *, known_version: int, wait_s: float) -> Claim:
+        session, lock = self._keys(key)
+        deadline = time.monotonic() + wait_s
+        pause = 0.001
+        while True:
+            with _reachable():
+                reply = await self._claim(
+                    keys=[session, lock, f"{self._prefix}fence"],
+                    args=[self._lease_ms, known_version],
+                )
+            fence = int(reply[0])
+            if fence:
+                version = int(reply[1])
+                data = bytes(reply[2]) if len(reply) > 2 else None
+                return Claim(key=key, fence=fence, version=version, data=data)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"session {key} stayed claimed for {wait_s:.1f} s")
+            # Held elsewhere: poll with backoff, never past the holder's lease or our deadline.
+            lease_left = max(0.001, int(reply[1]) / 1000.0)
+            await asyncio.sleep(min(pause, lease_left, left))
+            pause = min(pause * 2, self._poll_s)
+
+    async def renew(self, claim: Claim) -> bool:
+        _, lock = self._keys(claim.key)
+        return bool(await self._renew(keys=[lock], args=[claim.fence, self._lease_ms]))
+
+    async def commit(self, claim: Claim, data: bytes, *, used_at: float) -> int:
+        session, lock = self._keys(claim.key)
+        with _reachable():
+            version = int(
+                await self._commit(
+                    keys=[session, lock, self._idle_key],
+                    args=[claim.fence, data, int(used_at * 1000), claim.key],
+                )
+            )
+        if not version:
+            raise ClaimLostError(f"the claim on session {claim.key} was lost; nothing written")
+        return version
+
+    async def release(self, claim: Claim) -> None:
+        _, lock = self._keys(claim.key)
+        await self._release(keys=[lock], args=[claim.fence])
+
+    async def remove(self, claim: Claim, *, idle_before: float | None = None) -> bool:
+        session, lock = self._keys(claim.key)
+        cutoff = -1 if idle_before is None else int(idle_before * 1000)
+        removed = await self._remove(
+            keys=[session, lock, self._idle_key], args=[claim.fence, claim.key, cutoff]
+        )
+        return bool(removed)
+
+    async def peek(self, key: str) -> tuple[int, bytes | None]:
+        session, _ = self._keys(key)
+        with _reachable():
+            version, data = await self._redis.hmget(session, ["ver", "snap"])
+        if version is None or data is None:
+            return 0, None
+        return int(version), data if isinstance(data, bytes) else data.encode()
+
+    async def idle(self, *, before: float, limit: int) -> list[str]:
+        members = await self._redis.zrangebyscore(
+            self._idle_key, "-inf", f"({int(before * 1000)}", start=0, num=limit
+        )
+        return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+
+    async def ping(self) -> bool:
+        return bool(await self._redis.ping())
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()

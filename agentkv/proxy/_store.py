@@ -1,0 +1,106 @@
+"""Shared session state: the interface proxy replicas use to hand sessions to each other.
+
+A session's state (its snapshot: the token-exact transcript, the message mapping, the decode
+handle with its lease secret, the stats) lives in a store every replica reaches. A replica that
+serves a request for a session first *claims* it: a lock with a lease, and a fencing token that
+grows with every claim anywhere. While it holds the claim no other replica can claim the session;
+its writes (``commit``, ``remove``) succeed only while the store still holds that very token, so a
+holder whose lease ran out (a replica paused, partitioned, or slow past the lease) can never
+overwrite what the next holder wrote.
+
+The snapshot's version is the fencing token that committed it: versions never repeat, even
+across a delete and a new session under the same id, so a replica's cached copy is reused only
+when it is exactly the stored one (``Claim.data`` is ``None`` then, and nothing is transferred).
+
+``RedisSessions`` (``_redis_store``) is the implementation; without ``--state`` the proxy keeps
+sessions in its own memory and uses no store at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from agentkv._exceptions import AgentKVError
+
+__all__ = ["Claim", "ClaimLostError", "SessionStore", "StoreUnavailableError", "open_store"]
+
+
+class ClaimLostError(AgentKVError):
+    """The store no longer holds this claim's fencing token: another replica took the session
+    (the lease ran out) or it was deleted. Whatever this holder meant to write is refused."""
+
+
+class StoreUnavailableError(AgentKVError):
+    """The store could not be reached (connection refused, reset or timed out)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Claim:
+    """A held claim on one session.
+
+    ``fence`` is the fencing token; ``version`` the stored snapshot's version (0: none stored);
+    ``data`` the snapshot when it differs from the version the claimant said it holds.
+    """
+
+    key: str
+    fence: int
+    version: int
+    data: bytes | None = None
+
+
+class SessionStore(Protocol):
+    """Where replicas keep sessions (see the module docstring for the guarantees)."""
+
+    lease_s: float
+    """How long a claim holds without ``renew`` (holders renew every third of it)."""
+
+    async def claim(self, key: str, *, known_version: int, wait_s: float) -> Claim:
+        """Claim ``key``, waiting up to ``wait_s`` for another holder; ``TimeoutError`` then."""
+        ...
+
+    async def renew(self, claim: Claim) -> bool:
+        """Extend the claim's lease; ``False`` when it was lost."""
+        ...
+
+    async def commit(self, claim: Claim, data: bytes, *, used_at: float) -> int:
+        """Store ``data`` and release the claim; returns the new version.
+
+        Raises ``ClaimLostError`` (and stores nothing) when the claim was lost.
+        """
+        ...
+
+    async def release(self, claim: Claim) -> None:
+        """Release the claim without writing (a no-op when it was lost)."""
+        ...
+
+    async def remove(self, claim: Claim, *, idle_before: float | None = None) -> bool:
+        """Delete the session and release the claim; ``True`` only for the one caller that
+        deleted a stored snapshot. With ``idle_before`` (wall-clock seconds), only a session
+        last used before then is deleted (an idle sweep that raced a request loses)."""
+        ...
+
+    async def peek(self, key: str) -> tuple[int, bytes | None]:
+        """The stored version and snapshot, without claiming (``(0, None)`` when none)."""
+        ...
+
+    async def idle(self, *, before: float, limit: int) -> list[str]:
+        """Keys of sessions last used before ``before`` (wall-clock seconds)."""
+        ...
+
+    async def ping(self) -> bool: ...
+
+    async def aclose(self) -> None: ...
+
+
+def open_store(url: str, *, lease_s: float) -> SessionStore:
+    """The store a ``--state`` URL names (``redis://``: needs ``pip install 'agentkv[redis]'``)."""
+    try:
+        from agentkv.proxy._redis_store import RedisSessions
+    except ImportError as exc:  # pragma: no cover - depends on the installed extras
+        from agentkv._exceptions import ConfigError
+
+        raise ConfigError(
+            "--state redis://... needs the redis client: pip install 'agentkv[redis]'"
+        ) from exc
+    return RedisSessions.from_url(url, lease_s=lease_s)

@@ -1,0 +1,182 @@
+"""Pools (xPyD): a session pinned to its decode server, each turn's prefill chosen by load."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from agentkv import (
+    AsyncCluster,
+    Cluster,
+    ConfigError,
+    HandleState,
+    Message,
+    PrefillWeights,
+    RetryPolicy,
+)
+from agentkv.testing import FakeCluster, ManualClock
+
+SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
+QUESTIONS = [
+    "What is the capital of France? Explain the history of the city in detail please.",
+    "And what about Spain?",
+    "Which of the two is bigger?",
+    "Thanks. Summarize everything so far.",
+    "One more thing: which river runs through each?",
+    "And their populations?",
+]
+# Long enough answers that prefill pulls rather than recomputes (kv_recompute_threshold).
+LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
+FAST_RETRY = RetryPolicy(initial_backoff_s=0, jitter_s=0)
+
+
+@pytest.fixture
+def clock():
+    return ManualClock()
+
+
+def open_pool(fake, clock, **kwargs):
+    kwargs.setdefault("retry", FAST_RETRY)
+    return Cluster.from_dict(
+        fake.pool_spec, transport=fake.transport, clock=clock, block_size=16, **kwargs
+    )
+
+
+def server(fake, name):
+    return next(s for s in fake.servers if s.name == name)
+
+
+def run_turns(session, questions):
+    results = []
+    for question in questions:
+        session.append(Message.user(question))
+        results.append(session.turn(**LONG))
+    return results
+
+
+def assert_ideal(results, *, shared_prefixes=False):
+    for result in results:
+        stats = result.stats
+        if stats.turn >= 2:
+            assert stats.handle_state is HandleState.ATTACHED, stats
+            if shared_prefixes:  # other sessions' identical turns may sit in prefill's cache
+                assert stats.reused_tokens >= stats.ideal_reused_tokens, stats
+            else:
+                assert stats.reused_tokens == stats.ideal_reused_tokens, stats
+
+
+def test_a_pool_session_stays_on_its_decode_and_spreads_turns_over_prefills_at_the_ideal(clock):
+    fake = FakeCluster(prefills=2, decodes=1, clock=clock)
+    pure_load = PrefillWeights(slack_tokens=0, slack_ratio=0.0)
+    with open_pool(fake, clock, prefill_weights=pure_load) as cluster:
+        assert [pair.name for pair in cluster.pairs] == ["fake-d0"]
+        with cluster.session(session_id="spread") as s:
+            s.append(SYSTEM)
+            results = run_turns(s, QUESTIONS)
+    assert {r.stats.pair for r in results} == {"fake-d0"}
+    assert {r.stats.prefill for r in results} == {"fake-p0", "fake-p1"}
+    assert_ideal(results)
+    # A turn on a prefill that did not serve the previous one pulled everything it reused.
+    for before, after in itertools.pairwise(results):
+        if after.stats.prefill != before.stats.prefill:
+            assert after.stats.pulled_tokens == after.stats.reused_tokens
+    assert fake.wrong_reuse_events == 0
+
+
+def test_the_warm_prefill_is_kept_when_the_pool_is_idle(clock):
+    fake = FakeCluster(prefills=3, decodes=1, clock=clock)
+    with open_pool(fake, clock) as cluster, cluster.session(session_id="warm") as s:
+        s.append(SYSTEM)
+        results = run_turns(s, QUESTIONS)
+        assert cluster.prefill_loads() == {"fake-p0": 0, "fake-p1": 0, "fake-p2": 0}
+    assert len({r.stats.prefill for r in results}) == 1
+    assert_ideal(results)
+
+
+def test_a_prefill_killed_between_turns_costs_no_reuse(clock):
+    """The KV is on decode: another prefill pulls the same handle; nothing is recomputed."""
+    fake = FakeCluster(prefills=2, decodes=1, clock=clock)
+    with open_pool(fake, clock) as cluster, cluster.session(session_id="kill-p") as s:
+        s.append(SYSTEM)
+        first = run_turns(s, QUESTIONS[:2])
+        used = first[-1].stats.prefill
+        server(fake, used).kill()
+        after = run_turns(s, QUESTIONS[2:4])
+        assert not cluster._async.is_prefill_healthy(used)
+    assert {r.stats.prefill for r in after} == {"fake-p0", "fake-p1"} - {used}
+    assert_ideal([*first, *after])
+    assert after[0].stats.retries == 0
+    assert after[0].stats.pulled_tokens == after[0].stats.reused_tokens  # all from decode
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_decode_killed_between_turns_moves_the_session_and_recomputes_once(clock):
+    fake = FakeCluster(prefills=2, decodes=2, clock=clock)
+    with open_pool(fake, clock) as cluster, cluster.session(session_id="kill-d") as s:
+        s.append(SYSTEM)
+        first = run_turns(s, QUESTIONS[:2])
+        old = s.pair.name
+        server(fake, old).kill()
+        moved, settled = run_turns(s, QUESTIONS[2:4])
+    assert moved.stats.pair != old
+    assert settled.stats.pair == moved.stats.pair
+    assert moved.stats.handle_state is not HandleState.ATTACHED
+    assert moved.stats.pulled_tokens == 0
+    assert_ideal([*first, settled])
+    assert fake.wrong_reuse_events == 0
+
+
+async def test_concurrent_sessions_balance_decodes_and_use_every_prefill(clock):
+    fake = FakeCluster(prefills=3, decodes=2, clock=clock)
+    async with AsyncCluster.from_dict(
+        fake.pool_spec, transport=fake.transport, clock=clock, block_size=16, retry=FAST_RETRY
+    ) as cluster:
+        sessions = [cluster.session(session_id=f"s{i}") for i in range(24)]
+        assert max(cluster.loads().values()) <= 15  # bounded load: ceil(1.25 * 24 / 2)
+
+        async def converse(session):
+            session.append(SYSTEM)
+            out = []
+            for question in QUESTIONS[:3]:
+                session.append(Message.user(question))
+                out.append(await session.turn(**LONG))
+            return out
+
+        results = [r for rs in await asyncio.gather(*map(converse, sessions)) for r in rs]
+        assert set(cluster.prefill_loads().values()) == {0}
+        for session in sessions:
+            await session.aclose()
+        assert set(cluster.loads().values()) == {0}
+    assert {r.stats.prefill for r in results} == {"fake-p0", "fake-p1", "fake-p2"}
+    assert_ideal(results, shared_prefixes=True)
+    assert fake.wrong_reuse_events == 0
+
+
+def test_pool_specs_accept_urls_or_named_servers_and_refuse_bad_ones():
+    cluster = Cluster.from_dict(
+        {
+            "model": "m",
+            "prefill": ["http://p0:8000", {"name": "px", "url": "http://p1:8000/"}],
+            "decode": ["http://d0:8000"],
+        }
+    )
+    try:
+        assert cluster._async.prefills == {"prefill0": "http://p0:8000", "px": "http://p1:8000"}
+        assert [(p.name, p.decode) for p in cluster.pairs] == [("decode0", "http://d0:8000")]
+        assert cluster._async.pooled
+    finally:
+        cluster.close()
+    for bad in (
+        {"model": "m", "prefill": [], "decode": ["http://d0:8000"]},
+        {"model": "m", "prefill": ["http://p0:8000"]},
+        {"model": "m", "prefill": ["ftp://p0"], "decode": ["http://d0:8000"]},
+        {
+            "model": "m",
+            "prefill": ["http://a", {"name": "prefill0", "url": "http://b"}],
+            "decode": ["http://d0:8000"],
+        },
+    ):
+        with pytest.raises(ConfigError):
+            Cluster.from_dict(bad)

@@ -1,0 +1,242 @@
+"""Proxy replicas sharing sessions in a real Redis (``--state``), in front of the fake pair.
+
+Each replica is its own app with its own cluster client (as separate processes are); only Redis
+and the servers are shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from agentkv import AsyncCluster
+from agentkv.proxy import ProxyConfig, create_app
+from agentkv.proxy._redis_store import RedisSessions
+from agentkv.testing import FakeCluster, ManualClock
+
+SYSTEM = "You answer briefly. " + " ".join(f"Rule {i}: be kind to robot {i}." for i in range(30))
+QUESTIONS = ("Hello?", "Who is robot 4?", "And robot 9?", "Thanks, bye.", "One more?", "Bye!")
+
+
+@pytest.fixture
+def clock():
+    return ManualClock()
+
+
+@pytest.fixture
+def fake(clock):
+    return FakeCluster(pairs=2, clock=clock, kv_recompute_threshold=1)
+
+
+class SlowTransport(httpx.AsyncBaseTransport):
+    """The fake's transport with a pause before each request: turns that take a while, so
+    that requests on two replicas really overlap."""
+
+    def __init__(self, inner, delay_s):
+        self._inner = inner
+        self._delay_s = delay_s
+
+    async def handle_async_request(self, request):
+        await asyncio.sleep(self._delay_s)
+        return await self._inner.handle_async_request(request)
+
+
+class Replica:
+    """One proxy replica: an app, its own cluster client, its own Redis connection."""
+
+    def __init__(self, fake, clock, redis_url, *, delay_s=0.0, **config):
+        transport = SlowTransport(fake.transport, delay_s) if delay_s else fake.transport
+        self.cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=transport, clock=clock)
+        self.store = RedisSessions.from_url(redis_url, lease_s=5.0)
+        self.app = create_app(self.cluster, ProxyConfig(**config), clock=clock, store=self.store)
+        self.http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://proxy"
+        )
+
+    def openai(self, session_id):
+        return AsyncOpenAI(
+            base_url="http://proxy/v1",
+            api_key="sk-test",
+            http_client=self.http,
+            default_headers={"X-Session-ID": session_id},
+            max_retries=0,
+        )
+
+    async def turns(self, session_id):
+        response = await self.http.get(
+            f"/v1/sessions/{session_id}", headers={"Authorization": "Bearer sk-test"}
+        )
+        response.raise_for_status()
+        return response.json()["turns"]
+
+    async def aclose(self, *, release=True):
+        if release:
+            await self.app.state.registry.close_all()
+        await self.http.aclose()
+        await self.store.aclose()
+        await self.cluster.aclose()
+
+
+@pytest.fixture
+async def replicas(fake, clock, redis_url):
+    made = [Replica(fake, clock, redis_url), Replica(fake, clock, redis_url)]
+    yield made
+    for replica in made:
+        await replica.aclose()
+
+
+async def _ask(replica, session_id, messages, question, **body):
+    messages.append({"role": "user", "content": question})
+    response = await replica.openai(session_id).chat.completions.create(
+        model="fake-smollm2", messages=messages, max_tokens=48, **body
+    )
+    messages.append(response.choices[0].message.model_dump(exclude_none=True))
+    return response
+
+
+def _assert_ideal(turns):
+    assert [t["handle_state"] for t in turns] == ["none"] + ["attached"] * (len(turns) - 1)
+    for turn in turns[1:]:
+        assert turn["reused_tokens"] == turn["ideal_reused_tokens"], turn
+
+
+async def test_an_openai_client_alternating_replicas_every_turn_keeps_the_ideal_reuse(
+    replicas, fake
+):
+    messages = [{"role": "system", "content": SYSTEM}]
+    for i, question in enumerate(QUESTIONS):
+        await _ask(replicas[i % 2], "alt", messages, question)
+    turns = await replicas[0].turns("alt")
+    assert turns == await replicas[1].turns("alt")
+    assert len(turns) == len(QUESTIONS)
+    _assert_ideal(turns)
+    for replica in replicas:
+        assert replica.app.state.metrics.forks.value() == 0
+    assert fake.wrong_reuse_events == 0
+
+
+async def test_a_replica_gone_mid_conversation_loses_nothing(fake, clock, redis_url, replicas):
+    """Replica A answers two turns and disappears without a goodbye (its copies, claims and
+    connections just stop); B continues the same conversation: no fork, nothing lost, the
+    handle A's last turn stored is the one B's turn attaches."""
+    a, b = replicas
+    messages = [{"role": "system", "content": SYSTEM}]
+    await _ask(a, "gone", messages, QUESTIONS[0])
+    await _ask(a, "gone", messages, QUESTIONS[1])
+    pinned = fake.decode(0).pinned_handles + fake.decode(1).pinned_handles
+    await a.aclose(release=False)  # like a killed process: releases nothing
+    replicas.remove(a)
+    assert fake.decode(0).pinned_handles + fake.decode(1).pinned_handles == pinned
+    for question in QUESTIONS[2:]:
+        await _ask(b, "gone", messages, question)
+    turns = await b.turns("gone")
+    assert len(turns) == len(QUESTIONS)
+    _assert_ideal(turns)
+    assert b.app.state.metrics.forks.value() == 0
+
+
+async def test_concurrent_requests_for_one_session_through_both_replicas_serialize(
+    fake, clock, redis_url
+):
+    """Two requests with the same history at once, one per replica: the second runs after the
+    first committed, sees its answer in the stored session and forks from it (exactly what one
+    replica does with two such requests); nothing is overwritten."""
+    replicas = [Replica(fake, clock, redis_url, delay_s=0.05) for _ in range(2)]
+    a, b = replicas
+    history = [{"role": "system", "content": SYSTEM}]
+    await _ask(a, "race", history, QUESTIONS[0])
+    await asyncio.gather(
+        _ask(a, "race", list(history), QUESTIONS[1]),
+        _ask(b, "race", list(history), QUESTIONS[1]),
+    )
+    forks = sum(r.app.state.metrics.forks.value() for r in replicas)
+    # The later request saw the earlier one's committed turn (its history does not extend it).
+    # Unserialized, both would have extended turn 1 and one commit would have overwritten the
+    # other: no fork at all.
+    assert forks == 1
+    turns = await a.turns("race")
+    assert turns == await b.turns("race")
+    for replica in replicas:
+        await replica.aclose()
+
+
+async def test_delete_through_one_replica_releases_the_pin_once_and_both_forget(replicas, fake):
+    a, b = replicas
+    messages = [{"role": "system", "content": SYSTEM}]
+    await _ask(a, "del", messages, QUESTIONS[0])
+    await _ask(b, "del", messages, QUESTIONS[1])
+    assert fake.decode(0).pinned_handles + fake.decode(1).pinned_handles == 1
+    auth = {"Authorization": "Bearer sk-test"}
+    assert (await b.http.delete("/v1/sessions/del", headers=auth)).status_code == 200
+    assert fake.decode(0).pinned_handles + fake.decode(1).pinned_handles == 0
+    for replica in replicas:
+        assert (await replica.http.delete("/v1/sessions/del", headers=auth)).status_code == 404
+        assert (await replica.http.get("/v1/sessions/del", headers=auth)).status_code == 404
+    closed = sum(r.app.state.metrics.sessions_closed.value("deleted") for r in replicas)
+    assert closed == 1
+
+
+async def test_idle_expiry_releases_the_pin_exactly_once_whichever_replica_sweeps(
+    replicas, fake, redis_url
+):
+    a, b = replicas
+    messages = [{"role": "system", "content": SYSTEM}]
+    await _ask(a, "idle", messages, QUESTIONS[0])
+    assert fake.decode(0).pinned_handles + fake.decode(1).pinned_handles == 1
+    for replica in replicas:
+        replica.app.state.registry._wall = lambda: 10.0**12  # far past the idle timeout
+    swept = await asyncio.gather(*(r.app.state.registry.sweep() for r in replicas))
+    assert sorted(swept) == [0, 1]
+    assert fake.decode(0).pinned_handles + fake.decode(1).pinned_handles == 0
+    auth = {"Authorization": "Bearer sk-test"}
+    assert (await b.http.get("/v1/sessions/idle", headers=auth)).status_code == 404
+
+
+async def test_a_turn_costs_two_redis_round_trips_on_the_same_or_the_other_replica(
+    replicas, redis_url
+):
+    """The hot path: one claim (with the snapshot only when the copy is stale), one commit."""
+    import redis
+
+    admin = redis.Redis.from_url(redis_url)
+
+    def commands():
+        # Requests the proxy sent: its scripts and its plain reads (a script's own commands are
+        # counted too by INFO, but run inside the one round trip).
+        stats = admin.info("commandstats")
+        sent = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_hmget", "cmdstat_zrangebyscore")
+        return sum(int(v["calls"]) for k, v in stats.items() if k in sent)
+
+    a, b = replicas
+    messages = [{"role": "system", "content": SYSTEM}]
+    await _ask(a, "rtt", messages, QUESTIONS[0])
+    await _ask(b, "rtt", messages, QUESTIONS[1])  # both replicas have connected and loaded scripts
+    for replica, question in ((b, QUESTIONS[2]), (a, QUESTIONS[3])):
+        admin.config_resetstat()
+        await _ask(replica, "rtt", messages, question)
+        assert commands() == 2  # claim, commit
+    admin.close()
+
+
+async def test_an_unreachable_redis_answers_503_and_fails_the_readiness_probe(fake, clock):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here once the socket closes
+    replica = Replica(fake, clock, f"redis://127.0.0.1:{port}/0")
+    try:
+        response = await replica.http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}]},
+            headers={"X-Session-ID": "down"},
+        )
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "state_unavailable"
+        health = await replica.http.get("/healthz")
+        assert health.status_code == 503
+        assert health.json()["state"] == "unreachable"
+    finally:
+        await replica.aclose(release=False)
