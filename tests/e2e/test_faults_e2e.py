@@ -245,11 +245,14 @@ def test_a_pull_from_an_unreachable_side_channel_recomputes_and_the_stats_say_so
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]  # closed again when the block ends
-    with agentkv.Cluster.from_file(cluster_file) as cluster:
-        with cluster.session(max_tokens=24, policy=POLICY) as first:
-            first.append(Message.system(SYSTEM))
-            answers = [first.send(QUESTIONS[0]).token_ids]
-            first.save(path)
+    # ``first`` stays open until the copy has run: closing it would release the pin, and a
+    # loaded handle decode no longer holds is never attached (the load confirms it first).
+    with agentkv.Cluster.from_file(cluster_file) as cluster, cluster.session(
+        max_tokens=24, policy=POLICY
+    ) as first:
+        first.append(Message.system(SYSTEM))
+        answers = [first.send(QUESTIONS[0]).token_ids]
+        first.save(path)
         data = json.loads(path.read_text())
         handle = data["handle"]
         handle["engine_id"] = handle["params"]["remote_engine_id"] = "agentkv-e2e-unreachable"
