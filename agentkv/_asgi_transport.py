@@ -13,26 +13,58 @@ the app the client left (``http.disconnect``), so an abandoned streamed turn com
 Both run the app's lifespan (its idle-session sweeper, and closing every session at the end):
 the async one from its first request, the sync one from construction; ``aclose``/``close``
 ends it, which releases every pinned handle.
+
+The hot endpoints (chat completions, responses) can be handed over as ``direct`` endpoints: a
+request for one of them skips the app's middleware, routing and the exchange's task and queues,
+and a complete (not streamed) answer becomes the ``httpx2.Response`` at once. A streamed answer
+is still served through an exchange, with the same disconnect semantics as above. The endpoints
+are the app's own (the same error mapping and metrics), so an answer is byte-for-byte the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import httpx2
+from starlette.requests import Request
+from starlette.responses import Response
 
 from agentkv._portal import Portal
 
-__all__ = ["AppTransport", "AsyncAppTransport", "AsyncLifespan"]
+__all__ = ["AppTransport", "AsyncAppTransport", "AsyncLifespan", "DirectEndpoints"]
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 LifespanFactory = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
+Endpoint = Callable[[Request], Awaitable[Response]]
+DirectEndpoints = Mapping[tuple[str, str], Endpoint]
+"""(method, path) -> the app's endpoint for it, served without the app's routing."""
+
+
+def _scope(request: httpx2.Request) -> dict[str, Any]:
+    url = request.url
+    return {
+        "type": "http",
+        # 2.4: a send after the client left raises OSError (the app's cue to stop), as
+        # uvicorn's does, instead of the app polling receive() for the disconnect.
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": request.method,
+        "headers": [(k.lower(), v) for (k, v) in request.headers.raw],
+        "scheme": url.scheme,
+        "path": url.path,
+        "raw_path": url.raw_path.split(b"?")[0],
+        "query_string": url.query,
+        "server": (url.host, url.port),
+        "client": ("127.0.0.1", 0),
+        "root_path": "",
+        "path_params": {},
+    }
 
 
 class AsyncLifespan:
@@ -65,30 +97,13 @@ class AsyncLifespan:
 class _Exchange:
     """One request served by the app: its response's start, then its body as the app sends it."""
 
-    def __init__(self, app: ASGIApp, request: httpx2.Request, body: bytes) -> None:
+    def __init__(self, app: ASGIApp, scope: dict[str, Any], body: bytes) -> None:
         self._body: bytes | None = body
         self._messages: asyncio.Queue[Message] = asyncio.Queue()
         self._read = asyncio.Event()  # the reader took a message: the app may send more
         self._disconnected = asyncio.Event()  # the exchange is over, read or not
         self._gone = False  # the client closed the response before reading all of it
         self._complete = False
-        url = request.url
-        scope: dict[str, Any] = {
-            "type": "http",
-            # 2.4: a send after the client left raises OSError (the app's cue to stop), as
-            # uvicorn's does, instead of the app polling receive() for the disconnect.
-            "asgi": {"version": "3.0", "spec_version": "2.4"},
-            "http_version": "1.1",
-            "method": request.method,
-            "headers": [(k.lower(), v) for (k, v) in request.headers.raw],
-            "scheme": url.scheme,
-            "path": url.path,
-            "raw_path": url.raw_path.split(b"?")[0],
-            "query_string": url.query,
-            "server": (url.host, url.port),
-            "client": ("127.0.0.1", 0),
-            "root_path": "",
-        }
         self._task = asyncio.create_task(self._run(app, scope), name="agentkv-asgi-request")
 
     async def _run(self, app: ASGIApp, scope: dict[str, Any]) -> None:
@@ -177,13 +192,38 @@ class _AsyncBody(httpx2.AsyncByteStream):
         await self._exchange.aclose()
 
 
-async def _serve(app: ASGIApp, request: httpx2.Request, body: bytes) -> httpx2.Response:
-    exchange = _Exchange(app, request, body)
+async def _exchange(app: ASGIApp, scope: dict[str, Any], body: bytes) -> httpx2.Response:
+    exchange = _Exchange(app, scope, body)
     try:
         return await exchange.start()
     except BaseException:
         await exchange.aclose()
         raise
+
+
+async def _serve(
+    app: ASGIApp, direct: DirectEndpoints, request: httpx2.Request, body: bytes
+) -> httpx2.Response:
+    scope = _scope(request)
+    endpoint = direct.get((request.method, request.url.path))
+    if endpoint is None:
+        return await _exchange(app, scope, body)
+    unread: list[bytes] = [body]
+
+    async def receive() -> Message:
+        if unread:
+            return {"type": "http.request", "body": unread.pop(), "more_body": False}
+        # The endpoint reads the body before it answers; nothing waits on this.
+        return {"type": "http.disconnect"}
+
+    response = await endpoint(Request(scope, receive))
+    if type(response) is Response and response.background is None:
+        # A complete answer: its bytes are the response, no task and no queue.
+        return httpx2.Response(
+            response.status_code, headers=response.raw_headers, content=bytes(response.body)
+        )
+    # A streamed answer: sent as the app would send it, through an exchange.
+    return await _exchange(response, scope, b"")
 
 
 class AsyncAppTransport(httpx2.AsyncBaseTransport):
@@ -200,15 +240,17 @@ class AsyncAppTransport(httpx2.AsyncBaseTransport):
         model: str,
         lifespan: LifespanFactory,
         on_close: Callable[[], Awaitable[None]] | None = None,
+        direct: DirectEndpoints | None = None,
     ) -> None:
         self.model = model
         self._app = app
+        self._direct: DirectEndpoints = direct or {}
         self._lifespan = AsyncLifespan(lifespan)
         self._on_close = on_close
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         await self._lifespan.start()
-        return await _serve(self._app, request, await request.aread())
+        return await _serve(self._app, self._direct, request, await request.aread())
 
     async def aclose(self) -> None:
         try:
@@ -253,9 +295,11 @@ class AppTransport(httpx2.BaseTransport):
         portal: Portal,
         lifespan: LifespanFactory,
         on_close: Callable[[], None] | None = None,
+        direct: DirectEndpoints | None = None,
     ) -> None:
         self.model = model
         self._app = app
+        self._direct: DirectEndpoints = direct or {}
         self._portal = portal
         self._lifespan = portal.call(_make_lifespan(lifespan))
         portal.call(self._lifespan.start())
@@ -265,7 +309,7 @@ class AppTransport(httpx2.BaseTransport):
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         if self._closed:
             raise RuntimeError("the client is closed")
-        response = self._portal.call(_serve(self._app, request, request.read()))
+        response = self._portal.call(_serve(self._app, self._direct, request, request.read()))
         assert isinstance(response.stream, httpx2.AsyncByteStream)
         return httpx2.Response(
             response.status_code,

@@ -110,6 +110,7 @@ class AsyncOpenAI(openai.AsyncOpenAI):
             model=source.model,
             lifespan=lambda: app.router.lifespan_context(app),
             on_close=source.aclose if owned else None,
+            direct=app.state.endpoints,
         )
         self.model = source.model
         options.setdefault("api_key", API_KEY)
@@ -161,6 +162,7 @@ class OpenAI(openai.OpenAI):
             portal=source._portal,
             lifespan=lambda: app.router.lifespan_context(app),
             on_close=source.close if owned else None,
+            direct=app.state.endpoints,
         )
         self.model = source.model
         options.setdefault("api_key", API_KEY)

@@ -337,18 +337,18 @@ def create_app(
     """The proxy as an ASGI app serving ``cluster``; run it with any ASGI server.
 
     The app does not own the cluster: close it after the app stops. ``clock`` (monotonic seconds)
-    drives idle expiry; tests pass a manual one. ``app.state.registry`` holds the open sessions.
+    drives idle expiry; tests pass a manual one. ``app.state.registry`` holds the open sessions;
+    ``app.state.endpoints`` maps ``(method, path)`` of the hot endpoints to their handlers (what
+    ``agentkv.OpenAI`` serves in-process without the app's routing).
     ``store`` shares sessions with other replicas (default: the one ``config.state`` names, or
     none: sessions in this process's memory).
     """
     proxy = _Proxy(cluster, config or ProxyConfig(), clock=clock, store=store)
+    chat = proxy.endpoint("chat", proxy.chat_completions)
+    responses = proxy.endpoint("responses", proxy.create_response)
     routes = [
-        Route(
-            "/v1/chat/completions", proxy.endpoint("chat", proxy.chat_completions), methods=["POST"]
-        ),
-        Route(
-            "/v1/responses", proxy.endpoint("responses", proxy.create_response), methods=["POST"]
-        ),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", proxy.endpoint("models", proxy.models), methods=["GET"]),
         Route(
             "/v1/sessions/{session_id:path}",
@@ -365,4 +365,9 @@ def create_app(
     )
     app.state.registry = proxy.registry
     app.state.metrics = proxy.metrics
+    # The hot endpoints, for an in-process transport to call without the app's routing.
+    app.state.endpoints = {
+        ("POST", "/v1/chat/completions"): chat,
+        ("POST", "/v1/responses"): responses,
+    }
     return app

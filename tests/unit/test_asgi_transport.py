@@ -121,3 +121,95 @@ async def _make_app() -> StreamingApp:
 
 async def _set(event: asyncio.Event) -> None:
     event.set()
+
+
+class _Routed:
+    """A Starlette app with one JSON endpoint and one streamed one, both also given as direct
+    endpoints; records which way each request came."""
+
+    def __init__(self) -> None:
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import Response, StreamingResponse
+        from starlette.routing import Route
+
+        self.calls: list[str] = []
+        self.stream_errors: list[str] = []
+
+        async def answer(request: Request) -> Response:
+            body = await request.body()
+            self.calls.append(f"answer:{request.headers.get('x-way', '')}")
+            return Response(
+                b"echo:" + body, status_code=201, headers={"x-b": "2"}, media_type="text/plain"
+            )
+
+        async def chunks() -> AsyncIterator[bytes]:
+            while True:  # endless: only the client leaving ends it
+                yield b"tick"
+                await asyncio.sleep(0)
+
+        errors = self.stream_errors
+
+        class Recorded(StreamingResponse):
+            async def __call__(self, scope, receive, send):  # type: ignore[no-untyped-def]
+                try:
+                    await super().__call__(scope, receive, send)
+                except BaseException as exc:
+                    errors.append(type(exc).__name__)
+                    raise
+
+        async def stream(request: Request) -> Response:
+            await request.body()
+            return Recorded(chunks(), media_type="text/event-stream")
+
+        async def outer(scope, receive, send):  # type: ignore[no-untyped-def]
+            scope["headers"] = [*scope["headers"], (b"x-way", b"app")]
+            await self.app(scope, receive, send)
+
+        self.app = Starlette(routes=[Route("/a", answer, methods=["POST"])])
+        self.outer = outer
+        self.direct = {("POST", "/a"): answer, ("POST", "/s"): stream}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self) -> AsyncIterator[None]:
+        yield
+
+
+async def test_a_direct_endpoint_answers_as_the_app_would_without_its_routing():
+    routed = _Routed()
+    via_app = AsyncAppTransport(routed.outer, model="m", lifespan=routed.lifespan)
+    direct = AsyncAppTransport(
+        routed.outer, model="m", lifespan=routed.lifespan, direct=routed.direct
+    )
+    async with (
+        httpx2.AsyncClient(transport=via_app, base_url="http://x") as slow,
+        httpx2.AsyncClient(transport=direct, base_url="http://x") as fast,
+    ):
+        expected = await slow.post("/a", content=b"hi")
+        answer = await fast.post("/a", content=b"hi")
+        # A path that is not direct goes through the app (its 404 here).
+        missing = await fast.post("/nowhere", content=b"hi")
+    assert routed.calls == ["answer:app", "answer:"]
+    assert (answer.status_code, answer.content, answer.headers.raw) == (
+        expected.status_code,
+        expected.content,
+        expected.headers.raw,
+    )
+    assert (answer.status_code, answer.content) == (201, b"echo:hi")
+    assert missing.status_code == 404
+
+
+async def test_a_streamed_direct_answer_streams_and_hears_the_client_leave():
+    routed = _Routed()
+    transport = AsyncAppTransport(
+        routed.outer, model="m", lifespan=routed.lifespan, direct=routed.direct
+    )
+    async with (
+        httpx2.AsyncClient(transport=transport, base_url="http://x") as client,
+        client.stream("POST", "/s", content=b"") as response,
+    ):
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert await asyncio.wait_for(anext(response.aiter_bytes()), 1) == b"tick"
+    # Closing the response ended the endless stream (this line is reached at all), and the
+    # response heard it as the proxy's streams do.
+    assert routed.stream_errors == ["ClientDisconnect"]
