@@ -7,7 +7,9 @@
 ...         print(s.turn().text)
 """
 
+import inspect as _inspect
 import typing as _typing
+from importlib import metadata as _metadata
 
 from agentkv._agent import Agent
 from agentkv._agent_types import (
@@ -157,6 +159,24 @@ __all__ = [
     "tool",
 ]
 
+try:
+    __version__: str = _metadata.version("agentkv")
+except _metadata.PackageNotFoundError:  # pragma: no cover - a source tree that is not installed
+    __version__ = "0+unknown"
+
+
+def _public(obj: object) -> None:
+    # Public names live at the top (``agentkv.Message``, not ``agentkv._types.Message``): in
+    # reprs, tracebacks, pickles and docs, as httpx does. Only classes and functions: type
+    # aliases and constants (``FINAL_ANSWER``) are values, left as they are.
+    if isinstance(obj, type) or _inspect.isfunction(obj):
+        obj.__module__ = "agentkv"
+
+
+for _name in __all__:
+    if _name not in {"AsyncOpenAI", "OpenAI"}:
+        _public(globals()[_name])
+
 # The openai drop-ins serve requests with the proxy's app, which needs starlette (the ``proxy``
 # extra) and the openai SDK: imported on first use, so ``import agentkv`` stays light.
 _LAZY = frozenset({"AsyncOpenAI", "OpenAI"})
@@ -166,5 +186,7 @@ def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
         from agentkv import _openai_client
 
-        return getattr(_openai_client, name)
+        value = getattr(_openai_client, name)
+        _public(value)
+        return value
     raise AttributeError(f"module 'agentkv' has no attribute {name!r}")
