@@ -368,7 +368,7 @@ class AsyncSession(_SessionBase):
 
         >>> async with session.tool_wait(expected_s=300) as wait:  # doctest: +SKIP
         ...     output = await run_tool(call)
-        >>> wait.survived
+        >>> wait.survived  # doctest: +SKIP
         True
         """
         self._check_open()

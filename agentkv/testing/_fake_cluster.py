@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 from agentkv.testing._fake_clock import ManualClock
 from agentkv.testing._fake_context import ServerContext
@@ -167,6 +168,21 @@ class FakeCluster:
     def servers(self) -> list[FakeServer]:
         """Every server: prefill servers first, then decode servers."""
         return [*self._prefill, *self._decode]
+
+    def server(self, url: str) -> FakeServer:
+        """The server answering at ``url``: a pair's ``prefill`` or ``decode``, or any URL on it.
+
+        Example:
+            >>> fake = FakeCluster(pairs=2)
+            >>> fake.server(fake.cluster_spec["pairs"][1]["decode"]) is fake.decode(1)
+            True
+            >>> fake.server("http://fake-p0.test:8000/v1/chat/completions").role
+            'prefill'
+        """
+        server = self._by_netloc.get(urlsplit(url).netloc)
+        if server is None:
+            raise KeyError(f"no fake server answers at {url!r}")
+        return server
 
     def prefill(self, index: int) -> FakeServer:
         return self._prefill[index]

@@ -84,8 +84,9 @@ class Tracked:
 class AnswerHeld(httpx.AsyncBaseTransport):
     """The fake's transport; while held, decode's answers wait (decode has finished)."""
 
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
-        self.inner = inner
+    def __init__(self, fake: FakeCluster) -> None:
+        self.fake = fake
+        self.inner = fake.transport
         self.held = asyncio.Event()
         self._gate: asyncio.Event | None = None
 
@@ -101,7 +102,8 @@ class AnswerHeld(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self.inner.handle_async_request(request)
         gate = self._gate
-        if gate is not None and "fake-d" in request.url.host and "/chat/" in request.url.path:
+        decode = self.fake.server(str(request.url)).role == "decode"
+        if gate is not None and decode and "/chat/" in request.url.path:
             self.held.set()
             await gate.wait()
         return response
@@ -132,7 +134,7 @@ class SessionMachine(RuleBasedStateMachine):
         self.clock = ManualClock()
         # A small KV cache, so freed blocks are handed to other requests soon.
         self.fake = FakeCluster(pairs=2, clock=self.clock, num_kv_blocks=256)
-        self.transport = AnswerHeld(self.fake.transport)
+        self.transport = AnswerHeld(self.fake)
         self.cluster = self._cluster()
         self.tenant = self._cluster()
         self.open: dict[str, Tracked] = {}

@@ -72,11 +72,6 @@ def forced(name: str) -> NativeToolCalling:
 
 
 @pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
 def fake(clock: ManualClock) -> FakeCluster:
     # Pulls of any size, so every later turn reuses exactly the previous prompt + output.
     return FakeCluster(pairs=1, clock=clock, block_size=BLOCK, kv_recompute_threshold=0)

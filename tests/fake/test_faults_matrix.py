@@ -22,7 +22,7 @@ from agentkv import (
     RetryPolicy,
     Session,
 )
-from agentkv.testing import FakeCluster, FakeServer, ManualClock
+from agentkv.testing import FakeCluster, FakeServer
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
@@ -82,16 +82,6 @@ class KillAfter(httpx.AsyncBaseTransport):
 
 
 @pytest.fixture
-def clock():
-    return ManualClock()
-
-
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(pairs=2, clock=clock)
-
-
-@pytest.fixture
 def killer(fake):
     return KillAfter(fake.transport)
 
@@ -105,8 +95,7 @@ def cluster(fake, clock, killer):
 
 
 def servers(fake, session):
-    index = int(session.pair.name.rsplit("-", 1)[1])
-    return fake.prefill(index), fake.decode(index)
+    return fake.server(session.pair.prefill), fake.server(session.pair.decode)
 
 
 def started(cluster, session_id="s"):

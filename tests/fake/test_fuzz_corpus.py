@@ -50,7 +50,7 @@ def test_a_session_moved_off_a_dead_prefill_left_its_pin_on_the_live_decode() ->
     session moved, or because its pair stopped answering, is released on its decode."""
 
     def kill_prefill(m: SessionMachine, n: dict[str, Any]) -> None:
-        m.kill_or_restart("prefill", int(n["s0"].session.pair.name[-1]))
+        m.fake.server(n["s0"].session.pair.prefill).kill()
 
     replay(
         lambda m, n: n.__setitem__("s0", m.open_session()),

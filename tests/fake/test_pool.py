@@ -16,7 +16,7 @@ from agentkv import (
     PrefillWeights,
     RetryPolicy,
 )
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 QUESTIONS = [
@@ -30,11 +30,6 @@ QUESTIONS = [
 # Long enough answers that prefill pulls rather than recomputes (kv_recompute_threshold).
 LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
 FAST_RETRY = RetryPolicy(initial_backoff_s=0, jitter_s=0)
-
-
-@pytest.fixture
-def clock():
-    return ManualClock()
 
 
 def open_pool(fake, clock, **kwargs):

@@ -18,12 +18,6 @@ QUESTIONS = ("What colour is item 3?", "And item 7?", "Is item 12 red?", "Summar
 
 
 @pytest.fixture
-def fake(request):
-    options = getattr(request, "param", {})
-    return FakeCluster(pairs=2, clock=ManualClock(), **options)
-
-
-@pytest.fixture
 async def cluster(fake):
     async with AsyncCluster.from_dict(
         fake.cluster_spec, transport=fake.transport, retry=RetryPolicy(max_attempts=1)
@@ -51,6 +45,12 @@ def openai_client(http):
     return AsyncOpenAI(
         base_url="http://proxy/v1", api_key="sk-test", http_client=http, max_retries=0
     )
+
+
+def _prefill(cluster, fake, headers):
+    """The fake prefill server of the pair that answered (named by ``x-agentkv-pair``)."""
+    pair = next(p for p in cluster.pairs if p.name == headers["x-agentkv-pair"])
+    return fake.server(pair.prefill)
 
 
 async def _conversation(client, model, *, session="s1", max_tokens=96):
@@ -98,13 +98,12 @@ async def test_a_4_turn_conversation_reuses_exactly_what_the_sdk_does(openai_cli
     assert fake.wrong_reuse_events == 0
 
 
-async def test_cached_tokens_are_prefills_count_not_decodes(openai_client, fake):
+async def test_cached_tokens_are_prefills_count_not_decodes(openai_client, fake, cluster):
     """Decode counts KV it received as cached; the answer reports prefill's own count."""
     _, responses = await _conversation(openai_client, fake.model)
     _, last = responses[-1]
     assert 0 < last.usage.prompt_tokens_details.cached_tokens < last.usage.prompt_tokens
-    pair = int(responses[-1][0]["x-agentkv-pair"].rsplit("-", 1)[1])
-    prefill_requests = fake.prefill(pair).requests
+    prefill_requests = _prefill(cluster, fake, responses[-1][0]).requests
     assert prefill_requests[-1]["max_tokens"] == 1
 
 
@@ -120,7 +119,9 @@ async def test_later_turns_reuse_at_least_the_block_aligned_ideal(openai_client,
         assert response.usage.prompt_tokens_details.cached_tokens >= ideal // 16 * 16
 
 
-async def test_an_edited_history_forks_and_never_sends_the_old_handle(openai_client, fake, http):
+async def test_an_edited_history_forks_and_never_sends_the_old_handle(
+    openai_client, fake, http, cluster
+):
     messages, _ = await _conversation(openai_client, fake.model)
     edited = [*messages[:1], {"role": "user", "content": "What colour is item 4?"}, *messages[2:]]
     edited.append({"role": "user", "content": "Go on."})
@@ -129,8 +130,8 @@ async def test_an_edited_history_forks_and_never_sends_the_old_handle(openai_cli
     )
     assert raw.headers["x-agentkv-forked"] == "1"
     assert raw.headers["x-agentkv-handle"] == "none"
-    pair = int(raw.headers["x-agentkv-pair"].rsplit("-", 1)[1])
-    assert fake.prefill(pair).requests[-1]["kv_transfer_params"]["remote_block_ids"] is None
+    prefill = _prefill(cluster, fake, raw.headers)
+    assert prefill.requests[-1]["kv_transfer_params"]["remote_block_ids"] is None
     assert fake.wrong_reuse_events == 0
     # The fork is now the session: the next extension of it reuses again.
     edited += [raw.parse().choices[0].message.model_dump(), {"role": "user", "content": "More."}]

@@ -16,15 +16,10 @@ from openai import AsyncOpenAI
 from agentkv import AsyncCluster
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._redis_store import RedisSessions
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 SYSTEM = "You answer briefly. " + " ".join(f"Rule {i}: be kind to robot {i}." for i in range(30))
 QUESTIONS = ("Hello?", "Who is robot 4?", "And robot 9?", "Thanks, bye.", "One more?", "Bye!")
-
-
-@pytest.fixture
-def clock():
-    return ManualClock()
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ KEYS = ApiKeys.parse("alice sk-alice\nbob sk-bob\n")
 
 @pytest.fixture
 def fake():
+    # A clock of its own: advancing the proxy's idle clock (``clock``) must not expire handles.
     return FakeCluster(pairs=2, clock=ManualClock())
 
 
@@ -28,9 +29,10 @@ async def cluster(fake):
         yield cluster
 
 
-@pytest.fixture
-def clock():
-    return ManualClock()
+def _prefill(cluster, fake, headers):
+    """The fake prefill server of the pair that answered (named by ``x-agentkv-pair``)."""
+    pair = next(p for p in cluster.pairs if p.name == headers["x-agentkv-pair"])
+    return fake.server(pair.prefill)
 
 
 def _client(app, key: str | None = None) -> httpx.AsyncClient:
@@ -84,8 +86,8 @@ async def test_the_same_session_id_under_two_keys_is_two_sessions(cluster, fake)
         assert response.headers["x-agentkv-handle"] == "none"
         assert "x-agentkv-forked" not in response.headers
         # Bob's request carried no handle at all, let alone Alice's.
-        pair = int(response.headers["x-agentkv-pair"].rsplit("-", 1)[1])
-        assert fake.prefill(pair).requests[-1]["kv_transfer_params"]["remote_block_ids"] is None
+        prefill = _prefill(cluster, fake, response.headers)
+        assert prefill.requests[-1]["kv_transfer_params"]["remote_block_ids"] is None
         response = await _turn(alice, "s", alice_history)
         assert response.headers["x-agentkv-handle"] == "attached"
         assert "x-agentkv-forked" not in response.headers

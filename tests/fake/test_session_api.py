@@ -26,11 +26,6 @@ from agentkv.testing import FakeCluster, ManualClock
 
 
 @pytest.fixture
-def fake():
-    return FakeCluster(pairs=2, clock=ManualClock())
-
-
-@pytest.fixture
 def cluster(fake):
     with Cluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
         yield cluster
@@ -105,8 +100,8 @@ def test_turn_overrides_reach_the_decode_request(cluster, fake):
     with cluster.session(max_tokens=8, temperature=0.0) as s:
         s.append(Message.user("Hi"))
         s.turn(max_tokens=5, temperature=0.5, extra_body={"seed": 7})
-        index = int(s.pair.name.rsplit("-", 1)[1])
-    body = fake.decode(index).requests[-1]
+        decode = fake.server(s.pair.decode)
+    body = decode.requests[-1]
     assert (body["max_tokens"], body["temperature"], body["seed"]) == (5, 0.5, 7)
     with cluster.session() as s, pytest.raises(TypeError):
         s.turn(max_token=5)  # type: ignore[call-arg]
@@ -132,10 +127,8 @@ def test_tool_calls_come_back_typed_and_feed_tool_results(cluster, fake):
         s.append(Message.tool('{"temp": 21}', tool_call_id=call.id))
         answer = s.turn(max_tokens=20)
         assert answer.stats.handle_state is HandleState.ATTACHED
-        index = int(s.pair.name.rsplit("-", 1)[1])
-    first, second = (
-        r["kv_transfer_params"]["prompt_token_ids"] for r in fake.prefill(index).requests
-    )
+        prefill = fake.server(s.pair.prefill)
+    first, second = (r["kv_transfer_params"]["prompt_token_ids"] for r in prefill.requests)
     held = first + list(result.token_ids)
     assert second[: len(held)] == held  # the tool-call turn's exact tokens, then the result
     assert fake.wrong_reuse_events == 0

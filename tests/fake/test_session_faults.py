@@ -21,21 +21,11 @@ from agentkv import (
     ServerError,
     TextDelta,
 )
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0, jitter_s=0)
-
-
-@pytest.fixture
-def clock():
-    return ManualClock()
-
-
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(pairs=2, clock=clock)
 
 
 @pytest.fixture
@@ -47,8 +37,7 @@ def cluster(fake, clock):
 
 
 def servers(fake, session):
-    index = int(session.pair.name.rsplit("-", 1)[1])
-    return fake.prefill(index), fake.decode(index)
+    return fake.server(session.pair.prefill), fake.server(session.pair.decode)
 
 
 def started(cluster, fake):

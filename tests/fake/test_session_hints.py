@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from agentkv import AsyncCluster, CachePolicy, Cluster, HandleState, Message, RetryPolicy
 from agentkv._handoff import lease_ref
 from agentkv._hints import EXTEND_PATH, RELEASE_PATH, ExtendRequest, LeaseRef
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 QUESTIONS = [
@@ -25,11 +25,6 @@ QUESTIONS = [
 ]
 # Enough generated tokens that decode's handle is worth a pull (kv_recompute_threshold 64).
 LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
-
-
-@pytest.fixture
-def clock():
-    return ManualClock()
 
 
 @pytest.fixture

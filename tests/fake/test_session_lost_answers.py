@@ -14,15 +14,10 @@ import pytest
 
 from agentkv import AsyncCluster, Cluster, Message, RetryPolicy
 from agentkv._hints import REQUEST_TAG_PREFIX
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
-
-
-@pytest.fixture
-def clock():
-    return ManualClock()
 
 
 @pytest.fixture
@@ -119,21 +114,23 @@ async def test_an_async_stream_left_or_a_turn_cancelled_leaves_no_pin(fake, cloc
 class AnswerHeld(httpx.AsyncBaseTransport):
     """Decode answers, but its answer never reaches the client while ``hold`` is set."""
 
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
-        self.inner = inner
+    def __init__(self, fake: FakeCluster) -> None:
+        self.fake = fake
+        self.inner = fake.transport
         self.hold = False
         self.held = asyncio.Event()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self.inner.handle_async_request(request)
-        if self.hold and "fake-d" in request.url.host and request.url.path.endswith("/completions"):
+        decode = self.fake.server(str(request.url)).role == "decode"
+        if self.hold and decode and request.url.path.endswith("/completions"):
             self.held.set()
             await asyncio.Event().wait()  # until cancelled
         return response
 
 
 async def test_a_turn_cancelled_after_decode_finished_leaves_no_pin(fake, clock):
-    transport = AnswerHeld(fake.transport)
+    transport = AnswerHeld(fake)
     async with AsyncCluster.from_dict(
         fake.cluster_spec, transport=transport, clock=clock, block_size=16,
         retry=RetryPolicy(max_attempts=1),
@@ -177,14 +174,14 @@ def test_a_handle_left_behind_when_the_session_moves_off_a_dead_prefill_is_relea
     with open_cluster(fake, clock, attempts=3) as cluster, cluster.session() as s:
         s.append(SYSTEM)
         s.send("What is the capital of France?", **LONG)
-        old = int(s.pair.name[-1])
-        assert fake.decode(old).pinned_handles == 1
-        fake.prefill(old).kill()
+        old = s.pair
+        assert fake.server(old.decode).pinned_handles == 1
+        fake.server(old.prefill).kill()
         cluster.check_health()  # marks the pair down, as another session's turn would
         result = s.send("And of Spain?", **LONG)
-        assert s.pair.name != f"pair-{old}"
+        assert s.pair.name != old.name
         assert result.stats.handle_state.value == "invalidated"
-        assert fake.decode(old).pinned_handles == 0
+        assert fake.server(old.decode).pinned_handles == 0
         assert fake.wrong_reuse_events == 0
 
 

@@ -21,7 +21,7 @@ from agentkv import (
     SessionLoadError,
 )
 from agentkv._persist import write_atomic
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
@@ -31,16 +31,6 @@ QUESTIONS = [
     "Which of the two is bigger?",
 ]
 FAST_RETRY = RetryPolicy(initial_backoff_s=0, jitter_s=0)
-
-
-@pytest.fixture
-def clock():
-    return ManualClock()
-
-
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(pairs=2, clock=clock)
 
 
 def open_cluster(fake, clock):

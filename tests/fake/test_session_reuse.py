@@ -15,7 +15,7 @@ from agentkv import (
     TextDelta,
     TurnResult,
 )
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 QUESTIONS = [
@@ -24,16 +24,6 @@ QUESTIONS = [
     "Which of the two is bigger?",
     "Thanks. Summarize everything so far.",
 ]
-
-
-@pytest.fixture
-def clock():
-    return ManualClock()
-
-
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(pairs=2, clock=clock)
 
 
 def open_cluster(fake, clock, **kwargs):
@@ -50,8 +40,7 @@ def cluster(fake, clock):
 
 
 def servers(fake, session):
-    index = int(session.pair.name.rsplit("-", 1)[1])
-    return fake.prefill(index), fake.decode(index)
+    return fake.server(session.pair.prefill), fake.server(session.pair.decode)
 
 
 # Decode's turn-end KV is pulled only when prefill lacks at least kv_recompute_threshold (64) of

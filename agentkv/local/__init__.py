@@ -1,0 +1,1 @@
+"""The local CPU prefill/decode pair that ``agentkv up`` starts, stops and describes."""
