@@ -1,8 +1,11 @@
 """Tool descriptions from docstrings: the summary and one line per parameter.
 
-Google style (``Args:`` sections) and Sphinx style (``:param name:``) are read; anything else is
-the summary. Only what a model needs is kept: sections such as ``Returns:`` or ``Example:`` are
-dropped, because they would grow every prompt of every agent that uses the tool.
+Parsed with ``docstring_parser`` (pinned exactly in ``pyproject.toml``: a tool's rendered
+description is part of the cached prompt prefix, so a parser change must be a deliberate one).
+Google (``Args:``), Sphinx/reST (``:param name:``) and NumPy (``Parameters`` / ``----------``)
+styles are read, whichever explains the most. Only what a model needs is kept: sections such as
+``Returns`` or ``Examples`` are dropped, because they would grow every prompt of every agent that
+uses the tool.
 
 >>> doc = parse_docstring('''Add two numbers.
 ...
@@ -15,37 +18,71 @@ dropped, because they would grow every prompt of every agent that uses the tool.
 ...     ''')
 >>> doc.summary, doc.params
 ('Add two numbers.', {'a': 'the first number.', 'b': 'the second number.'})
+>>> parse_docstring('''Add two numbers.
+...
+...     Parameters
+...     ----------
+...     a : int
+...         the first number.
+...
+...     Returns
+...     -------
+...     int
+...     ''').params
+{'a': 'the first number.'}
 """
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import re
 from dataclasses import dataclass, field
 
+import docstring_parser
+from docstring_parser import numpydoc, rest
+from docstring_parser.google import DEFAULT_SECTIONS, GoogleParser, Section, SectionType
+
 __all__ = ["Docstring", "parse_docstring"]
 
-_PARAM_SECTIONS = frozenset({"args", "arguments", "parameters", "params", "keyword args"})
-_OTHER_SECTIONS = frozenset(
-    {
-        "returns",
-        "return",
-        "yields",
-        "raises",
-        "example",
-        "examples",
-        "note",
-        "notes",
-        "see also",
-        "attributes",
-        "warning",
-        "warnings",
-    }
+# docstring_parser's Google sections, plus the spellings the Google and Napoleon guides also
+# allow; a section it does not know would be read as part of the summary.
+_GOOGLE_EXTRA = (
+    Section("Keyword Args", "param", SectionType.MULTIPLE),
+    Section("Keyword Arguments", "param", SectionType.MULTIPLE),
+    Section("Kwargs", "param", SectionType.MULTIPLE),
+    Section("Return", "returns", SectionType.SINGULAR_OR_MULTIPLE),
+    Section("Yield", "yields", SectionType.SINGULAR_OR_MULTIPLE),
+    *(
+        Section(title, key, SectionType.SINGULAR)
+        for title, key in (
+            ("Note", "notes"),
+            ("Notes", "notes"),
+            ("Warning", "warnings"),
+            ("Warnings", "warnings"),
+            ("See Also", "see_also"),
+            ("Todo", "todo"),
+            ("References", "references"),
+        )
+    ),
 )
-_SECTION = re.compile(r"^([A-Za-z][A-Za-z ]*):\s*$")
-_GOOGLE_PARAM = re.compile(r"^\*{0,2}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
-_SPHINX_PARAM = re.compile(r"^:param\s+(?:[\w\[\], .|]+\s+)?(\w+)\s*:\s*(.*)$")
-_SPHINX_OTHER = re.compile(r"^:(?:type|rtype|returns?|raises?)\b")
+_GOOGLE = GoogleParser(
+    [
+        Section(title, section.key, section.type)
+        for section in (*DEFAULT_SECTIONS, *_GOOGLE_EXTRA)
+        # Headers are matched case-sensitively: accept "Args:", "args:" and "See also:" too.
+        for title in dict.fromkeys(
+            (section.title, section.title.lower(), section.title.capitalize())
+        )
+    ]
+)
+# The order breaks ties, as in docstring_parser.parse: a docstring without sections is reST.
+# Epydoc is left out: it reads the decorators of an example (``@tool``) as its ``@param`` fields.
+_PARSERS = (rest.parse, _GOOGLE.parse, numpydoc.parse)
+# A line may start with a reST role (":class:`Page` objects"): docstring_parser's reST parser would
+# take it for a field (":param x:") and everything after it out of the summary. Roles are hidden
+# behind a character no parser knows and put back afterwards.
+_ROLE_AT_LINE_START = re.compile(r"^(\s*):(?=[\w.+-]+:`)", re.MULTILINE)
+_HIDDEN_COLON = "\x00"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,56 +93,28 @@ class Docstring:
     params: dict[str, str] = field(default_factory=dict)
 
 
-def _indent(line: str) -> int:
-    return len(line) - len(line.lstrip())
+def _join(text: str | None) -> str:
+    lines = (text or "").replace(_HIDDEN_COLON, ":").splitlines()
+    return " ".join(line.strip() for line in lines if line.strip())
 
 
-def _join(lines: list[str]) -> str:
-    return " ".join(part.strip() for part in lines if part.strip())
+def _parse(doc: str) -> docstring_parser.Docstring:
+    parsed: list[docstring_parser.Docstring] = []
+    for parse in _PARSERS:
+        with contextlib.suppress(docstring_parser.ParseError):  # not in this style
+            parsed.append(parse(doc))
+    # NumPy's parser never fails (text without its sections is all summary): never empty.
+    return max(parsed, key=lambda d: len(d.meta))  # the first of the longest on a tie
 
 
 def parse_docstring(doc: str | None) -> Docstring:
     """Split ``doc`` into a summary and parameter descriptions (see the module docstring)."""
-    if not doc:
+    if not doc or not doc.strip():
         return Docstring()
-    lines = inspect.cleandoc(doc).splitlines()
-    summary: list[str] = []
-    params: dict[str, list[str]] = {}
-    section: str | None = None
-    current: str | None = None
-    param_indent = 0
-    for line in lines:
-        stripped = line.strip()
-        header = _SECTION.match(stripped)
-        if (
-            header
-            and _indent(line) == 0
-            and header.group(1).lower() in (_PARAM_SECTIONS | _OTHER_SECTIONS)
-        ):
-            section = header.group(1).lower()
-            current = None
-            continue
-        sphinx = _SPHINX_PARAM.match(stripped)
-        if sphinx:
-            section, current = "sphinx", sphinx.group(1)
-            params[current] = [sphinx.group(2)]
-            continue
-        if _SPHINX_OTHER.match(stripped):
-            section, current = "sphinx-other", None
-            continue
-        if section is None:
-            summary.append(line)
-        elif section in _PARAM_SECTIONS:
-            google = _GOOGLE_PARAM.match(stripped)
-            if google and (current is None or _indent(line) <= param_indent):
-                current = google.group(1)
-                param_indent = _indent(line)
-                params[current] = [google.group(2)]
-            elif current is not None and stripped:
-                params[current].append(stripped)
-        elif section == "sphinx" and current is not None and stripped:
-            params[current].append(stripped)
-    # The summary is its paragraphs joined: a model reads one line as well as several.
-    paragraphs = "\n".join(summary).strip().split("\n\n")
-    text = "\n".join(_join(p.splitlines()) for p in paragraphs if p.strip())
-    return Docstring(summary=text, params={k: _join(v) for k, v in params.items()})
+    parsed = _parse(_ROLE_AT_LINE_START.sub(rf"\1{_HIDDEN_COLON}", doc))
+    # The summary is its paragraphs, each on one line: a model reads one line as well as several.
+    gap = "\n\n" if parsed.blank_after_short_description else "\n"
+    text = gap.join(part for part in (parsed.short_description, parsed.long_description) if part)
+    summary = "\n".join(_join(p) for p in text.split("\n\n") if p.strip())
+    params = {p.arg_name.lstrip("\\*"): _join(p.description) for p in parsed.params}
+    return Docstring(summary=summary, params=params)

@@ -4,7 +4,8 @@ Why not a second, ``httpx.Client`` implementation: a turn is a small state machi
 renders, two legs, retries, failover, streaming) and writing it twice would let the twins drift.
 Running the one async core on a loop owned by the sync ``Cluster`` costs one thread hop per call
 (tens of microseconds, see ``benchmarks/sdk_overhead.py``) and lets both twins share one transport
-type and one connection pool.
+type and one connection pool. The proxy's ``ProxyServer`` and the fake pair's HTTP host run their
+uvicorn servers on a Portal too.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ class Portal:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and return its result (re-raising its exception)."""
+    def call(self, coro: Coroutine[Any, Any, T], *, timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and return its result (re-raising its exception).
+
+        After ``timeout`` seconds the coroutine is cancelled and ``TimeoutError`` raised.
+        """
         if self._closed:
             coro.close()
             raise RuntimeError("the cluster is closed")
@@ -43,9 +47,9 @@ class Portal:
             raise RuntimeError("a sync agentkv call from inside its own event loop would deadlock")
         future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return future.result()
+            return future.result(timeout)
         except BaseException:
-            # KeyboardInterrupt in the caller: cancel the work instead of leaving it running.
+            # KeyboardInterrupt or a timeout in the caller: cancel the work, don't leave it running.
             future.cancel()
             raise
 

@@ -30,7 +30,7 @@ from agentkv._json import JSONDecodeError, loads
 from agentkv.proxy._chat import ChatService, json_response
 from agentkv.proxy._config import ProxyConfig, key_digest
 from agentkv.proxy._errors import ProxyError
-from agentkv.proxy._metrics import CONTENT_TYPE, ProxyMetrics
+from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
 from agentkv.proxy._responses import ResponsesService
 from agentkv.proxy._shape import turn_stats_json
@@ -156,7 +156,7 @@ class _Proxy:
                         detail=error.message,
                     )
                 response = json_response(error.body(), status=error.status, headers=error.headers)
-            self.metrics.requests.inc(name, str(response.status_code))
+            self.metrics.requests.labels(name, str(response.status_code)).inc()
             return response
 
         return wrapped
@@ -225,7 +225,8 @@ class _Proxy:
     async def metrics_text(self, request: Request) -> Response:
         if self.config.metrics_need_key:
             _principal(request, self.config)  # 401 without a valid key
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+        body, content_type = self.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     async def _entry(self, request: Request) -> tuple[str, str, SessionEntry]:
         principal = _principal(request, self.config)

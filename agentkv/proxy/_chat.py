@@ -379,7 +379,7 @@ class ChatService:
                 )
                 reason = "history does not extend the session"
             if plan.echoes:
-                self._metrics.echoes.inc(amount=plan.echoes)
+                self._metrics.echoes.inc(plan.echoes)
             if plan.forked:
                 child = session.fork(keep=plan.keep, session_id=session.session_id)
                 await registry.replace(entry, child, keep=plan.keep)
@@ -490,10 +490,10 @@ class ChatService:
     def _record(self, result: TurnResult, *, stream: bool, seconds: float) -> None:
         stats = result.stats
         metrics = self._metrics
-        metrics.request_seconds.observe(seconds, "true" if stream else "false")
+        metrics.request_seconds.labels("true" if stream else "false").observe(seconds)
         metrics.ttft_seconds.observe(stats.ttft_s)
-        metrics.turns.inc(stats.handle_state.value)
-        metrics.prompt_tokens.inc(amount=stats.prompt_tokens)
-        metrics.reused_tokens.inc(amount=stats.reused_tokens)
-        metrics.ideal_reused_tokens.inc(amount=stats.ideal_reused_tokens)
-        metrics.generated_tokens.inc(amount=stats.generated_tokens)
+        metrics.turns.labels(stats.handle_state.value).inc()
+        metrics.prompt_tokens.inc(stats.prompt_tokens)
+        metrics.reused_tokens.inc(stats.reused_tokens)
+        metrics.ideal_reused_tokens.inc(stats.ideal_reused_tokens)
+        metrics.generated_tokens.inc(stats.generated_tokens)

@@ -1,196 +1,160 @@
-"""Prometheus metrics of the proxy, in the text exposition format (version 0.0.4).
+"""Prometheus metrics of the proxy, on ``prometheus_client`` (the library vLLM's metrics use).
 
-A few dozen lines instead of a dependency: the proxy exports counters, gauges read at scrape time
-and fixed-bucket histograms, all kept per app (two apps in one process never share numbers).
+Every app has a registry of its own (two apps in one process never share numbers, and nothing
+lands in prometheus_client's global registry). Counters and histograms are the library's; the
+gauges that read live state at scrape time are a collector of callbacks set by :meth:`bind`.
+``GET /metrics`` negotiates the format as prometheus_client's own exporters do: the text format
+0.0.4 by default, OpenMetrics when the scraper asks for it.
 
 >>> metrics = ProxyMetrics()
->>> metrics.requests.inc("chat", "200")
->>> print(metrics.render().splitlines()[2])
-agentkv_proxy_requests_total{endpoint="chat",code="200"} 1
+>>> metrics.requests.labels("chat", "200").inc()
+>>> metrics.value("agentkv_proxy_requests_total", endpoint="chat", code="200")
+1.0
+>>> body, content_type = metrics.render()
+>>> content_type
+'text/plain; version=0.0.4; charset=utf-8'
+>>> print(body.decode().splitlines()[2])
+agentkv_proxy_requests_total{code="200",endpoint="chat"} 1.0
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator
 
-__all__ = ["CONTENT_TYPE", "Counter", "Gauge", "Histogram", "ProxyMetrics"]
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+__all__ = ["ProxyMetrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def _no_sessions() -> int | None:
+    return None
 
 
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{name}="{_escape(value)}"' for name, value in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _number(value: float) -> str:
-    if value == math.inf:
-        return "+Inf"
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help_text
-        self.labels = tuple(labels)
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-    def samples(self) -> Iterable[str]:
-        raise NotImplementedError
-
-
-class Counter(_Metric):
-    """A monotonically increasing count, per label values."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labels)
-        self._values: dict[tuple[str, ...], float] = {}
-
-    def inc(self, *label_values: str, amount: float = 1.0) -> None:
-        self._values[label_values] = self._values.get(label_values, 0.0) + amount
-
-    def value(self, *label_values: str) -> float:
-        return self._values.get(label_values, 0.0)
-
-    def samples(self) -> Iterable[str]:
-        for values, total in self._values.items():
-            yield f"{self.name}{_labels(self.labels, values)} {_number(total)}"
-
-
-class Gauge(_Metric):
-    """A value read at scrape time from a callback returning ``{label values: value}``."""
-
-    kind = "gauge"
-
-    def __init__(
-        self,
-        name: str,
-        help_text: str,
-        read: Callable[[], dict[tuple[str, ...], float]],
-        labels: Sequence[str] = (),
-    ) -> None:
-        super().__init__(name, help_text, labels)
-        self._read = read
-
-    def samples(self) -> Iterable[str]:
-        for values, value in self._read().items():
-            yield f"{self.name}{_labels(self.labels, values)} {_number(value)}"
-
-
-class Histogram(_Metric):
-    """Observations counted in fixed cumulative buckets, plus their sum and count."""
-
-    kind = "histogram"
-
-    def __init__(
-        self,
-        name: str,
-        help_text: str,
-        buckets: Sequence[float] = _LATENCY_BUCKETS,
-        labels: Sequence[str] = (),
-    ) -> None:
-        super().__init__(name, help_text, labels)
-        self._bounds = tuple(sorted(buckets))
-        self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
-
-    def observe(self, value: float, *label_values: str) -> None:
-        counts, total = self._series.setdefault(
-            label_values, ([0] * (len(self._bounds) + 1), [0.0])
-        )
-        counts[bisect.bisect_left(self._bounds, value)] += 1
-        total[0] += value
-
-    def samples(self) -> Iterable[str]:
-        for values, (counts, total) in self._series.items():
-            running = 0
-            for bound, count in zip((*self._bounds, math.inf), counts, strict=True):
-                running += count
-                le = f'le="{_number(bound)}"'
-                yield f"{self.name}_bucket{_labels(self.labels, values, le)} {running}"
-            yield f"{self.name}_sum{_labels(self.labels, values)} {_number(total[0])}"
-            yield f"{self.name}_count{_labels(self.labels, values)} {running}"
-
-
-def _none() -> dict[tuple[str, ...], float]:
+def _no_loads() -> dict[str, int]:
     return {}
 
 
-class ProxyMetrics:
-    """Everything ``GET /metrics`` shows. Gauges read live state through ``bind``."""
+class _LiveGauges(Collector):
+    """Gauges read at scrape time: open sessions, sessions per pair, each prefill's load."""
 
     def __init__(self) -> None:
+        self.sessions: Callable[[], int | None] = _no_sessions
+        self.pair_sessions: Callable[[], dict[str, int]] = _no_loads
+        self.prefill_tokens: Callable[[], dict[str, int]] = _no_loads
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        # Lets the registry refuse a second metric of the same name at registration.
+        return self._families(live=False)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        return self._families(live=True)
+
+    def _families(self, *, live: bool) -> Iterator[GaugeMetricFamily]:
+        sessions = GaugeMetricFamily("agentkv_proxy_sessions", "Open sessions")
+        open_now = self.sessions() if live else None
+        if open_now is not None:
+            sessions.add_metric([], float(open_now))
+        yield sessions
+        for name, help_text, label, read in (
+            (
+                "agentkv_proxy_pair_sessions",
+                "Open sessions per pair, in a pool per decode server (one-shots included)",
+                "pair",
+                self.pair_sessions,
+            ),
+            (
+                "agentkv_proxy_prefill_outstanding_tokens",
+                "Prompt tokens sent to each prefill server and not answered yet (its load)",
+                "prefill",
+                self.prefill_tokens,
+            ),
+        ):
+            family = GaugeMetricFamily(name, help_text, labels=[label])
+            for value_label, value in (read() if live else {}).items():
+                family.add_metric([value_label], float(value))
+            yield family
+
+
+class ProxyMetrics:
+    """Everything ``GET /metrics`` shows. Gauges read live state through :meth:`bind`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
         self.requests = Counter(
-            "agentkv_proxy_requests_total", "HTTP requests answered", ("endpoint", "code")
+            "agentkv_proxy_requests",
+            "HTTP requests answered",
+            ("endpoint", "code"),
+            registry=registry,
         )
         self.request_seconds = Histogram(
             "agentkv_proxy_request_duration_seconds",
             "Time to the full answer of a chat completion (streams: to the last chunk)",
-            labels=("stream",),
+            ("stream",),
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
         self.overhead_seconds = Histogram(
             "agentkv_proxy_overhead_seconds",
             "Time a plain (non-streamed) chat completion spent in the proxy outside the SDK's turn",
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1),
+            buckets=_OVERHEAD_BUCKETS,
+            registry=registry,
         )
         self.ttft_seconds = Histogram(
-            "agentkv_proxy_ttft_seconds", "Time to the first token of a turn, as the SDK saw it"
+            "agentkv_proxy_ttft_seconds",
+            "Time to the first token of a turn, as the SDK saw it",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
         self.turns = Counter(
-            "agentkv_proxy_turns_total", "Turns run, by what happened to the handle", ("handle",)
+            "agentkv_proxy_turns",
+            "Turns run, by what happened to the handle",
+            ("handle",),
+            registry=registry,
         )
         self.forks = Counter(
-            "agentkv_proxy_forks_total", "Requests whose history did not extend their session"
+            "agentkv_proxy_forks",
+            "Requests whose history did not extend their session",
+            registry=registry,
         )
         self.echoes = Counter(
-            "agentkv_proxy_echo_matches_total",
+            "agentkv_proxy_echo_matches",
             "Echoed assistant messages matched to generated tokens by meaning, not equality",
+            registry=registry,
         )
-        self.prompt_tokens = Counter("agentkv_proxy_prompt_tokens_total", "Prompt tokens sent")
+        self.prompt_tokens = Counter(
+            "agentkv_proxy_prompt_tokens", "Prompt tokens sent", registry=registry
+        )
         self.reused_tokens = Counter(
-            "agentkv_proxy_reused_tokens_total",
+            "agentkv_proxy_reused_tokens",
             "Prompt tokens prefill did not compute (its own cached_tokens)",
+            registry=registry,
         )
         self.ideal_reused_tokens = Counter(
-            "agentkv_proxy_ideal_reused_tokens_total",
+            "agentkv_proxy_ideal_reused_tokens",
             "Tokens a perfect handle would have let prefill reuse",
+            registry=registry,
         )
-        self.generated_tokens = Counter("agentkv_proxy_generated_tokens_total", "Tokens generated")
-        self.sessions_opened = Counter("agentkv_proxy_sessions_opened_total", "Sessions opened")
+        self.generated_tokens = Counter(
+            "agentkv_proxy_generated_tokens", "Tokens generated", registry=registry
+        )
+        self.sessions_opened = Counter(
+            "agentkv_proxy_sessions_opened", "Sessions opened", registry=registry
+        )
         self.sessions_closed = Counter(
-            "agentkv_proxy_sessions_closed_total",
+            "agentkv_proxy_sessions_closed",
             "Sessions closed, by why (deleted, idle, evicted, shutdown)",
             ("reason",),
+            registry=registry,
         )
-        self.sessions = Gauge("agentkv_proxy_sessions", "Open sessions", _none)
-        self.pair_sessions = Gauge(
-            "agentkv_proxy_pair_sessions",
-            "Open sessions per pair, in a pool per decode server (one-shots included)",
-            _none,
-            ("pair",),
-        )
-        self.prefill_tokens = Gauge(
-            "agentkv_proxy_prefill_outstanding_tokens",
-            "Prompt tokens sent to each prefill server and not answered yet (its load)",
-            _none,
-            ("prefill",),
-        )
+        self._live = _LiveGauges()
+        registry.register(self._live)
 
     def bind(
         self,
@@ -200,45 +164,15 @@ class ProxyMetrics:
         prefill_tokens: Callable[[], dict[str, int]] = dict,
     ) -> None:
         """Connect the gauges to the live state they read at scrape time."""
-        self.sessions = Gauge(
-            self.sessions.name, self.sessions.help, lambda: {(): float(sessions())}
-        )
-        self.pair_sessions = Gauge(
-            self.pair_sessions.name,
-            self.pair_sessions.help,
-            lambda: {(name,): float(n) for name, n in pair_sessions().items()},
-            ("pair",),
-        )
-        self.prefill_tokens = Gauge(
-            self.prefill_tokens.name,
-            self.prefill_tokens.help,
-            lambda: {(name,): float(n) for name, n in prefill_tokens().items()},
-            ("prefill",),
-        )
+        self._live.sessions = sessions
+        self._live.pair_sessions = pair_sessions
+        self._live.prefill_tokens = prefill_tokens
 
-    def _all(self) -> tuple[_Metric, ...]:
-        return (
-            self.requests,
-            self.request_seconds,
-            self.overhead_seconds,
-            self.ttft_seconds,
-            self.turns,
-            self.forks,
-            self.echoes,
-            self.prompt_tokens,
-            self.reused_tokens,
-            self.ideal_reused_tokens,
-            self.generated_tokens,
-            self.sessions_opened,
-            self.sessions_closed,
-            self.sessions,
-            self.pair_sessions,
-            self.prefill_tokens,
-        )
+    def value(self, name: str, **labels: str) -> float:
+        """One sample's value now (0 for a series not seen yet), by its exposed name."""
+        return self.registry.get_sample_value(name, labels) or 0.0
 
-    def render(self) -> str:
-        lines: list[str] = []
-        for metric in self._all():
-            lines.extend(metric.header())
-            lines.extend(metric.samples())
-        return "\n".join(lines) + "\n"
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition and its content type, in the format an ``Accept`` header asks for."""
+        encode, content_type = choose_encoder(accept or "")
+        return encode(self.registry), content_type

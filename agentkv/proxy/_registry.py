@@ -459,7 +459,7 @@ class SessionRegistry:
         turns = len(session.turns)
         if entry.users == 0:
             await session.aclose()
-        self._metrics.sessions_closed.inc(reason)
+        self._metrics.sessions_closed.labels(reason).inc()
         logger.info(
             "agentkv.proxy.session_closed",
             session_id=entry.session_id,

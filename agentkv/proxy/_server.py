@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 
 from agentkv._cluster import AsyncCluster
+from agentkv._portal import Portal
 from agentkv.proxy._app import create_app
 from agentkv.proxy._config import ProxyConfig
 
@@ -100,10 +99,10 @@ class ProxyServer:
         self._config = config or ProxyConfig(port=0)
         self._clock = clock
         self._log_level = log_level
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="agentkv-proxy", daemon=True)
-        self._ready: Future[None] = Future()
+        self._portal: Portal | None = None
+        self._cluster: AsyncCluster | None = None
         self._server: uvicorn.Server | None = None
+        self._serving: asyncio.Task[None] | None = None
         self.app: Starlette | None = None
         self.port = 0
 
@@ -111,38 +110,31 @@ class ProxyServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
+    async def _start(self) -> None:
+        cluster = self._cluster = self._make_cluster()
         try:
-            self._loop.run_until_complete(self._main())
-        finally:
-            self._loop.close()
-
-    async def _main(self) -> None:
-        try:
-            cluster = self._make_cluster()
             self.app = create_app(cluster, self._config, clock=self._clock)
             sock = _listen("127.0.0.1", self._config.port)
             self.port = sock.getsockname()[1]
-            self._server = _uvicorn_server(self.app, log_level=self._log_level)
-        except BaseException as exc:
-            self._ready.set_exception(exc)
-            raise
-        try:
-            task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+            server = self._server = _uvicorn_server(self.app, log_level=self._log_level)
+            serving = self._serving = asyncio.ensure_future(server.serve(sockets=[sock]))
             # uvicorn reports readiness as a flag, not an event.
-            while not self._server.started and not task.done():  # noqa: ASYNC110
+            while not server.started and not serving.done():  # noqa: ASYNC110
                 await asyncio.sleep(0.005)
-            if task.done():
-                task.result()
-            self._ready.set_result(None)
-            await task
-        except BaseException as exc:
-            if not self._ready.done():
-                self._ready.set_exception(exc)
-            raise
-        finally:
+            if serving.done():
+                serving.result()  # what stopped it
+                raise RuntimeError("the proxy did not start (its app's startup failed)")
+        except BaseException:
             await cluster.aclose()
+            raise
+
+    async def _stop(self) -> None:
+        try:
+            if self._serving is not None:
+                await self._serving
+        finally:
+            if self._cluster is not None:
+                await self._cluster.aclose()
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the server's loop (where the app's state lives); return its result.
@@ -156,14 +148,27 @@ class ProxyServer:
                 result = await result
             return result
 
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(_START_TIMEOUT_S)
+        if self._portal is None:
+            raise RuntimeError("the proxy server is not running")
+        return self._portal.call(run(), timeout=_START_TIMEOUT_S)
 
     def __enter__(self) -> ProxyServer:
-        self._thread.start()
-        self._ready.result(timeout=_START_TIMEOUT_S)
+        self._portal = Portal(name="agentkv-proxy")
+        try:
+            self._portal.call(self._start(), timeout=_START_TIMEOUT_S)
+        except BaseException:
+            self._portal.close()
+            self._portal = None
+            raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        portal, self._portal = self._portal, None
+        if portal is None:
+            return
         if self._server is not None:
             self._server.should_exit = True
-        self._thread.join(timeout=_START_TIMEOUT_S)
+        try:
+            portal.call(self._stop(), timeout=_START_TIMEOUT_S)
+        finally:
+            portal.close()

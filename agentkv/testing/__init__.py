@@ -8,7 +8,8 @@ What is faithful (each module cites the vLLM code it follows):
 
 * HTTP/JSON: request validation, status codes, error bodies, response and chunk shapes,
   ``kv_transfer_params`` key sets, ``prompt_token_ids`` forwarding, ``return_token_ids``,
-  ``/tokenize``, ``/detokenize``, ``/v1/models``, ``/health`` and ``/metrics`` names.
+  ``/tokenize``, ``/detokenize``, ``/v1/models``, ``/health``; ``/metrics`` is vLLM's own metric
+  definitions rendered by vLLM's library (``prometheus_client``).
 * KV reuse: block-granular prefix caching, positional pulls of ``min(remote_num_tokens,
   prompt_len) - local_hit`` tokens, ``kv_recompute_threshold``, single-use handles, TTLs, the
   5 s expiry margin, load failures answered with 500, ``kv_cache_usage_perc`` from a block pool.

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from agentkv.testing._fake_context import ServerContext
 from agentkv.testing._fake_engine import FakeEngine
-from agentkv.testing._fake_metrics import render_metrics
 from agentkv.testing._fake_protocol import schema_error, vllm_validation_error
 from agentkv.testing._fake_reply import Reply
 from agentkv.testing._fake_responses import random_uuid
-
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _as_object(data: Any) -> dict[str, Any]:
@@ -118,9 +116,9 @@ def models(ctx: ServerContext) -> Reply:
     return Reply(json={"object": "list", "data": [card]})
 
 
-def metrics(ctx: ServerContext, engine: FakeEngine) -> Reply:
-    text = render_metrics(engine.stats, model=ctx.model, kv_cache_usage=engine.kv_cache_usage)
-    return Reply(text=text.encode(), content_type=PROMETHEUS_CONTENT_TYPE)
+def metrics(engine: FakeEngine, headers: Mapping[str, str]) -> Reply:
+    text, content_type = engine.stats.render(headers.get("accept"))
+    return Reply(text=text, content_type=content_type)
 
 
 def health() -> Reply:

@@ -138,11 +138,12 @@ class FakeEngine:
         clock: Callable[[], float],
         fabric: Fabric,
         side_channel: tuple[str, int],
+        model_name: str,
     ) -> None:
         self.config = config
         self.engine_id = str(uuid.uuid4())
         self.side_channel_host, self.side_channel_port = side_channel
-        self.stats = EngineStats()
+        self.stats = EngineStats(model_name=model_name, kv_cache_usage=lambda: self.kv_cache_usage)
         self._tok = tokenizer
         self._model = model
         self._clock = clock
@@ -193,7 +194,7 @@ class FakeEngine:
         """A consumer's "done reading" notification: free the blocks, or log a stale read."""
         pin = self._pins.pop(request_id, None) if isinstance(request_id, str) else None
         if pin is None:
-            self.stats.nixl_notifications_after_expiry += 1
+            self.stats.nixl_notifications_after_expiry.inc()
             return
         self._pool.free(pin.block_ids)
         self._forget(request_id)
@@ -228,9 +229,7 @@ class FakeEngine:
     def holds(self, request_id: Any, block_ids: list[Any]) -> bool:
         """Whether ``block_ids`` are still pinned for ``request_id`` (not freed, not reused)."""
         pin = self._pins.get(request_id) if isinstance(request_id, str) else None
-        return pin is not None and all(
-            b in pin.block_ids and self._pool.held(b) for b in block_ids
-        )
+        return pin is not None and all(b in pin.block_ids and self._pool.held(b) for b in block_ids)
 
     def read_block(self, block_id: Any) -> BlockContent:
         if not isinstance(block_id, int) or isinstance(block_id, bool):
@@ -343,7 +342,7 @@ class FakeEngine:
     def _handshake(self, params: dict[str, Any]) -> FakeEngine | None:
         producer = self._fabric.lookup(params["remote_host"], params["remote_port"])
         if producer is None or producer.engine_id != params["remote_engine_id"]:
-            self.stats.nixl_failed_transfers += 1
+            self.stats.nixl_failed_transfers.inc()
             return None
         return producer
 
@@ -365,7 +364,7 @@ class FakeEngine:
             and isinstance(expiry, int | float)
             and self._clock() + EXPIRY_SAFETY_MARGIN_S >= expiry
         ):
-            self.stats.nixl_kv_expired_reqs += 1
+            self.stats.nixl_kv_expired_reqs.inc()
             raise _KVLoadError("declining expired remote read")
         groups = params["remote_block_ids"]
         remote_ids = groups[0] if isinstance(groups, list) and isinstance(groups[0], list) else []
@@ -380,7 +379,7 @@ class FakeEngine:
         try:
             contents = [producer.read_block(b) for b in wanted]
         except IndexError as exc:
-            self.stats.nixl_failed_transfers += 1
+            self.stats.nixl_failed_transfers.inc()
             raise _KVLoadError(str(exc)) from exc
         producer.on_remote_read(params["remote_request_id"])
         self.stats.record_transfer(
@@ -512,15 +511,15 @@ class FakeEngine:
         params: dict[str, Any] | None,
     ) -> None:
         stats = self.stats
-        stats.prompt_tokens += n_prompt
-        stats.generation_tokens += len(generation.token_ids)
-        stats.prefix_cache_queries += n_prompt
-        stats.prefix_cache_hits += local
+        stats.prompt_tokens.inc(n_prompt)
+        stats.generation_tokens.inc(len(generation.token_ids))
+        stats.prefix_cache_queries.inc(n_prompt)
+        stats.prefix_cache_hits.inc(local)
         if params:
-            stats.external_prefix_cache_queries += n_prompt - local
-            stats.external_prefix_cache_hits += load.num_tokens
-        stats.prompt_tokens_cached += local + load.num_tokens
-        stats.record_finish(generation.finish_reason)
+            stats.external_prefix_cache_queries.inc(n_prompt - local)
+            stats.external_prefix_cache_hits.inc(load.num_tokens)
+        stats.prompt_tokens_cached.inc(local + load.num_tokens)
+        stats.request_success[generation.finish_reason].inc()
 
 
 def _salted(hashes: list[int], salt: str | None) -> list[int]:

@@ -11,13 +11,12 @@ import asyncio
 import functools
 import importlib.util
 import socket
-import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, MutableMapping, Sequence
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from agentkv._portal import Portal
 from agentkv.testing._fake_server import FakeServer
 
 _T = TypeVar("_T")
@@ -100,21 +99,20 @@ def _asgi_app(listener: _Listener) -> Callable[[Scope, Receive, Send], Awaitable
 
 
 class _HttpHost:
-    """An event loop in a thread running one uvicorn server per fake server."""
+    """One uvicorn server per fake server, all on one event loop on a thread (a Portal)."""
 
     def __init__(self, servers: Sequence[FakeServer]) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="agentkv-fake-http", daemon=True
-        )
+        self._portal: Portal | None = None
         self.listeners = [_Listener(server, port=0) for server in servers]
 
     def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        future: Future[_T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future.result(timeout=30)
+        if self._portal is None:
+            coro.close()
+            raise RuntimeError("the fake servers are not being served")
+        return self._portal.call(coro, timeout=30)
 
     def start(self) -> None:
-        self._thread.start()
+        self._portal = Portal(name="agentkv-fake-http")
         for listener in self.listeners:
             if listener.server.alive:
                 self._call(self._listen(listener))
@@ -168,9 +166,9 @@ class _HttpHost:
             if listener.remove_hook is not None:
                 listener.remove_hook()
             self._call(self._close(listener))
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        self._loop.close()
+        if self._portal is not None:
+            self._portal.close()
+            self._portal = None
 
 
 def _free_port() -> int:

@@ -169,7 +169,7 @@ class FakeServer:
             ),
             "/health": ("GET", endpoints.health),
             "/v1/models": ("GET", lambda: endpoints.models(ctx)),
-            "/metrics": ("GET", lambda: endpoints.metrics(ctx, engine)),
+            "/metrics": ("GET", lambda: endpoints.metrics(engine, headers)),
         }
         if ctx.engine_config.leases or ctx.stream_handles:
             # agentkv's endpoint plugin (it also puts the handles on streams).
@@ -212,4 +212,5 @@ class FakeServer:
             clock=ctx.clock,
             fabric=ctx.fabric,
             side_channel=self.side_channel,
+            model_name=ctx.model,
         )

@@ -332,6 +332,6 @@ async def test_models_healthz_and_metrics(http, fake, openai_client):
     assert health.json()["pairs"] == {"pair-0": True, "pair-1": True}
     await _conversation(openai_client, fake.model)
     text = (await http.get("/metrics")).text
-    assert 'agentkv_proxy_requests_total{endpoint="chat",code="200"} 4' in text
-    assert 'agentkv_proxy_turns_total{handle="attached"} 3' in text
-    assert "agentkv_proxy_sessions 1" in text
+    assert 'agentkv_proxy_requests_total{code="200",endpoint="chat"} 4.0' in text
+    assert 'agentkv_proxy_turns_total{handle="attached"} 3.0' in text
+    assert "agentkv_proxy_sessions 1.0" in text

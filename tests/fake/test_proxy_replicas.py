@@ -110,7 +110,7 @@ async def test_an_openai_client_alternating_replicas_every_turn_keeps_the_ideal_
     assert len(turns) == len(QUESTIONS)
     _assert_ideal(turns)
     for replica in replicas:
-        assert replica.app.state.metrics.forks.value() == 0
+        assert replica.app.state.metrics.value("agentkv_proxy_forks_total") == 0
     assert fake.wrong_reuse_events == 0
 
 
@@ -131,7 +131,7 @@ async def test_a_replica_gone_mid_conversation_loses_nothing(fake, clock, redis_
     turns = await b.turns("gone")
     assert len(turns) == len(QUESTIONS)
     _assert_ideal(turns)
-    assert b.app.state.metrics.forks.value() == 0
+    assert b.app.state.metrics.value("agentkv_proxy_forks_total") == 0
 
 
 async def test_concurrent_requests_for_one_session_through_both_replicas_serialize(
@@ -148,7 +148,7 @@ async def test_concurrent_requests_for_one_session_through_both_replicas_seriali
         _ask(a, "race", list(history), QUESTIONS[1]),
         _ask(b, "race", list(history), QUESTIONS[1]),
     )
-    forks = sum(r.app.state.metrics.forks.value() for r in replicas)
+    forks = sum(r.app.state.metrics.value("agentkv_proxy_forks_total") for r in replicas)
     # The later request saw the earlier one's committed turn (its history does not extend it).
     # Unserialized, both would have extended turn 1 and one commit would have overwritten the
     # other: no fork at all.
@@ -171,7 +171,10 @@ async def test_delete_through_one_replica_releases_the_pin_once_and_both_forget(
     for replica in replicas:
         assert (await replica.http.delete("/v1/sessions/del", headers=auth)).status_code == 404
         assert (await replica.http.get("/v1/sessions/del", headers=auth)).status_code == 404
-    closed = sum(r.app.state.metrics.sessions_closed.value("deleted") for r in replicas)
+    closed = sum(
+        r.app.state.metrics.value("agentkv_proxy_sessions_closed_total", reason="deleted")
+        for r in replicas
+    )
     assert closed == 1
 
 

@@ -166,7 +166,7 @@ async def test_idle_sessions_expire_and_release_their_handles(cluster, clock):
         response = await _turn(client, "busy", history)
         assert response.headers["x-agentkv-handle"] == "none"
     assert sum(cluster.loads().values()) == 1
-    assert app.state.metrics.sessions_closed.value("idle") == 2
+    assert app.state.metrics.value("agentkv_proxy_sessions_closed_total", reason="idle") == 2
 
 
 async def test_a_flood_of_sessions_stays_bounded_evicting_the_oldest_idle_first(cluster, clock):
@@ -184,7 +184,7 @@ async def test_a_flood_of_sessions_stays_bounded_evicting_the_oldest_idle_first(
         assert (await client.get("/v1/sessions/flood-35")).status_code == 200
         assert (await client.get("/v1/sessions/flood-36")).status_code == 404
     assert sum(cluster.loads().values()) == 5
-    assert app.state.metrics.sessions_closed.value("evicted") == 36
+    assert app.state.metrics.value("agentkv_proxy_sessions_closed_total", reason="evicted") == 36
 
 
 async def test_a_full_registry_of_busy_sessions_answers_503(cluster):

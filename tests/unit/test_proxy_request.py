@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from agentkv import (
@@ -237,6 +238,14 @@ def test_an_upstream_400_keeps_vllms_message():
     assert ProxyError.from_exception(exc).message == "maximum context length is 8192 tokens"
 
 
+def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 def test_metrics_render_in_prometheus_text_format():
     metrics = ProxyMetrics()
     metrics.bind(
@@ -244,19 +253,72 @@ def test_metrics_render_in_prometheus_text_format():
         pair_sessions=lambda: {"pair-0": 2},
         prefill_tokens=lambda: {"p1": 4096},
     )
-    metrics.requests.inc("chat", "200")
-    metrics.request_seconds.observe(0.02, "false")
-    metrics.reused_tokens.inc(amount=128)
-    text = metrics.render()
-    assert 'agentkv_proxy_requests_total{endpoint="chat",code="200"} 1' in text
-    assert 'agentkv_proxy_request_duration_seconds_bucket{stream="false",le="0.025"} 1' in text
-    assert 'agentkv_proxy_request_duration_seconds_bucket{stream="false",le="0.01"} 0' in text
-    assert 'agentkv_proxy_request_duration_seconds_count{stream="false"} 1' in text
-    assert "agentkv_proxy_reused_tokens_total 128" in text
-    assert "agentkv_proxy_sessions 3" in text
-    assert 'agentkv_proxy_pair_sessions{pair="pair-0"} 2' in text
-    assert 'agentkv_proxy_prefill_outstanding_tokens{prefill="p1"} 4096' in text
+    metrics.requests.labels("chat", "200").inc()
+    metrics.request_seconds.labels("false").observe(0.02)
+    metrics.reused_tokens.inc(128)
+    body, content_type = metrics.render()
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    text = body.decode()
+    samples = _samples(text)
+    assert (
+        samples["agentkv_proxy_requests_total", frozenset({("endpoint", "chat"), ("code", "200")})]
+        == 1
+    )
+    duration = "agentkv_proxy_request_duration_seconds"
+    assert samples[f"{duration}_bucket", frozenset({("stream", "false"), ("le", "0.025")})] == 1
+    assert samples[f"{duration}_bucket", frozenset({("stream", "false"), ("le", "0.01")})] == 0
+    assert samples[f"{duration}_count", frozenset({("stream", "false")})] == 1
+    assert samples["agentkv_proxy_reused_tokens_total", frozenset()] == 128
+    assert samples["agentkv_proxy_sessions", frozenset()] == 3
+    assert samples["agentkv_proxy_pair_sessions", frozenset({("pair", "pair-0")})] == 2
+    assert (
+        samples["agentkv_proxy_prefill_outstanding_tokens", frozenset({("prefill", "p1")})] == 4096
+    )
     assert "# TYPE agentkv_proxy_ttft_seconds histogram" in text
+    assert metrics.value("agentkv_proxy_reused_tokens_total") == 128
+    assert metrics.value("agentkv_proxy_sessions_closed_total", reason="idle") == 0
+
+
+def test_metrics_keep_every_name_the_proxy_has_always_exported():
+    metrics = ProxyMetrics()
+    metrics.bind(sessions=lambda: 0, pair_sessions=dict)
+    names = {family.name for family in text_string_to_metric_families(metrics.render()[0].decode())}
+    assert {
+        "agentkv_proxy_requests",
+        "agentkv_proxy_request_duration_seconds",
+        "agentkv_proxy_overhead_seconds",
+        "agentkv_proxy_ttft_seconds",
+        "agentkv_proxy_turns",
+        "agentkv_proxy_forks",
+        "agentkv_proxy_echo_matches",
+        "agentkv_proxy_prompt_tokens",
+        "agentkv_proxy_reused_tokens",
+        "agentkv_proxy_ideal_reused_tokens",
+        "agentkv_proxy_generated_tokens",
+        "agentkv_proxy_sessions_opened",
+        "agentkv_proxy_sessions_closed",
+        "agentkv_proxy_sessions",
+        "agentkv_proxy_pair_sessions",
+        "agentkv_proxy_prefill_outstanding_tokens",
+    } <= names
+
+
+def test_two_apps_in_one_process_never_share_metrics():
+    first, second = ProxyMetrics(), ProxyMetrics()
+    first.forks.inc()
+    first.sessions_closed.labels("idle").inc()
+    assert first.value("agentkv_proxy_forks_total") == 1
+    assert second.value("agentkv_proxy_forks_total") == 0
+    assert second.value("agentkv_proxy_sessions_closed_total", reason="idle") == 0
+
+
+def test_metrics_speak_openmetrics_to_a_scraper_that_asks_for_it():
+    metrics = ProxyMetrics()
+    metrics.forks.inc()
+    body, content_type = metrics.render("application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0")
+    assert body.endswith(b"# EOF\n")
+    assert b"agentkv_proxy_forks_total 1.0" in body
 
 
 @given(st.text(), st.text())

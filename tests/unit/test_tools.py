@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -134,6 +136,83 @@ def test_sphinx_docstrings_are_read_too():
     )
     assert doc.summary == "Do it."
     assert doc.params == {"a": "the first one.", "b": "the second."}
+
+
+def test_numpy_docstrings_are_read_and_their_sections_stay_out_of_the_description():
+    @tool
+    def add(a: int, b: float = 0.0) -> float:
+        """Add two numbers.
+
+        Exactly.
+
+        Parameters
+        ----------
+        a : int
+            the first number.
+        b : float, optional
+            the second
+            number.
+
+        Returns
+        -------
+        float
+            the sum.
+
+        Examples
+        --------
+        >>> add(1, 2)
+        3.0
+        """
+        return a + b
+
+    assert add.spec.description == "Add two numbers.\nExactly."
+    props = add.spec.parameters["properties"]
+    assert props["a"]["description"] == "the first number."
+    assert props["b"]["description"] == "the second number."
+
+
+def test_other_google_sections_are_dropped_whatever_their_case():
+    doc = parse_docstring(
+        """Look it up.
+
+        args:
+            key: which one.
+
+        Keyword Args:
+            fresh: skip the cache.
+
+        Note:
+            Slow on a cold cache.
+
+        See also:
+            the index.
+        """
+    )
+    assert doc.summary == "Look it up."
+    assert doc.params == {"key": "which one.", "fresh": "skip the cache."}
+
+
+def test_a_line_starting_with_a_rest_role_stays_in_the_summary():
+    doc = parse_docstring(
+        """Fetch the page.
+
+        Answers a
+        :class:`Page` object.
+
+        :param url: the :class:`URL` to fetch.
+        :rtype: Page
+        """
+    )
+    assert doc.summary == "Fetch the page.\nAnswers a :class:`Page` object."
+    assert doc.params == {"url": "the :class:`URL` to fetch."}
+
+
+def test_the_docstring_parser_is_pinned_exactly():
+    """Tool descriptions are bytes of every cached prompt prefix: a parser upgrade that renders
+    them differently must be a deliberate change, never one a fresh install brings along."""
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pins = [d for d in pyproject["project"]["dependencies"] if d.startswith("docstring-parser")]
+    assert pins == [f"docstring-parser=={importlib.metadata.version('docstring-parser')}"]
 
 
 def test_the_decorator_takes_options_and_keeps_the_function_callable():
