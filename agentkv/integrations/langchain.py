@@ -10,8 +10,9 @@ does not extend the session's (a new conversation, an edited one) starts a new s
 Calls may run at once (LangChain's ``batch``/``abatch`` call from a thread pool): each call takes
 a session no other call is using, the one whose history it extends when there is one, so every
 batch item runs on a session of its own and a later batch of the extended conversations reuses
-each one's KV. Idle sessions are kept (up to ``max_idle_sessions``, oldest closed first); a call
-that matches none while no other call runs closes them, as the conversation moved on.
+each one's KV. Idle sessions are kept (up to ``max_idle_sessions``, the least recently used
+closed first), so conversations that take turns on one model (two agents sharing it, batch items
+whose calls do not overlap) each keep their KV; ``close()`` releases them all.
 
 Tool calling uses the same protocols as ``Agent`` (``JsonToolCalling`` by default: a
 ``final_answer`` call comes back as a plain ``AIMessage`` with the answer, so the usual
@@ -115,7 +116,8 @@ class ChatAgentKV(BaseChatModel):
         max_tokens: per turn.
         tool_calling: the tool-calling protocol (``JsonToolCalling()`` by default).
         extra_body: more fields for every decode request.
-        max_idle_sessions: sessions kept for conversations that may come back (batch items).
+        max_idle_sessions: idle sessions kept for conversations that may come back (batch items,
+            agents taking turns on one model); the least recently used is closed past it.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -129,7 +131,6 @@ class ChatAgentKV(BaseChatModel):
     _session: Session | None = PrivateAttr(default=None)
     # Sessions no call is using, oldest first; a call takes one out for its whole turn.
     _idle: list[Session] = PrivateAttr(default_factory=list)
-    _busy: int = PrivateAttr(default=0)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
     # AIMessage id -> the exact transcript messages behind it (a retried reply is several).
     _committed: dict[str, tuple[Message, ...]] = PrivateAttr(default_factory=dict)
@@ -222,7 +223,6 @@ class ChatAgentKV(BaseChatModel):
 
     def _checkout(self, history: list[Message]) -> Session:
         """A session for ``history`` that no other call is using: one it extends, or a new one."""
-        stale: list[Session] = []
         with self._lock:
             found = None
             for session in reversed(self._idle):  # the most recent first
@@ -234,11 +234,9 @@ class ChatAgentKV(BaseChatModel):
                 break
             if found is not None:
                 self._idle.remove(found)
-            elif not self._busy:
-                stale, self._idle = self._idle, []  # a new conversation: the old one moved on
-            self._busy += 1
-        for session in stale:
-            session.close()
+            # A history that extends no idle session is a new conversation, not the end of the
+            # others: they may come back (another agent on this model, a batch item whose call
+            # finished before this one began). ``max_idle_sessions`` bounds what is kept.
         if found is not None:
             return found
         session = self.cluster.session(max_tokens=self.max_tokens)
@@ -247,7 +245,6 @@ class ChatAgentKV(BaseChatModel):
 
     def _checkin(self, session: Session) -> None:
         with self._lock:
-            self._busy -= 1
             self._session = session
             self._idle.append(session)
             excess = self._idle[: max(0, len(self._idle) - self.max_idle_sessions)]

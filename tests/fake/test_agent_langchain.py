@@ -85,10 +85,34 @@ def test_a_different_conversation_starts_a_new_session(cluster):
     again = llm.invoke([HumanMessage("Hello."), first, HumanMessage("More.")])
     assert llm.session is old
     assert again.response_metadata["agentkv"]["handle_state"] == "attached"
-    llm.invoke([HumanMessage("Something else.")])
+    other = llm.invoke([HumanMessage("Something else.")])
     assert llm.session is not old
-    assert old.closed
+    # The first conversation may come back: its session is kept, not closed.
+    assert not old.closed
+    back = llm.invoke(
+        [HumanMessage("Hello."), first, HumanMessage("More."), again, HumanMessage("?")]
+    )
+    assert llm.session is old
+    assert back.response_metadata["agentkv"]["handle_state"] == "attached"
+    assert (
+        other.response_metadata["agentkv"]["session_id"]
+        != back.response_metadata["agentkv"]["session_id"]
+    )
     llm.close()
+    assert old.closed
+
+
+def test_idle_sessions_past_the_bound_close_the_least_recently_used(cluster, fake):
+    llm = ChatAgentKV(cluster=cluster, max_idle_sessions=2)
+    sessions = []
+    for topic in ("apples", "boats", "cars"):
+        llm.invoke([HumanMessage(f"Tell me about {topic}.")])
+        assert llm.session is not None
+        sessions.append(llm.session)
+    assert [s.closed for s in sessions] == [True, False, False]
+    llm.close()
+    assert all(s.closed for s in sessions)
+    assert fake.decode(0).pinned_handles == 0
 
 
 def test_unreadable_replies_are_retried_and_still_line_up_with_the_history(cluster, fake):
@@ -166,6 +190,27 @@ def test_batch_items_get_a_session_each_and_answer_as_if_run_alone(cluster, fake
             for conversation, answer in zip(conversations, answers, strict=True)
         ]
     assert all(a.response_metadata["agentkv"]["handle_state"] == "attached" for a in answers)
+    assert fake.wrong_reuse_events == 0
+    llm.close()
+    assert fake.decode(0).pinned_handles == 0
+
+
+def test_conversations_taking_turns_on_one_model_each_keep_their_session(cluster, fake):
+    """Two agents sharing one model, or batch items whose calls never overlap: a call for one
+    conversation must not close the other's session (that threw its KV away, and its next
+    call re-rendered the history: a different prompt, a different answer)."""
+    llm = ChatAgentKV(cluster=cluster, max_tokens=40, extra_body={"min_tokens": 30})
+    a: list[BaseMessage] = [SystemMessage("Be brief."), HumanMessage("Tell me about apples.")]
+    b: list[BaseMessage] = [SystemMessage("Be brief."), HumanMessage("Tell me about boats.")]
+    for _ in range(2):
+        for history in (a, b):  # strictly one after the other: no call overlaps another
+            history += [llm.invoke(history), HumanMessage("Go on.")]
+    last_a, last_b = a[-2], b[-2]
+    assert isinstance(last_a, AIMessage)
+    assert isinstance(last_b, AIMessage)
+    for ai in (last_a, last_b):
+        assert ai.response_metadata["agentkv"]["handle_state"] == "attached"
+    assert len({m.response_metadata["agentkv"]["session_id"] for m in (a[2], a[4])}) == 1
     assert fake.wrong_reuse_events == 0
     llm.close()
     assert fake.decode(0).pinned_handles == 0
