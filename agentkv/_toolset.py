@@ -17,7 +17,7 @@ the loop goes on.
 >>> tools.get("triple")
 Traceback (most recent call last):
 ...
-agentkv._tools.UnknownToolError: unknown tool 'triple'; the tools are: double
+agentkv.UnknownToolError: unknown tool 'triple'; the tools are: double
 """
 
 from __future__ import annotations
