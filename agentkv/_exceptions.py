@@ -46,6 +46,11 @@ logs read without a debugger:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
+
 __all__ = [
     "AgentKVError",
     "BadRequestError",
@@ -112,6 +117,9 @@ class UpstreamStatusError(AgentKVError):
         url: where the request went.
         request_summary: a short description of the request (never the whole prompt).
         response_body: the start of the server's answer.
+        request: the ``httpx.Request`` sent, when the error came from an exchange.
+        response: the ``httpx.Response`` (its headers: ``retry-after``, ``x-request-id``, ...),
+            as openai-python's ``APIStatusError`` carries it.
     """
 
     def __init__(
@@ -122,12 +130,30 @@ class UpstreamStatusError(AgentKVError):
         url: str = "",
         request_summary: str = "",
         response_body: str = "",
+        request: httpx.Request | None = None,
+        response: httpx.Response | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.url = url
         self.request_summary = request_summary
         self.response_body = response_body[:_BODY_LIMIT]
+        self.request = request
+        self.response = response
+
+    @property
+    def request_id(self) -> str | None:
+        """The server's id of the failed request (``x-request-id``), when it sent one."""
+        return None if self.response is None else self.response.headers.get("x-request-id")
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """The server's ``retry-after``, in seconds, when it is a number."""
+        value = None if self.response is None else self.response.headers.get("retry-after")
+        try:
+            return None if value is None else float(value)
+        except ValueError:
+            return None
 
     def __str__(self) -> str:
         text = f"{self.args[0]} (HTTP {self.status_code} from {self.url})"

@@ -65,6 +65,8 @@ def _raise_status(response: httpx.Response, url: str, summary: str) -> NoReturn:
         url=url,
         request_summary=summary,
         response_body=body,
+        request=response.request,
+        response=response,
     )
 
 

@@ -79,13 +79,20 @@ class ProxyError(Exception):
         """The answer for an exception raised while serving a request."""
         if isinstance(exc, ProxyError):
             return exc
+        # A model server that says when to come back (429, 503) is passed on as it said it.
+        retry_after = exc.retry_after_s if isinstance(exc, UpstreamStatusError) else None
+        headers = None if retry_after is None else {"Retry-After": f"{retry_after:g}"}
         if isinstance(exc, BadRequestError):
             # The model server refused the request (too long a prompt, bad sampling values):
             # the client's fault, so its status and message go back as they are.
-            return cls(exc.status_code, _upstream_message(exc), code="upstream_rejected")
+            return cls(
+                exc.status_code, _upstream_message(exc), code="upstream_rejected", headers=headers
+            )
         for kind, status, code, message in _MAPPED:
             if isinstance(exc, kind):
-                return cls(status, message or str(exc), code=code or type(exc).__name__)
+                return cls(
+                    status, message or str(exc), code=code or type(exc).__name__, headers=headers
+                )
         return cls(500, "internal error", code="internal_error")
 
 
