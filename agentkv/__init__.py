@@ -11,7 +11,7 @@ import inspect as _inspect
 import typing as _typing
 from importlib import metadata as _metadata
 
-from agentkv._agent import Agent
+from agentkv._agent import Agent, AgentOptions, AsyncAgent
 from agentkv._agent_types import (
     AgentEvent,
     AgentStep,
@@ -90,7 +90,9 @@ __all__ = [
     "Agent",
     "AgentEvent",
     "AgentKVError",
+    "AgentOptions",
     "AgentStep",
+    "AsyncAgent",
     "AsyncCluster",
     "AsyncOpenAI",
     "AsyncSession",

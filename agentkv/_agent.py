@@ -9,20 +9,19 @@ pulls that KV from the decode node instead of recomputing it.
 ...     result = agent.run("What is (17 + 25) * 3?")
 ...     print(result.answer, [t.reused_tokens for t in result.turns])
 
-``Agent`` wraps a ``Session``/``Cluster`` (sync: ``run``, ``stream``) or an
-``AsyncSession``/``AsyncCluster`` (async: ``arun``, ``astream``; a sync agent has them too). With
-a cluster each run opens a session and closes it at the end; with a session, runs continue its
-conversation.
+Twins, as sessions are: ``Agent`` wraps a ``Session``/``Cluster`` (``run``, ``stream``);
+``AsyncAgent`` wraps an ``AsyncSession``/``AsyncCluster`` (``await run``, ``async for ... in
+stream``), with the same arguments. With a cluster each run opens a session and closes it at the
+end; with a session, runs continue its conversation.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import structlog
 
@@ -45,19 +44,38 @@ from agentkv._tools import Tool
 from agentkv._toolset import ToolResult, ToolSet
 from agentkv._types import Message, MessageLike, TextDelta, TurnResult
 
-__all__ = ["Agent"]
+__all__ = ["Agent", "AgentOptions", "AsyncAgent"]
 
 logger = structlog.get_logger("agentkv")
 
-Target = Session | AsyncSession | Cluster | AsyncCluster
+AsyncTarget = AsyncSession | AsyncCluster
 _Items = AsyncIterator[AgentEvent | RunResult]
 
 
-class Agent:
+class AgentOptions(TypedDict, total=False):
+    """``AsyncAgent``'s keyword arguments (documented there), which ``Agent`` takes too."""
+
+    tools: Iterable[Tool[..., Any]]
+    system: str | None
+    examples: Iterable[MessageLike]
+    max_steps: int
+    min_tool_calls: int
+    tool_calling: ToolCalling | None
+    max_tokens: int
+    parallel_tool_calls: bool
+    tool_timeout_s: float | None
+    expected_tool_s: float | None
+    max_output_chars: int | None
+    force_final_answer: bool
+    extra_body: Mapping[str, Any] | None
+
+
+class AsyncAgent:
     """A tool-using agent on an agentkv session (see the module docstring).
 
     Args:
-        target: a ``Session``/``Cluster`` (sync) or ``AsyncSession``/``AsyncCluster`` (async).
+        target: an ``AsyncSession`` (runs continue its conversation) or an ``AsyncCluster``
+            (each run on a new session, closed at its end).
         tools: ``@tool`` functions; their order does not matter (specs are sorted by name).
         system: the system prompt; it follows the protocol's tool instructions. Used when
             the session is empty (a new session, or a fresh one per run with a cluster).
@@ -83,7 +101,7 @@ class Agent:
 
     def __init__(
         self,
-        target: Target,
+        target: AsyncTarget,
         /,
         *,
         tools: Iterable[Tool[..., Any]] = (),
@@ -100,10 +118,11 @@ class Agent:
         force_final_answer: bool = True,
         extra_body: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(target, Session | AsyncSession | Cluster | AsyncCluster):
+        if not isinstance(target, AsyncSession | AsyncCluster):
+            twin = " (use Agent for it)" if isinstance(target, Session | Cluster) else ""
             raise TypeError(
-                f"Agent needs a Session, AsyncSession, Cluster or AsyncCluster, "
-                f"not {type(target).__name__}"
+                f"AsyncAgent needs an AsyncSession or AsyncCluster, "
+                f"not {type(target).__name__}{twin}"
             )
         if max_steps < 1:
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
@@ -125,51 +144,15 @@ class Agent:
         # models follow what is closest to the conversation.
         self.system_prompt = "\n\n".join(p for p in (instructions, system) if p)
 
-    # --- sync -------------------------------------------------------------------------------------
-
-    def _portal(self) -> Portal:
-        target = self._target
-        if isinstance(target, Session):
-            return target._portal
-        if isinstance(target, Cluster):
-            return target._portal
-        raise TypeError(
-            "this agent wraps an async session or cluster: use `await agent.arun(task)` or "
-            "`agent.astream(task)`"
-        )
-
-    def run(self, task: str) -> RunResult:
+    async def run(self, task: str) -> RunResult:
         """Run ``task`` to a final answer or ``max_steps``; return the ``RunResult``."""
-        return self._portal().call(_last(self._items(task, stream=False)))
+        return await _last(self._items(task, stream=False))
 
-    def stream(self, task: str) -> Iterator[AgentEvent | RunResult]:
+    async def stream(self, task: str) -> _Items:
         """Run ``task``, yielding events as they happen, then the ``RunResult``.
 
         Model text is streamed (``TextEvent``). Leaving the loop early abandons the run.
         """
-        return self._portal().iterate(self._items(task, stream=True))
-
-    # --- async ------------------------------------------------------------------------------------
-
-    async def arun(self, task: str) -> RunResult:
-        """``run`` for async code. A sync-backed agent runs on a worker thread."""
-        if isinstance(self._target, Session | Cluster):
-            return await asyncio.to_thread(self.run, task)
-        return await _last(self._items(task, stream=False))
-
-    async def astream(self, task: str) -> _Items:
-        """``stream`` for async code."""
-        if isinstance(self._target, Session | Cluster):
-            items = self.stream(task)
-            done = object()
-            try:
-                while (item := await asyncio.to_thread(next, items, done)) is not done:
-                    yield item  # type: ignore[misc]  # not ``done``, so an item of ``items``
-            finally:
-                close = getattr(items, "close", None)  # abandons the run if we stopped early
-                if close is not None:
-                    await asyncio.to_thread(close)
-            return
         async for item in self._items(task, stream=True):
             yield item
 
@@ -177,10 +160,6 @@ class Agent:
 
     async def _items(self, task: str, *, stream: bool) -> _Items:
         target = self._target
-        if isinstance(target, Session):
-            target = target._inner
-        elif isinstance(target, Cluster):
-            target = target._async
         if isinstance(target, AsyncSession):
             async for item in self._loop(target, task, stream=stream):
                 yield item
@@ -315,8 +294,47 @@ class Agent:
         )
 
 
+class Agent:
+    """The sync twin of ``AsyncAgent``: the same agent on a ``Session`` or ``Cluster``.
+
+    Takes ``AsyncAgent``'s arguments; ``run`` and ``stream`` block (the loop runs on the
+    session's event loop thread, as the sync session's turns do).
+    """
+
+    def __init__(self, target: Session | Cluster, /, **options: Unpack[AgentOptions]) -> None:
+        if not isinstance(target, Session | Cluster):
+            twin = " (use AsyncAgent for it)" if isinstance(target, AsyncTarget) else ""
+            raise TypeError(f"Agent needs a Session or Cluster, not {type(target).__name__}{twin}")
+        self._portal: Portal = target._portal
+        inner = target._inner if isinstance(target, Session) else target._async
+        self._async = AsyncAgent(inner, **options)
+
+    @property
+    def tools(self) -> ToolSet:
+        return self._async.tools
+
+    @property
+    def tool_calling(self) -> ToolCalling:
+        return self._async.tool_calling
+
+    @property
+    def system_prompt(self) -> str:
+        return self._async.system_prompt
+
+    def run(self, task: str) -> RunResult:
+        """Run ``task`` to a final answer or ``max_steps``; return the ``RunResult``."""
+        return self._portal.call(self._async.run(task))
+
+    def stream(self, task: str) -> Iterator[AgentEvent | RunResult]:
+        """Run ``task``, yielding events as they happen, then the ``RunResult``.
+
+        Model text is streamed (``TextEvent``). Leaving the loop early abandons the run.
+        """
+        return self._portal.iterate(self._async.stream(task))
+
+
 class _Box:
-    """Where ``Agent._step`` (an async generator, which cannot return) leaves its ``AgentStep``."""
+    """Where ``AsyncAgent._step`` (an async generator, which cannot return) leaves its step."""
 
     step: AgentStep
 

@@ -15,8 +15,8 @@ from typing import TextIO
 
 from agentkv._agent import Agent
 from agentkv._agent_types import RunResult, ToolCallEvent, ToolResultEvent, TurnEvent
-from agentkv._cluster import AsyncCluster, Cluster
-from agentkv._session import AsyncSession, Session
+from agentkv._cluster import Cluster
+from agentkv._session import Session
 from agentkv._tool_calling import JsonToolCalling
 from agentkv._tools import tool
 from agentkv._types import TurnStats
@@ -58,7 +58,7 @@ EXAMPLE = PROTOCOL.example(
 TASK = "Compute (17 + 25) * 3 - 4."
 
 
-def build_agent(target: Cluster | Session | AsyncCluster | AsyncSession) -> Agent:
+def build_agent(target: Cluster | Session) -> Agent:
     """The demo's calculator agent (one call per step, at most 6 steps)."""
     return Agent(
         target,

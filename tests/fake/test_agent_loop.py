@@ -8,6 +8,7 @@ so these runs use ``NativeToolCalling``; a named choice makes the model's choice
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Annotated
@@ -15,8 +16,7 @@ from typing import Annotated
 import pydantic
 import pytest
 
-from agentkv import AsyncCluster, Cluster, HandleState, Message
-from agentkv._agent import Agent
+from agentkv import Agent, AgentOptions, AsyncAgent, AsyncCluster, Cluster, HandleState, Message
 from agentkv._agent_types import (
     HandleExpiredEvent,
     RunResult,
@@ -246,8 +246,12 @@ def test_a_long_expected_tool_wait_extends_the_handle_so_the_next_turn_still_pul
         return "done"
 
     agent = Agent(
-        cluster, tools=[wait_long], max_steps=2, tool_calling=forced("wait_long"),
-        system="Wait when asked. " * 20, expected_tool_s=600.0,
+        cluster,
+        tools=[wait_long],
+        max_steps=2,
+        tool_calling=forced("wait_long"),
+        system="Wait when asked. " * 20,
+        expected_tool_s=600.0,
     )
     run = agent.run("Go.")
     assert run.handle_expiries == 0
@@ -257,26 +261,37 @@ def test_a_long_expected_tool_wait_extends_the_handle_so_the_next_turn_still_pul
     assert_every_later_turn_reuses_the_ideal(run, fake)
 
 
-def test_async_agents_run_on_async_clusters_and_sync_agents_await_too(fake, clock):
-    async def scenario() -> tuple[RunResult, RunResult, list[object]]:
+def test_async_agents_on_async_clusters_answer_as_their_sync_twins_do(fake, clock):
+    async def scenario() -> tuple[RunResult, list[object]]:
         async with AsyncCluster.from_dict(
             fake.cluster_spec, transport=fake.transport, clock=clock
         ) as cluster:
-            agent = Agent(cluster, tools=[lookup], max_steps=2, tool_calling=forced("lookup"))
-            run = await agent.arun("Go.")
-            events = [item async for item in agent.astream("Go.")]
-            with pytest.raises(TypeError, match="arun"):
-                agent.run("Go.")
-        with Cluster.from_dict(fake.cluster_spec, transport=fake.transport, clock=clock) as sync:
-            agent = Agent(sync, tools=[lookup], max_steps=2, tool_calling=forced("lookup"))
-            threaded = await agent.arun("Go.")
-            threaded_events = [item async for item in agent.astream("Go.")]
-        assert [type(e) for e in threaded_events] == [type(e) for e in events]
-        return run, threaded, events
+            agent = AsyncAgent(cluster, tools=[lookup], max_steps=2, tool_calling=forced("lookup"))
+            run = await agent.run("Go.")
+            events = [item async for item in agent.stream("Go.")]
+            with pytest.raises(TypeError, match="use AsyncAgent"):
+                Agent(cluster)  # type: ignore[arg-type]
+        return run, events
 
-    run, threaded, events = asyncio.run(scenario())
+    run, events = asyncio.run(scenario())
+    with Cluster.from_dict(fake.cluster_spec, transport=fake.transport, clock=clock) as sync:
+        agent = Agent(sync, tools=[lookup], max_steps=2, tool_calling=forced("lookup"))
+        threaded = agent.run("Go.")
+        threaded_events = list(agent.stream("Go."))
+        with pytest.raises(TypeError, match="use Agent"):
+            AsyncAgent(sync)  # type: ignore[arg-type]
+    assert [type(e) for e in threaded_events] == [type(e) for e in events]
     assert run.answer == threaded.answer
     assert isinstance(events[-1], RunResult)
+
+
+def test_the_sync_agent_takes_the_async_agents_options():
+    keywords = {
+        name
+        for name, parameter in inspect.signature(AsyncAgent).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    assert keywords == set(AgentOptions.__annotations__)
 
 
 class TwoCalls:
