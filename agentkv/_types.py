@@ -132,8 +132,8 @@ class Message:
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidMessageError("message name must be a string")
         _check_utf8(self.content, f"{self.role} message content")
-        if not isinstance(self.tool_calls, tuple) or not all(
-            isinstance(call, ToolCall) for call in self.tool_calls
+        if not isinstance(self.tool_calls, tuple) or (
+            self.tool_calls and not all(isinstance(call, ToolCall) for call in self.tool_calls)
         ):
             raise InvalidMessageError("tool_calls must be a tuple of ToolCall")
         if self.role == "assistant":
@@ -176,27 +176,36 @@ class Message:
         """
         if isinstance(data, Message):
             return data
-        if not isinstance(data, Mapping):
+        # A proxy parses every message of every re-sent history: plain dicts and lists (what
+        # JSON gives) are checked by their exact type first, the ABCs only for other mappings.
+        if type(data) is not dict and not isinstance(data, Mapping):
             raise InvalidMessageError(
                 f"a message must be a dict or Message, not {type(data).__name__}"
             )
-        unknown = [
-            key
-            for key in data
-            if key not in _KNOWN_KEYS and not (key in _IGNORED_WHEN_EMPTY and not data[key])
-        ]
-        if unknown:
-            names = ", ".join(map(str, unknown))
-            raise InvalidMessageError(f"unsupported message field(s): {names}")
+        if not _KNOWN_KEYS.issuperset(data.keys()):
+            unknown = [
+                key
+                for key in data
+                if key not in _KNOWN_KEYS and not (key in _IGNORED_WHEN_EMPTY and not data[key])
+            ]
+            if unknown:
+                names = ", ".join(map(str, unknown))
+                raise InvalidMessageError(f"unsupported message field(s): {names}")
         if "role" not in data:
             raise InvalidMessageError("a message needs a 'role'")
-        raw_calls = data.get("tool_calls") or ()
-        if not isinstance(raw_calls, Sequence) or isinstance(raw_calls, str):
-            raise InvalidMessageError("tool_calls must be a list")
+        raw_calls = data.get("tool_calls")
+        calls: tuple[ToolCall, ...] = ()
+        if raw_calls:
+            if type(raw_calls) is not list and (
+                not isinstance(raw_calls, Sequence) or isinstance(raw_calls, str)
+            ):
+                raise InvalidMessageError("tool_calls must be a list")
+            calls = tuple(ToolCall.from_openai(call) for call in raw_calls)
+        content = data.get("content")
         return cls(
             role=data["role"],
-            content=_content_text(data.get("content")),
-            tool_calls=tuple(ToolCall.from_openai(call) for call in raw_calls),
+            content=content if type(content) is str else _content_text(content),
+            tool_calls=calls,
             tool_call_id=data.get("tool_call_id"),
             name=data.get("name"),
         )
