@@ -10,10 +10,16 @@ that re-sends each session's whole history with ``X-Session-ID`` (as OpenAI clie
   turn then loads the snapshot the other replica committed).
 
 Columns: median and p99 request latency, the added median versus memory, turns/s, CPU
-milliseconds per turn of this process (proxy, client and fake pair; the difference between modes
-is the store's CPU cost, which machine load distorts far less than latency), and Redis
-round trips per turn (commands counted by ``INFO commandstats``, one round trip each); then the
-stored snapshot's size per 1k transcript tokens.
+milliseconds per turn of this process (proxy, client and fake pair), the store's own time per
+turn (the median of the proxy's ``Server-Timing: store``: claim with the restore, snapshot and
+commit, measured inside the request), and Redis round trips per turn (commands counted by
+``INFO commandstats``, one round trip each); then the stored snapshot's size per 1k transcript
+tokens.
+
+The end-to-end difference between modes also holds what the store does not: with two replicas
+each one's cluster places prefills by its own view of the load, so the fake pair (in this
+process) serves some turns from another prefill than memory mode would, at a different CPU cost.
+``store ms`` is the store's part alone.
 
     .venv/bin/python benchmarks/redis_state.py [--sessions 64] [--turns 8] [--concurrency 1]
 """
@@ -101,6 +107,7 @@ async def _run(
         apps.append(client)
         closers.append((client, store, cluster, app))
     latencies: list[float] = []
+    store_s: list[float] = []
     gate = asyncio.Semaphore(args.concurrency)
 
     async def conversation(i: int) -> None:
@@ -117,6 +124,11 @@ async def _run(
                 )
                 latencies.append(time.perf_counter() - started)
             response.raise_for_status()
+            timing = dict(
+                part.strip().split(";dur=") for part in response.headers["server-timing"].split(",")
+            )
+            if "store" in timing:
+                store_s.append(float(timing["store"]) / 1e3)
             messages.append(response.json()["choices"][0]["message"])
 
     calls_before = _calls(url) if url else 0
@@ -139,6 +151,7 @@ async def _run(
         "p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))] * 1000, 3),
         "turns_per_s": round(len(latencies) / elapsed, 1),
         "cpu_ms_per_turn": round(1000 * cpu / len(latencies), 3),
+        "store_ms": round(statistics.median(store_s) * 1000, 3) if store_s else 0.0,
         "redis_round_trips_per_turn": round(calls / len(latencies), 2) if url else 0,
     }
 
@@ -213,17 +226,25 @@ async def main_async(args: argparse.Namespace) -> None:
         for row in rows:
             by_mode.setdefault(row["mode"], []).append(row)
         base = statistics.median(r["median_ms"] for r in by_mode["memory"])
-        print(f"CPU: {_cpu_name()}; {args.sessions} sessions x {args.turns} turns, "
-              f"concurrency {args.concurrency}, {args.rounds} rounds (medians of rounds)")
+        print(
+            f"CPU: {_cpu_name()}; {args.sessions} sessions x {args.turns} turns, "
+            f"concurrency {args.concurrency}, {args.rounds} rounds (medians of rounds)"
+        )
         cpu_base = statistics.median(r["cpu_ms_per_turn"] for r in by_mode["memory"])
-        print(f"{'mode':8} {'median ms':>10} {'p99 ms':>8} {'added ms':>9} {'turns/s':>8} "
-              f"{'CPU ms':>7} {'added CPU':>9} {'RTT/turn':>8}")
+        print(
+            f"{'mode':8} {'median ms':>10} {'p99 ms':>8} {'added ms':>9} {'turns/s':>8} "
+            f"{'CPU ms':>7} {'added CPU':>9} {'store ms':>8} {'RTT/turn':>8}"
+        )
         for mode, runs in by_mode.items():
             median = statistics.median(r["median_ms"] for r in runs)
             cpu = statistics.median(r["cpu_ms_per_turn"] for r in runs)
-            print(f"{mode:8} {median:10.3f} {statistics.median(r['p99_ms'] for r in runs):8.3f} "
-                  f"{median - base:9.3f} {statistics.median(r['turns_per_s'] for r in runs):8.1f} "
-                  f"{cpu:7.3f} {cpu - cpu_base:9.3f} {runs[-1]['redis_round_trips_per_turn']:8}")
+            print(
+                f"{mode:8} {median:10.3f} {statistics.median(r['p99_ms'] for r in runs):8.3f} "
+                f"{median - base:9.3f} {statistics.median(r['turns_per_s'] for r in runs):8.1f} "
+                f"{cpu:7.3f} {cpu - cpu_base:9.3f} "
+                f"{statistics.median(r['store_ms'] for r in runs):8.3f} "
+                f"{runs[-1]['redis_round_trips_per_turn']:8}"
+            )
         # The snapshots of the last redis round are still stored (the replicas closed without
         # deleting them, as a replica that stops does).
         print("snapshot:", json.dumps(_snapshot_size(url)))

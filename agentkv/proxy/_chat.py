@@ -323,9 +323,11 @@ class ChatService:
             shape.body(result, message=message, finish=finish), headers=headers
         )
         total_s = time.perf_counter() - started
-        response.headers["Server-Timing"] = (
-            f"turn;dur={turn_s * 1e3:.3f}, proxy;dur={(total_s - turn_s) * 1e3:.3f}"
-        )
+        timing = f"turn;dur={turn_s * 1e3:.3f}, proxy;dur={(total_s - turn_s) * 1e3:.3f}"
+        if lease.entry is not None and self._registry.shared:
+            # Part of ``proxy``: what the shared session store (claim, commit) took.
+            timing += f", store;dur={lease.entry.store_s * 1e3:.3f}"
+        response.headers["Server-Timing"] = timing
         self._metrics.overhead_seconds.observe(total_s - turn_s)
         self._record(result, stream=False, seconds=total_s)
         return response

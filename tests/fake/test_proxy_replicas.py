@@ -238,3 +238,40 @@ async def test_an_unreachable_redis_answers_503_and_fails_the_readiness_probe(fa
         assert health.json()["state"] == "unreachable"
     finally:
         await replica.aclose(release=False)
+
+
+def _timing(response):
+    parts = (part.strip().split(";dur=") for part in response.headers["server-timing"].split(","))
+    return {name: float(ms) for name, ms in parts}
+
+
+async def test_server_timing_says_what_the_shared_store_took(replicas, fake, clock):
+    """``store`` is part of ``proxy``: the claim (with the restore on the other replica), the
+    snapshot and the commit. A replica without a store reports none."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    timings = []
+    for i, question in enumerate(QUESTIONS[:3]):
+        messages.append({"role": "user", "content": question})
+        raw = (
+            await replicas[i % 2]
+            .openai("timed")
+            .chat.completions.with_raw_response.create(
+                model="fake-smollm2", messages=messages, max_tokens=8
+            )
+        )
+        messages.append(raw.parse().choices[0].message.model_dump(exclude_none=True))
+        timings.append(_timing(raw))
+    for timing in timings:
+        assert set(timing) == {"turn", "proxy", "store"}
+        assert 0 < timing["store"] <= timing["proxy"]
+    cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport, clock=clock)
+    app = create_app(cluster, ProxyConfig(), clock=clock)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
+        alone = await c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4},
+            headers={"X-Session-ID": "solo"},
+        )
+        await app.state.registry.close_all()
+    await cluster.aclose()
+    assert set(_timing(alone)) == {"turn", "proxy"}
