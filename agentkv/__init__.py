@@ -21,7 +21,7 @@ from agentkv._agent_types import (
     ToolResultEvent,
     TurnEvent,
 )
-from agentkv._cluster import AsyncCluster, Cluster, Pair
+from agentkv._cluster import AsyncCluster, Cluster
 from agentkv._exceptions import (
     AgentKVError,
     BadRequestError,
@@ -46,7 +46,7 @@ from agentkv._exceptions import (
 from agentkv._leasing import ToolWait
 from agentkv._placement import PrefillWeights
 from agentkv._policy import AttachDecision, CachePolicy, ExtendDecision, RetryPolicy
-from agentkv._session import AsyncSession, Session, TurnOverrides
+from agentkv._session import AsyncSession, Session
 from agentkv._tool_calling import (
     FINAL_ANSWER,
     JsonToolCalling,
@@ -73,9 +73,11 @@ from agentkv._types import (
     KVHandle,
     Message,
     MessageLike,
+    Pair,
     SessionStats,
     TextDelta,
     ToolCall,
+    TurnOverrides,
     TurnResult,
     TurnStats,
 )
