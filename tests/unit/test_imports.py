@@ -60,16 +60,16 @@ def _circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     stack: list[str] = []
     on_stack: set[str] = set()
     found: list[frozenset[str]] = []
-    for root in graph:
+    for root, children in graph.items():
         if root in index:
             continue
-        work = [(root, iter(sorted(graph[root])))]
+        work = [(root, iter(sorted(children)))]
         index[root] = low[root] = len(index)
         stack.append(root)
         on_stack.add(root)
         while work:
-            node, children = work[-1]
-            child = next(children, None)
+            node, pending = work[-1]
+            child = next(pending, None)
             if child is not None:
                 if child not in index:
                     index[child] = low[child] = len(index)
