@@ -46,6 +46,7 @@ from agentkv._exceptions import (
 from agentkv._leasing import ToolWait
 from agentkv._placement import PrefillWeights
 from agentkv._policy import AttachDecision, CachePolicy, ExtendDecision, RetryPolicy
+from agentkv._pool import ClusterOptions
 from agentkv._session import AsyncSession, Session
 from agentkv._tool_calling import (
     FINAL_ANSWER,
@@ -98,6 +99,7 @@ __all__ = [
     "BadRequestError",
     "CachePolicy",
     "Cluster",
+    "ClusterOptions",
     "ConfigError",
     "ConnectError",
     "ConnectionLostError",

@@ -14,11 +14,10 @@ same pool on a private event-loop thread (see ``_portal.py``).
 from __future__ import annotations
 
 import os
-import time
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import httpx
 
@@ -27,7 +26,7 @@ from agentkv._fields import check_extra_body
 from agentkv._json import JSONDecodeError, loads
 from agentkv._placement import PrefillWeights
 from agentkv._policy import CachePolicy, RetryPolicy
-from agentkv._pool import DEFAULT_TIMEOUT, PairPool
+from agentkv._pool import ClusterOptions, PairPool
 from agentkv._portal import Portal
 from agentkv._session import (
     AsyncSession,
@@ -62,7 +61,7 @@ def _servers(raw: object, role: str, source: str) -> list[tuple[str, str]]:
     return servers
 
 
-def _parse_spec(spec: object, source: str) -> tuple[list[Pair], str, dict[str, Any]]:
+def _parse_spec(spec: object, source: str) -> tuple[list[Pair], str, ClusterOptions]:
     if not isinstance(spec, Mapping):
         raise ConfigError(
             f"{source}: a cluster spec is an object with 'model' and 'pairs' "
@@ -71,7 +70,7 @@ def _parse_spec(spec: object, source: str) -> tuple[list[Pair], str, dict[str, A
     model = spec.get("model")
     if not isinstance(model, str) or not model:
         raise ConfigError(f"{source}: 'model' must be a non-empty string")
-    extra: dict[str, Any] = {}
+    extra: ClusterOptions = {}
     if "block_size" in spec:
         extra["block_size"] = spec["block_size"]
     threshold = spec.get("kv_recompute_threshold")
@@ -79,9 +78,7 @@ def _parse_spec(spec: object, source: str) -> tuple[list[Pair], str, dict[str, A
         # The servers' own threshold: handles are worth attaching down to it (the local pair
         # pulls whatever prefill lacks: 1), not only down to vLLM's default 64.
         if type(threshold) is not int or threshold < 0:
-            raise ConfigError(
-                f"{source}: 'kv_recompute_threshold' must be a non-negative integer"
-            )
+            raise ConfigError(f"{source}: 'kv_recompute_threshold' must be a non-negative integer")
         extra["policy"] = CachePolicy(recompute_threshold=threshold)
     if "pairs" not in spec and ("prefill" in spec or "decode" in spec):
         prefills = _servers(spec.get("prefill"), "prefill", source)
@@ -110,6 +107,13 @@ def _parse_spec(spec: object, source: str) -> tuple[list[Pair], str, dict[str, A
     return pairs, model, extra
 
 
+def _merge(spec: ClusterOptions, given: ClusterOptions) -> ClusterOptions:
+    """The options a spec sets, overridden by those given in the call."""
+    merged = spec.copy()
+    merged.update(given)
+    return merged
+
+
 def _read_spec(path: str | Path) -> object:
     try:
         return loads(Path(path).read_bytes())
@@ -125,18 +129,10 @@ class AsyncCluster:
     Args:
         pairs: the pairs (at least one, unique names).
         model: the served model name, as sent in requests.
-        transport: an httpx async transport for the default client (tests pass a fake's).
-        http_client: use this client instead; the cluster does not close it.
-        timeout: the default client's timeouts.
-        policy: the default ``CachePolicy`` of sessions.
-        retry: the ``RetryPolicy`` of turns.
-        clock: monotonic seconds, for handle deadlines (tests pass a manual clock).
-        block_size: the servers' KV block size, when known; sharpens ``TurnStats.pulled_tokens``.
-        load_factor: bounded-load placement: a pair takes at most this times the average.
-        health_recheck_s: how long an unhealthy pair is left alone before it is probed again.
-        prefill_pool: a pool (xPyD): prefill name -> URL. Each pair is then a decode server and
-            every turn picks its prefill from the pool by load (``choose_prefill``).
-        prefill_weights: how strongly a turn prefers the prefill that served the session last.
+        **options: ``ClusterOptions``: ``transport`` or ``http_client``, ``timeout``,
+            ``policy`` (sessions' default ``CachePolicy``), ``retry``, ``clock``,
+            ``block_size``, ``load_factor``, ``health_recheck_s``, ``prefill_pool`` (xPyD),
+            ``prefill_weights``.
 
     >>> async def main():  # doctest: +SKIP
     ...     async with AsyncCluster.from_file(".agentkv/cluster.json") as cluster:
@@ -145,51 +141,33 @@ class AsyncCluster:
     """
 
     def __init__(
-        self,
-        pairs: Iterable[Pair],
-        *,
-        model: str,
-        transport: httpx.AsyncBaseTransport | None = None,
-        http_client: httpx.AsyncClient | None = None,
-        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
-        policy: CachePolicy | None = None,
-        retry: RetryPolicy | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        block_size: int | None = None,
-        load_factor: float = 1.25,
-        health_recheck_s: float = 5.0,
-        prefill_pool: Mapping[str, str] | None = None,
-        prefill_weights: PrefillWeights | None = None,
+        self, pairs: Iterable[Pair], *, model: str, **options: Unpack[ClusterOptions]
     ) -> None:
-        self._pool = PairPool(
-            pairs,
-            model=model,
-            transport=transport,
-            http_client=http_client,
-            timeout=timeout,
-            retry=retry,
-            clock=clock,
-            block_size=block_size,
-            load_factor=load_factor,
-            health_recheck_s=health_recheck_s,
-            prefill_pool=prefill_pool,
-            prefill_weights=prefill_weights,
-        )
-        self.policy = policy or CachePolicy()
+        self._pool = PairPool(pairs, model=model, **options)
 
     @classmethod
-    def from_dict(cls, spec: Mapping[str, Any], **options: Any) -> AsyncCluster:
-        """From a cluster spec ``{"model": ..., "pairs": [{"name", "prefill", "decode"}]}``."""
+    def from_dict(cls, spec: Mapping[str, Any], **options: Unpack[ClusterOptions]) -> AsyncCluster:
+        """From a cluster spec ``{"model": ..., "pairs": [{"name", "prefill", "decode"}]}``;
+        ``options`` win over the spec's."""
         pairs, model, extra = _parse_spec(spec, "cluster spec")
-        return cls(pairs, model=model, **{**extra, **options})
+        return cls(pairs, model=model, **_merge(extra, options))
 
     @classmethod
-    def from_file(cls, path: str | Path, **options: Any) -> AsyncCluster:
+    def from_file(cls, path: str | Path, **options: Unpack[ClusterOptions]) -> AsyncCluster:
         """From a cluster file, as ``agentkv up`` writes it."""
         pairs, model, extra = _parse_spec(_read_spec(path), str(path))
-        return cls(pairs, model=model, **{**extra, **options})
+        return cls(pairs, model=model, **_merge(extra, options))
 
     # --- reading -------------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> CachePolicy:
+        """The default ``CachePolicy`` of sessions (``session(policy=...)`` overrides it)."""
+        return self._pool.policy
+
+    @policy.setter
+    def policy(self, policy: CachePolicy) -> None:
+        self._pool.policy = policy
 
     @property
     def model(self) -> str:
@@ -282,7 +260,7 @@ class AsyncCluster:
         return open_session(
             self._pool,
             session_id=session_id,
-            policy=policy or self.policy,
+            policy=policy or self._pool.policy,
             options=options,
             placement_key=placement_key,
         )
@@ -331,58 +309,80 @@ class Cluster:
     """
 
     def __init__(
-        self,
-        pairs: Iterable[Pair],
-        *,
-        model: str,
-        transport: httpx.AsyncBaseTransport | None = None,
-        http_client: httpx.AsyncClient | None = None,
-        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
-        policy: CachePolicy | None = None,
-        retry: RetryPolicy | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        block_size: int | None = None,
-        load_factor: float = 1.25,
-        health_recheck_s: float = 5.0,
-        prefill_pool: Mapping[str, str] | None = None,
-        prefill_weights: PrefillWeights | None = None,
+        self, pairs: Iterable[Pair], *, model: str, **options: Unpack[ClusterOptions]
     ) -> None:
-        self._async = AsyncCluster(
-            pairs,
-            model=model,
-            transport=transport,
-            http_client=http_client,
-            timeout=timeout,
-            policy=policy,
-            retry=retry,
-            clock=clock,
-            block_size=block_size,
-            load_factor=load_factor,
-            health_recheck_s=health_recheck_s,
-            prefill_pool=prefill_pool,
-            prefill_weights=prefill_weights,
-        )
+        self._async = AsyncCluster(pairs, model=model, **options)
         self._portal = Portal()
 
     @classmethod
-    def from_dict(cls, spec: Mapping[str, Any], **options: Any) -> Cluster:
-        """From a cluster spec ``{"model": ..., "pairs": [{"name", "prefill", "decode"}]}``."""
+    def from_dict(cls, spec: Mapping[str, Any], **options: Unpack[ClusterOptions]) -> Cluster:
+        """From a cluster spec ``{"model": ..., "pairs": [{"name", "prefill", "decode"}]}``;
+        ``options`` win over the spec's."""
         pairs, model, extra = _parse_spec(spec, "cluster spec")
-        return cls(pairs, model=model, **{**extra, **options})
+        return cls(pairs, model=model, **_merge(extra, options))
 
     @classmethod
-    def from_file(cls, path: str | Path, **options: Any) -> Cluster:
+    def from_file(cls, path: str | Path, **options: Unpack[ClusterOptions]) -> Cluster:
         """From a cluster file, as ``agentkv up`` writes it."""
         pairs, model, extra = _parse_spec(_read_spec(path), str(path))
-        return cls(pairs, model=model, **{**extra, **options})
+        return cls(pairs, model=model, **_merge(extra, options))
+
+    # --- reading (see AsyncCluster) ------------------------------------------------------------
+
+    @property
+    def policy(self) -> CachePolicy:
+        """The default ``CachePolicy`` of sessions (``session(policy=...)`` overrides it)."""
+        return self._async.policy
+
+    @policy.setter
+    def policy(self, policy: CachePolicy) -> None:
+        self._async.policy = policy
+
+    @property
+    def model(self) -> str:
+        """The served model name, as sent in requests."""
+        return self._async.model
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return self._async.retry
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Monotonic seconds: every handle deadline is on this clock."""
+        return self._async.clock
+
+    @property
+    def block_size(self) -> int | None:
+        return self._async.block_size
+
+    @property
+    def prefill_weights(self) -> PrefillWeights:
+        return self._async.prefill_weights
 
     @property
     def pairs(self) -> tuple[Pair, ...]:
         return self._async.pairs
 
     @property
-    def model(self) -> str:
-        return self._async.model
+    def closed(self) -> bool:
+        return self._async.closed
+
+    @property
+    def pooled(self) -> bool:
+        """Whether prefills form a pool that any session's turn may use."""
+        return self._async.pooled
+
+    @property
+    def prefills(self) -> dict[str, str]:
+        """Prefill servers, name -> URL (without a pool, each pair's, named as the pair)."""
+        return self._async.prefills
+
+    def is_healthy(self, pair: str) -> bool:
+        return self._portal.call(_call(lambda: self._async.is_healthy(pair)))
+
+    def is_prefill_healthy(self, prefill: str) -> bool:
+        return self._portal.call(_call(lambda: self._async.is_prefill_healthy(prefill)))
 
     def loads(self) -> dict[str, int]:
         """Open sessions per pair (in a pool: per decode server)."""
@@ -402,6 +402,7 @@ class Cluster:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,
         extra_body: Mapping[str, Any] | None = None,
+        placement_key: str | None = None,
     ) -> Session:
         """Open a session (see ``AsyncCluster.session``). Use it as a context manager."""
         self._async._pool.check_open()
@@ -415,6 +416,7 @@ class Cluster:
                 tools=tools,
                 tool_choice=tool_choice,
                 extra_body=extra_body,
+                placement_key=placement_key,
             )
 
         return Session(self._portal.call(_call(_open)), portal=self._portal)

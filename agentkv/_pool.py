@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import TypedDict
 
 import httpx
 import structlog
@@ -23,12 +24,12 @@ from agentkv._exceptions import ConfigError, NoHealthyPairError, SessionClosedEr
 from agentkv._http import get_ok
 from agentkv._lease_calls import LeaseCalls
 from agentkv._placement import PrefillWeights, choose_prefill, place
-from agentkv._policy import RetryPolicy
+from agentkv._policy import CachePolicy, RetryPolicy
 from agentkv._template import ChatTemplate, ServerRenderer
 from agentkv._transport import ClusterClient, ServerPools
 from agentkv._types import Pair
 
-__all__ = ["DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "PairPool"]
+__all__ = ["DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "ClusterOptions", "PairPool"]
 
 logger = structlog.get_logger("agentkv")
 
@@ -43,10 +44,43 @@ DEFAULT_LIMITS = httpx.Limits(
 _HEALTH_TIMEOUT_S = 2.0
 
 
+class ClusterOptions(TypedDict, total=False):
+    """The keyword options of ``Cluster`` and ``AsyncCluster`` (and of their ``from_dict`` and
+    ``from_file``), all optional; the defaults are ``PairPool``'s.
+
+    Attributes:
+        transport: an httpx async transport for the default client (tests pass a fake's).
+        http_client: use this client instead; the cluster does not close it.
+        timeout: the default client's timeouts (``DEFAULT_TIMEOUT``: long reads, a cold prefill
+            on CPU takes minutes).
+        policy: the default ``CachePolicy`` of sessions.
+        retry: the ``RetryPolicy`` of turns.
+        clock: monotonic seconds, for handle deadlines (tests pass a manual clock).
+        block_size: the servers' KV block size, when known; sharpens ``TurnStats.pulled_tokens``.
+        load_factor: bounded-load placement: a pair takes at most this times the average (1.25).
+        health_recheck_s: how long an unhealthy pair is left alone before it is probed again (5).
+        prefill_pool: a pool (xPyD): prefill name -> URL. Each pair is then a decode server and
+            every turn picks its prefill from the pool by load (``choose_prefill``).
+        prefill_weights: how strongly a turn prefers the prefill that served the session last.
+    """
+
+    transport: httpx.AsyncBaseTransport | None
+    http_client: httpx.AsyncClient | None
+    timeout: httpx.Timeout | float
+    policy: CachePolicy | None
+    retry: RetryPolicy | None
+    clock: Callable[[], float]
+    block_size: int | None
+    load_factor: float
+    health_recheck_s: float
+    prefill_pool: Mapping[str, str] | None
+    prefill_weights: PrefillWeights | None
+
+
 class PairPool:
     """Pairs serving one model: load, health, placement, HTTP, lease calls, templates, clock.
 
-    Arguments as ``AsyncCluster``'s (which validates nothing itself: the pool does).
+    The options are ``ClusterOptions`` (the facades pass them through; the pool validates them).
     """
 
     def __init__(
@@ -57,6 +91,7 @@ class PairPool:
         transport: httpx.AsyncBaseTransport | None = None,
         http_client: httpx.AsyncClient | None = None,
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        policy: CachePolicy | None = None,
         retry: RetryPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         block_size: int | None = None,
@@ -83,6 +118,7 @@ class PairPool:
         if prefill_pool is not None and not prefill_pool:
             raise ConfigError("a prefill pool needs at least one server")
         self.model = model
+        self.policy = policy or CachePolicy()
         self.retry = retry or RetryPolicy()
         self.clock = clock
         self.block_size = block_size
