@@ -23,7 +23,7 @@ from agentkv._agent_types import (
     ToolResultEvent,
     TurnEvent,
 )
-from agentkv._cluster import AsyncCluster, Cluster, Pair
+from agentkv._cluster import AsyncCluster, Cluster
 from agentkv._exceptions import (
     AgentKVError,
     BadRequestError,
@@ -48,7 +48,8 @@ from agentkv._exceptions import (
 from agentkv._leasing import ToolWait
 from agentkv._placement import PrefillWeights
 from agentkv._policy import AttachDecision, CachePolicy, ExtendDecision, RetryPolicy
-from agentkv._session import AsyncSession, Session, TurnOverrides
+from agentkv._pool import ClusterOptions
+from agentkv._session import AsyncSession, Session
 from agentkv._tool_calling import (
     FINAL_ANSWER,
     JsonToolCalling,
@@ -75,9 +76,11 @@ from agentkv._types import (
     KVHandle,
     Message,
     MessageLike,
+    Pair,
     SessionStats,
     TextDelta,
     ToolCall,
+    TurnOverrides,
     TurnResult,
     TurnStats,
 )
@@ -100,6 +103,7 @@ __all__ = [
     "BadRequestError",
     "CachePolicy",
     "Cluster",
+    "ClusterOptions",
     "ConfigError",
     "ConnectError",
     "ConnectionLostError",

@@ -341,7 +341,7 @@ class _Box:
 
 def _clock(session: AsyncSession) -> Callable[[], float]:
     # The session's handle deadlines are on its cluster's clock (injectable in tests).
-    return session._state.cluster.clock
+    return session.clock
 
 
 def _overdue(session: AsyncSession, now: float) -> float | None:

@@ -37,17 +37,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentkv._exceptions import AgentKVError, SessionLoadError
 from agentkv._policy import CachePolicy
+from agentkv._pool import PairPool
 from agentkv._state import SessionState
 from agentkv._transcript import Span, Transcript
-from agentkv._turn import SessionOptions
-from agentkv._types import HandleState, KVHandle, Message, TurnStats
-
-if TYPE_CHECKING:
-    from agentkv._cluster import AsyncCluster
+from agentkv._types import HandleState, KVHandle, Message, SessionOptions, TurnStats
 
 __all__ = ["FORMAT", "VERSION", "load_state", "restore", "save_state", "snapshot", "write_atomic"]
 
@@ -97,15 +94,16 @@ def _options_json(options: SessionOptions) -> dict[str, Any]:
     }
 
 
-def snapshot(state: SessionState, *, now: float, wall: float) -> dict[str, Any]:
-    """The session as a JSON-able dict (schema version 1); ``now`` is the session clock."""
+def snapshot(state: SessionState, *, model: str, now: float, wall: float) -> dict[str, Any]:
+    """The session as a JSON-able dict; ``model`` is the one it runs on, ``now`` the session
+    clock's time and ``wall`` the wall clock's."""
     transcript = state.transcript
     return {
         "format": FORMAT,
         "version": VERSION,
         "saved_at": wall,
         "session_id": state.session_id,
-        "model": state.cluster.model,
+        "model": model,
         "tokenizer": state.fingerprint,
         "pair": state.pair.name,
         "policy": dataclasses.asdict(state.policy),
@@ -165,10 +163,12 @@ def save_state(
     state: SessionState,
     path: str | os.PathLike[str],
     *,
+    model: str,
+    now: float,
     wall_clock: Callable[[], float] = time.time,
 ) -> None:
-    """Save ``state`` to ``path`` (see the module docstring)."""
-    data = snapshot(state, now=state.cluster.clock(), wall=wall_clock())
+    """Save ``state`` to ``path`` (see the module docstring and ``snapshot``)."""
+    data = snapshot(state, model=model, now=now, wall=wall_clock())
     try:
         text = json.dumps(data, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -267,29 +267,29 @@ def _turn_stats(data: Mapping[str, Any]) -> TurnStats:
 
 def load_state(
     path: str | os.PathLike[str],
-    cluster: AsyncCluster,
+    pool: PairPool,
     *,
     wall_clock: Callable[[], float] = time.time,
 ) -> SessionState:
-    """Read a saved session and place it on ``cluster``: its saved pair when that is known and
+    """Read a saved session and place it on ``pool``: its saved pair when that is known and
     healthy (the handle then stays usable), another pair otherwise (the handle is dropped).
 
     Raises ``SessionLoadError`` for a missing, corrupt or unknown-version file. Call it on the
-    cluster's event loop (it takes a place on a pair).
+    pool's event loop (it takes a place on a pair).
     """
-    return restore(_read(path), cluster, wall_clock=wall_clock, source=os.fspath(path))
+    return restore(_read(path), pool, wall_clock=wall_clock, source=os.fspath(path))
 
 
 def restore(
     data: object,
-    cluster: AsyncCluster,
+    pool: PairPool,
     *,
     wall_clock: Callable[[], float] = time.time,
     source: str = "saved session",
 ) -> SessionState:
-    """A session from ``snapshot``'s dict, placed on ``cluster`` as ``load_state`` does."""
+    """A session from ``snapshot``'s dict, placed on ``pool`` as ``load_state`` does."""
     data = _checked(data, source)
-    now, wall = cluster.clock(), wall_clock()
+    now, wall = pool.clock(), wall_clock()
     try:
         session_id = _field(data, "session_id", str)
         saved_pair = _field(data, "pair", str)
@@ -312,16 +312,15 @@ def restore(
         raise
     except (AgentKVError, KeyError, IndexError, TypeError, ValueError) as exc:
         raise SessionLoadError(f"saved session {source} is corrupt: {exc}") from exc
-    if model is not None and model != cluster.model:
+    if model is not None and model != pool.model:
         raise SessionLoadError(
             f"saved session {source} ran on model {model!r}; this cluster serves "
-            f"{cluster.model!r}, whose tokens and KV are not the saved ones"
+            f"{pool.model!r}, whose tokens and KV are not the saved ones"
         )
-    known = {pair.name: pair for pair in cluster.pairs}
-    cluster._check_open()
-    pair = cluster._acquire(session_id, near=known.get(saved_pair))
+    known = {pair.name: pair for pair in pool.pairs}
+    pool.check_open()
+    pair = pool.acquire(session_id, near=known.get(saved_pair))
     state = SessionState(
-        cluster,
         session_id=session_id,
         pair=pair,
         policy=policy,
@@ -335,7 +334,7 @@ def restore(
     state.wait_note = wait_note
     state.handle = handle
     state.last_prefill = last_prefill
-    # Decode may have freed the blocks since the save (see TurnRunner._confirm_loaded).
+    # Decode may have freed the blocks since the save: the first turn asks it (see _turn).
     state.unconfirmed = handle
     # Checked against the cluster's tokenizer before the first turn's prompt is built.
     state.fingerprint = fingerprint

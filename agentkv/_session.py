@@ -20,10 +20,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import Any, Protocol, Unpack
 
 import structlog
 
@@ -34,38 +35,54 @@ from agentkv._exceptions import (
 )
 from agentkv._fields import check_extra_body
 from agentkv._leasing import ToolWait, begin_wait, end_wait, extend_handle, release_handle
-from agentkv._persist import load_state, restore, save_state, snapshot
+from agentkv._persist import load_state, restore, save_state
+from agentkv._persist import snapshot as snapshot_state
 from agentkv._policy import CachePolicy
+from agentkv._pool import PairPool
+from agentkv._portal import Portal
 from agentkv._state import SessionState
 from agentkv._transcript import Transcript, TranscriptView
-from agentkv._turn import SessionOptions, TurnRunner
+from agentkv._turn import TurnRunner
 from agentkv._types import (
     KVHandle,
     Message,
     MessageLike,
+    Pair,
+    SessionOptions,
     SessionStats,
     TextDelta,
+    TurnOverrides,
     TurnResult,
     TurnStats,
 )
 
-if TYPE_CHECKING:
-    from agentkv._cluster import AsyncCluster, Cluster, Pair
-    from agentkv._portal import Portal
-
-__all__ = ["AsyncSession", "Session", "SessionOptions", "TurnOverrides"]
+__all__ = [
+    "AsyncSession",
+    "AsyncSessionHost",
+    "Session",
+    "SessionHost",
+    "SessionOptions",
+    "TurnOverrides",
+    "load_session",
+    "open_session",
+    "restore_session",
+]
 
 logger = structlog.get_logger("agentkv")
 
 
-class TurnOverrides(TypedDict, total=False):
-    """Per-turn overrides of the session's defaults (all optional)."""
+class AsyncSessionHost(Protocol):
+    """What ``AsyncSession.load`` needs of a cluster (``AsyncCluster`` is one)."""
 
-    max_tokens: int
-    temperature: float | None
-    tools: Sequence[Mapping[str, Any]] | None
-    tool_choice: Any
-    extra_body: Mapping[str, Any]
+    def load_session(self, path: str | os.PathLike[str]) -> AsyncSession: ...
+
+    def restore_session(self, data: Mapping[str, Any]) -> AsyncSession: ...
+
+
+class SessionHost(Protocol):
+    """What ``Session.load`` needs of a cluster (``Cluster`` is one)."""
+
+    def load_session(self, path: str | os.PathLike[str]) -> Session: ...
 
 
 def _as_message(message: MessageLike) -> Message:
@@ -97,6 +114,7 @@ class _SessionBase:
     """What both twins share: state, reading, appending. No I/O."""
 
     _state: SessionState
+    _pool: PairPool
 
     @property
     def session_id(self) -> str:
@@ -119,7 +137,15 @@ class _SessionBase:
     @property
     def closed(self) -> bool:
         """True once the session (or its cluster) was closed."""
-        return self._state.closed or self._state.cluster.closed
+        return self._state.closed or self._pool.closed
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The monotonic clock the handle's deadlines are on (the cluster's ``clock``).
+
+        >>> session.handle.deadline - session.clock()  # seconds left  # doctest: +SKIP
+        """
+        return self._pool.clock
 
     @property
     def transcript(self) -> TranscriptView:
@@ -164,6 +190,31 @@ class _SessionBase:
         self._state.transcript.append(*parsed[known:])
         return len(parsed) - known
 
+    def discard_pending(self) -> int:
+        """Forget the messages appended since the last turn; returns how many there were.
+
+        A failed turn leaves its messages pending so that the caller can retry it; a caller that
+        re-sends a whole history instead (as OpenAI clients do, see ``append_history``) drops
+        them first. While a turn runs, the pending messages are about to change:
+        ``SessionBusyError``.
+        """
+        self._check_open()
+        if self._state.busy:
+            raise SessionBusyError(f"session {self._state.session_id} is running a turn")
+        pending = len(self._state.transcript.pending)
+        self._state.transcript.drop_pending(0)
+        return pending
+
+    def snapshot(self, *, wall: float | None = None) -> dict[str, Any]:
+        """The session as ``save`` writes it, as a JSON-able dict; ``cluster.restore_session``
+        continues it. ``wall`` is the wall-clock time of the snapshot (now by default).
+
+        The dict may hold the handle's lease secret: keep it where only its owner can read it.
+        """
+        pool = self._pool
+        wall = time.time() if wall is None else wall
+        return snapshot_state(self._state, model=pool.model, now=pool.clock(), wall=wall)
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save the session to a JSON file, atomically; ``load`` continues it in a new process.
 
@@ -172,7 +223,7 @@ class _SessionBase:
         state = self._state
         if state.busy:
             raise SessionBusyError(f"session {state.session_id} is running a turn")
-        save_state(state, path)
+        save_state(state, path, model=self._pool.model, now=self._pool.clock())
         if state.handle is not None and state.handle.leased:
             # The file now holds the handle too: a session loaded from it may consume or release
             # the pin while this one lives on. Like a loaded handle, it is confirmed with decode
@@ -183,7 +234,7 @@ class _SessionBase:
         state = self._state
         if state.closed:
             raise SessionClosedError(f"session {state.session_id} is closed")
-        if state.cluster.closed:
+        if self._pool.closed:
             raise SessionClosedError(f"session {state.session_id}'s cluster is closed")
 
     def _abandoned(self) -> bool:
@@ -219,42 +270,20 @@ class AsyncSession(_SessionBase):
     ...             print(event.text, end="")
     """
 
-    def __init__(self, state: SessionState) -> None:
+    def __init__(self, state: SessionState, *, pool: PairPool) -> None:
         self._state = state
+        self._pool = pool
 
     @classmethod
-    def _open(
-        cls,
-        cluster: AsyncCluster,
-        *,
-        session_id: str | None,
-        policy: CachePolicy,
-        options: SessionOptions,
-        transcript: Transcript | None = None,
-        near: Pair | None = None,
-        placement_key: str | None = None,
-    ) -> AsyncSession:
-        sid = session_id or uuid.uuid4().hex
-        pair = cluster._acquire(placement_key or sid, near=near)
-        state = SessionState(
-            cluster,
-            session_id=sid,
-            pair=pair,
-            policy=policy,
-            options=options,
-            transcript=transcript or Transcript(),
-        )
-        return cls(state)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str], cluster: AsyncCluster) -> AsyncSession:
+    def load(cls, path: str | os.PathLike[str], cluster: AsyncSessionHost) -> AsyncSession:
         """Continue a session saved with ``save``; its handle is reused if still valid.
 
-        Raises ``SessionLoadError`` for a missing, corrupt or unknown-version file.
+        The same as ``cluster.load_session(path)``. Raises ``SessionLoadError`` for a missing,
+        corrupt or unknown-version file.
 
         >>> session = AsyncSession.load("run.json", cluster)  # doctest: +SKIP
         """
-        return cls(load_state(path, cluster))
+        return cluster.load_session(path)
 
     async def turn(self, *, final: bool = False, **overrides: Unpack[TurnOverrides]) -> TurnResult:
         """Send the pending messages and return the assistant's answer.
@@ -271,7 +300,7 @@ class AsyncSession(_SessionBase):
         self._check_turnable()
         self._state.busy = True
         try:
-            runner = TurnRunner(self._state, options, stream=False, final=final)
+            runner = TurnRunner(self._pool, self._state, options, stream=False, final=final)
             async with contextlib.aclosing(runner.events()) as events:
                 async for event in events:
                     if isinstance(event, TurnResult):
@@ -335,7 +364,7 @@ class AsyncSession(_SessionBase):
         state.busy = True
         state.stream = holder[0]
         try:
-            runner = TurnRunner(state, options, stream=True, final=final)
+            runner = TurnRunner(self._pool, state, options, stream=True, final=final)
             async with contextlib.aclosing(runner.events()) as events:
                 async for event in events:
                     yield event
@@ -355,7 +384,7 @@ class AsyncSession(_SessionBase):
         self._check_open()
         if not (math.isfinite(ttl_s) and ttl_s > 0):
             raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s}")
-        return await extend_handle(self._state, ttl_s, reason="explicit")
+        return await extend_handle(self._pool, self._state, ttl_s, reason="explicit")
 
     @contextlib.asynccontextmanager
     async def tool_wait(self, *, expected_s: float) -> AsyncIterator[ToolWait]:
@@ -372,11 +401,11 @@ class AsyncSession(_SessionBase):
         True
         """
         self._check_open()
-        wait = await begin_wait(self._state, expected_s=expected_s)
+        wait = await begin_wait(self._pool, self._state, expected_s=expected_s)
         try:
             yield wait
         finally:
-            end_wait(self._state, wait)
+            end_wait(self._pool, self._state, wait)
 
     def fork(
         self,
@@ -395,8 +424,8 @@ class AsyncSession(_SessionBase):
         state = self._state
         parsed = None if messages is None else [_as_message(m) for m in messages]
         transcript = state.transcript.fork(keep=keep, messages=parsed)
-        child = AsyncSession._open(
-            state.cluster,
+        child = open_session(
+            self._pool,
             session_id=session_id,
             policy=state.policy,
             options=state.options,
@@ -419,34 +448,40 @@ class AsyncSession(_SessionBase):
         await self._close_abandoned()
         state.closed = True
         # Releases of this session's lost D legs, still in flight: done before close returns.
-        await state.cluster._leases.settle()
+        pool = self._pool
+        await pool.leases.settle()
         handle, state.handle = state.handle, None
-        state.cluster._release(state.pair)
-        cluster = state.cluster
+        pool.release(state.pair)
         if (
             handle is not None
-            and not cluster.closed
-            and state.policy.decide_release(handle, now=cluster.clock())
+            and not pool.closed
+            and state.policy.decide_release(handle, now=pool.clock())
         ):
-            await release_handle(state, handle, reason="close")
+            await release_handle(pool, state, handle, reason="close")
 
-    def _detach(self) -> None:
-        """Close this copy of the session without releasing its handle: another process (a
-        proxy replica sharing sessions) owns the session and will send or release the handle."""
+    def detach(self) -> None:
+        """Close this copy of the session without releasing its handle on decode.
+
+        For a session that lives on elsewhere: another process (a proxy replica sharing
+        sessions) holds its snapshot and will send or release the handle. Frees this copy's
+        place on its pair; idempotent.
+        """
         state = self._state
         if not state.closed:
             state.closed = True
             state.handle = None
-            state.cluster._release(state.pair)
+            self._pool.release(state.pair)
 
+    # The proxy's session store calls these older names (kept for it).
     def _snapshot(self, *, wall: float) -> dict[str, Any]:
-        """The session as ``save`` writes it, as a dict."""
-        return snapshot(self._state, now=self._state.cluster.clock(), wall=wall)
+        return self.snapshot(wall=wall)
+
+    def _detach(self) -> None:
+        self.detach()
 
     @classmethod
-    def _restore(cls, data: object, cluster: AsyncCluster) -> AsyncSession:
-        """The session from ``_snapshot``'s dict, placed on ``cluster``."""
-        return cls(restore(data, cluster))
+    def _restore(cls, data: Mapping[str, Any], cluster: AsyncSessionHost) -> AsyncSession:
+        return cluster.restore_session(data)
 
     async def __aenter__(self) -> AsyncSession:
         return self
@@ -468,21 +503,18 @@ class Session(_SessionBase):
     def __init__(self, inner: AsyncSession, *, portal: Portal) -> None:
         self._inner = inner
         self._state = inner._state
+        self._pool = inner._pool
         self._portal = portal
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], cluster: Cluster) -> Session:
-        """Continue a session saved with ``save`` (see ``AsyncSession.load``).
+    def load(cls, path: str | os.PathLike[str], cluster: SessionHost) -> Session:
+        """Continue a session saved with ``save`` (see ``AsyncSession.load``); the same as
+        ``cluster.load_session(path)``.
 
         >>> with Session.load("run.json", cluster) as s:  # doctest: +SKIP
         ...     print(s.send("Where were we?").text)
         """
-
-        async def _load() -> AsyncSession:
-            return AsyncSession.load(path, cluster._async)
-
-        cluster._async._check_open()
-        return cls(cluster._portal.call(_load()), portal=cluster._portal)
+        return cluster.load_session(path)
 
     def turn(self, *, final: bool = False, **overrides: Unpack[TurnOverrides]) -> TurnResult:
         """Send the pending messages and return the answer (see ``AsyncSession.turn``)."""
@@ -521,15 +553,16 @@ class Session(_SessionBase):
         """
         self._check_open()
         state = self._state
-        wait = self._portal.call(begin_wait(state, expected_s=expected_s))
+        pool = self._pool
+        wait = self._portal.call(begin_wait(pool, state, expected_s=expected_s))
 
         async def _end() -> None:
-            end_wait(state, wait)
+            end_wait(pool, state, wait)
 
         try:
             yield wait
         finally:
-            if not state.cluster.closed:  # else the loop thread is gone, and the session with it
+            if not pool.closed:  # else the loop thread is gone, and the session with it
                 self._portal.call(_end())
 
     def fork(
@@ -549,14 +582,61 @@ class Session(_SessionBase):
 
     def close(self) -> None:
         """Close the session: forget its handle and free its place on the pair."""
-        if self._state.cluster.closed:
+        if self._pool.closed:
             self._state.closed = True  # the loop thread is gone; so is everything it held
             self._state.handle = None
         elif not self._state.closed:
             self._portal.call(self._inner.aclose())
+
+    def detach(self) -> None:
+        """Close this copy without releasing its handle (see ``AsyncSession.detach``)."""
+        if self._pool.closed:
+            self._state.closed = True  # the loop thread is gone; so is everything it held
+            self._state.handle = None
+        elif not self._state.closed:
+
+            async def _detach() -> None:
+                self._inner.detach()
+
+            self._portal.call(_detach())
 
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def open_session(
+    pool: PairPool,
+    *,
+    session_id: str | None,
+    policy: CachePolicy,
+    options: SessionOptions,
+    transcript: Transcript | None = None,
+    near: Pair | None = None,
+    placement_key: str | None = None,
+) -> AsyncSession:
+    """A new session on ``pool``, placed by ``placement_key`` or its id (``near`` when healthy).
+
+    Call it on the pool's event loop: it takes a place on a pair.
+    """
+    sid = session_id or uuid.uuid4().hex
+    state = SessionState(
+        session_id=sid,
+        pair=pool.acquire(placement_key or sid, near=near),
+        policy=policy,
+        options=options,
+        transcript=transcript or Transcript(),
+    )
+    return AsyncSession(state, pool=pool)
+
+
+def load_session(pool: PairPool, path: str | os.PathLike[str]) -> AsyncSession:
+    """The session saved at ``path``, placed on ``pool`` (see ``_persist.load_state``)."""
+    return AsyncSession(load_state(path, pool), pool=pool)
+
+
+def restore_session(pool: PairPool, data: Mapping[str, Any]) -> AsyncSession:
+    """The session from a ``snapshot()`` dict, placed on ``pool`` (see ``_persist.restore``)."""
+    return AsyncSession(restore(data, pool), pool=pool)

@@ -1,40 +1,66 @@
-"""A session's state and the bookkeeping of a finished turn; no I/O.
+"""A session's state, and the bookkeeping of a finished turn: a value, no I/O, no services.
 
-Shared by ``AsyncSession`` and ``Session`` (which wrap one ``SessionState``) and read by the turn
-runner (``_turn.py``). It is mutated only on the event loop the session's cluster runs on.
+``AsyncSession`` and ``Session`` wrap one ``SessionState``; the turn (``_turn.py``) reads it, and
+replaces what a turn changes (the handle, the transcript's committed turn, the stats) through the
+methods here. Everything it needs from the servers (the pool, the template, the clock) reaches it
+as arguments. It is mutated only on the event loop its pool runs on.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
-from agentkv._exceptions import InvalidMessageError, PrefixDivergedError, SessionLoadError
+from agentkv._exceptions import PrefixDivergedError, SessionLoadError
 from agentkv._handoff import DecodeResult, PrefillResult, TurnRequest, no_handle_cause
 from agentkv._json import fragment
 from agentkv._policy import CachePolicy
 from agentkv._template import tools_key
 from agentkv._transcript import Transcript, TurnPrompt
-from agentkv._types import HandleState, KVHandle, Message, TurnStats
+from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TurnStats
 
-if TYPE_CHECKING:
-    from agentkv._cluster import AsyncCluster, Pair
-    from agentkv._turn import SessionOptions
-
-__all__ = ["SessionState", "pulled_estimate"]
+__all__ = ["SessionState", "TurnOutcome", "pulled_estimate"]
 
 logger = structlog.get_logger("agentkv")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TurnOutcome:
+    """A turn that succeeded, as the turn hands it to ``SessionState.commit``.
+
+    ``attached`` is the handle the P leg carried (if any), ``handle_state`` and ``handle_reason``
+    say why it was or was not; times are seconds (``ttft_s`` from the call, ``server_ttft_s`` from
+    the P leg's start); ``final`` says the turn asked decode to pin nothing.
+    """
+
+    prompt: TurnPrompt
+    result: DecodeResult
+    pair: Pair
+    prefill_name: str
+    prefill: PrefillResult
+    attached: KVHandle | None
+    handle_state: HandleState
+    handle_reason: str
+    ttft_s: float
+    server_ttft_s: float
+    prefill_s: float
+    decode_s: float
+    total_s: float
+    retries: int
+    extends: int
+    final: bool
+    tools: Sequence[Mapping[str, Any]] | None
+
+
 class SessionState:
-    """Everything a session knows. Mutated only on the event loop its cluster runs on."""
+    """Everything a session knows. Mutated only on the event loop its pool runs on."""
 
     __slots__ = (
         "busy",
         "closed",
-        "cluster",
         "fingerprint",
         "fingerprint_ok",
         "handle",
@@ -57,7 +83,6 @@ class SessionState:
 
     def __init__(
         self,
-        cluster: AsyncCluster,
         *,
         session_id: str,
         pair: Pair,
@@ -65,7 +90,6 @@ class SessionState:
         options: SessionOptions,
         transcript: Transcript,
     ) -> None:
-        self.cluster = cluster
         self.session_id = session_id
         self.pair = pair
         self.policy = policy
@@ -88,10 +112,10 @@ class SessionState:
         # What the last tool wait did to the handle, for the next turn's handle_reason.
         self.wait_note: str | None = None
         # A handle read from a save file: decode may have freed (and reused) its blocks since, so
-        # it is attached only once decode confirms the lease (``TurnRunner._confirm_loaded``).
+        # it is attached only once decode confirms the lease (``TurnRunner`` asks).
         self.unconfirmed: KVHandle | None = None
         # The tokenizer and chat template the transcript's token ids come from (see
-        # ``ChatTemplate.fingerprint``); checked against the cluster's once per session.
+        # ``ChatTemplate.fingerprint``); checked against the servers' once per session.
         self.fingerprint: str | None = None
         self.fingerprint_ok = False
         # The stream running the current turn, if one does: left suspended by a caller that
@@ -111,38 +135,17 @@ class SessionState:
             self.handle = None
             self.lost = (state, reason)
 
-    async def build_prompt(
-        self,
-        prefill_url: str,
-        tools: Sequence[Mapping[str, Any]] | None,
-        pending: Sequence[Message] | None = None,
-    ) -> TurnPrompt:
-        """The turn's exact prompt for ``pending`` (the messages pending when the turn started;
-        all pending ones by default)."""
-        key = tools_key(tools)
-        if self.tools_key is not None and key != self.tools_key:
+    def check_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> None:
+        """``PrefixDivergedError`` unless ``tools`` are those rendered into the first prompt."""
+        if self.tools_key is not None and tools_key(tools) != self.tools_key:
             raise PrefixDivergedError(
                 "the tools differ from those rendered into the session's first prompt; the "
                 "template put them in the prefix, so fork the session to change them"
             )
-        template = self.cluster._template(prefill_url)
-        if not self.fingerprint_ok:
-            self._check_fingerprint(await template.fingerprint())
-        transcript = self.transcript
-        pending = transcript.pending if pending is None else tuple(pending)
-        if not pending:
-            raise InvalidMessageError("nothing to send: append a message before the turn")
-        last = transcript.last_message
-        # Rendered for the messages pending now: any appended while the template renders stay
-        # queued for the next turn.
-        if transcript.is_fresh or last is None:
-            first = await template.first(pending, tools=tools)
-            return transcript.prompt_for_turn(first, messages=pending)
-        delta = await template.delta(pending, last=last, tools=tools)
-        closing = await template.closing(tools)
-        return transcript.prompt_for_turn(delta, closing=closing, messages=pending)
 
-    def _check_fingerprint(self, served: str) -> None:
+    def check_fingerprint(self, served: str) -> None:
+        """``SessionLoadError`` unless ``served`` (the servers' tokenizer and template) is the
+        one the transcript's token ids come from; the first check records it."""
         if self.fingerprint is not None and self.fingerprint != served:
             raise SessionLoadError(
                 f"session {self.session_id}'s token ids come from another tokenizer or chat "
@@ -152,10 +155,13 @@ class SessionState:
         self.fingerprint = served
         self.fingerprint_ok = True
 
-    def turn_request(self, prompt: TurnPrompt, options: SessionOptions) -> TurnRequest:
+    def turn_request(
+        self, prompt: TurnPrompt, options: SessionOptions, *, model: str
+    ) -> TurnRequest:
+        """What the turn asks ``model`` for: the conversation with ``prompt``'s messages."""
         messages = [*self.wire, *(m.to_openai() for m in prompt.messages)]
         return TurnRequest(
-            model=self.cluster.model,
+            model=model,
             # Serialized once for both legs.
             messages=fragment(messages),
             num_messages=len(messages),
@@ -166,67 +172,52 @@ class SessionState:
             extra=options.extra_body,
         )
 
-    def commit(
-        self,
-        prompt: TurnPrompt,
-        result: DecodeResult,
-        *,
-        pair: Pair,
-        prefill_name: str,
-        prefill: PrefillResult,
-        attached: KVHandle | None,
-        handle_state: HandleState,
-        handle_reason: str,
-        ttft_s: float,
-        server_ttft_s: float,
-        prefill_s: float,
-        decode_s: float,
-        total_s: float,
-        retries: int,
-        extends: int,
-        final: bool,
-        tools: Sequence[Mapping[str, Any]] | None,
-    ) -> TurnStats:
-        """Record a successful turn (transcript, handle, stats, log event)."""
+    def commit(self, outcome: TurnOutcome, *, block_size: int | None) -> TurnStats:
+        """Record a successful turn (transcript, handle, stats, log event).
+
+        ``block_size`` is the servers' KV block size, when known (it sharpens ``pulled_tokens``).
+        """
+        prompt, result, prefill_name = outcome.prompt, outcome.result, outcome.prefill_name
+        final = outcome.final
         self.transcript.commit_turn(
             prompt,
             generated_ids=result.token_ids,
             message=result.message,
             finish_reason=result.finish_reason,
         )
-        self.tools_key = tools_key(tools)
+        self.tools_key = tools_key(outcome.tools)
         self.wire.extend(m.to_openai() for m in prompt.messages)
         self.wire.append(result.message.to_openai())
         prompt_len = len(prompt)
-        reused = min(prefill.cached_tokens, prompt_len)
+        reused = min(outcome.prefill.cached_tokens, prompt_len)
         if prefill_name != self.last_prefill:
             self.prefilled = 0  # another prefill: its prefix cache holds nothing of ours
         self.last_prefill = prefill_name
         stats = TurnStats(
             session_id=self.session_id,
             turn=self.transcript.version,
-            pair=pair.name,
+            pair=outcome.pair.name,
             prefill=prefill_name,
             prompt_tokens=prompt_len,
             reused_tokens=reused,
             pulled_tokens=pulled_estimate(
                 reused=reused,
-                attached=attached,
+                attached=outcome.attached,
                 prefilled_before=self.prefilled,
-                block_size=self.cluster.block_size,
+                block_size=block_size,
             ),
             computed_tokens=prompt_len - reused,
             generated_tokens=len(result.token_ids),
             ideal_reused_tokens=min(self.ideal_base, prompt_len - 1),
-            ttft_s=ttft_s,
-            server_ttft_s=server_ttft_s,
-            prefill_s=prefill_s,
-            decode_s=decode_s,
-            total_s=total_s,
-            handle_state=handle_state,
-            handle_reason=handle_reason,
-            retries=retries,
-            extends=extends,
+            ttft_s=outcome.ttft_s,
+            server_ttft_s=outcome.server_ttft_s,
+            prefill_s=outcome.prefill_s,
+            decode_s=outcome.decode_s,
+            total_s=outcome.total_s,
+            handle_state=outcome.handle_state,
+            handle_reason=outcome.handle_reason,
+            retries=outcome.retries,
+            extends=outcome.extends,
         )
         self.turns.append(stats)
         self.handle = result.handle

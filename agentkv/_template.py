@@ -40,7 +40,7 @@ import httpx
 from agentkv._exceptions import BadRequestError, MalformedResponseError, TemplateError
 from agentkv._http import post_json
 from agentkv._json import dumps
-from agentkv._transcript import Delta
+from agentkv._transcript import Delta, Transcript, TurnPrompt
 from agentkv._types import Message
 
 __all__ = ["ChatTemplate", "Renderer", "ServerRenderer", "TemplateInfo", "tools_key"]
@@ -209,6 +209,19 @@ class ChatTemplate:
         else:
             anchor, base = (_SYSTEM, _USER, _ASSISTANT_1), list(info.anchor)
         return await self._render_delta(anchor, messages, tools=tools, base=base, info=info)
+
+    async def prompt(
+        self, transcript: Transcript, pending: Sequence[Message], *, tools: Tools = None
+    ) -> TurnPrompt:
+        """The exact prompt of a turn that sends ``pending`` after ``transcript``'s committed
+        messages: their token ids as they are, extended by the render of ``pending`` alone."""
+        last = transcript.last_message
+        if transcript.is_fresh or last is None:
+            first = await self.first(pending, tools=tools)
+            return transcript.prompt_for_turn(first, messages=pending)
+        delta = await self.delta(pending, last=last, tools=tools)
+        closing = await self.closing(tools)
+        return transcript.prompt_for_turn(delta, closing=closing, messages=pending)
 
     async def _render_delta(
         self,

@@ -31,10 +31,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agentkv._session import TurnOverrides
 from agentkv._tools import ToolCallFormatError, ToolDefinitionError, ToolSpec
 from agentkv._toolset import ToolResult
-from agentkv._types import Message, ToolCall, TurnResult
+from agentkv._types import Message, ToolCall, TurnOverrides, TurnResult
 
 __all__ = [
     "AUTO",

@@ -28,9 +28,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TypeVar
 
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
@@ -38,6 +37,7 @@ from tenacity.wait import wait_exponential, wait_random
 
 from agentkv._exceptions import (
     ConnectError,
+    InvalidMessageError,
     MalformedResponseError,
     ServerError,
     TransportError,
@@ -58,14 +58,12 @@ from agentkv._hints import new_request_secret, request_tag
 from agentkv._http import post_json, stream_events
 from agentkv._json import fragment
 from agentkv._leasing import extend_handle, release_handle, release_lost, release_soon
+from agentkv._pool import PairPool
+from agentkv._state import SessionState, TurnOutcome
 from agentkv._transcript import TurnPrompt
-from agentkv._types import HandleState, KVHandle, TextDelta, TurnResult
+from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TextDelta, TurnResult
 
-if TYPE_CHECKING:
-    from agentkv._cluster import Pair
-    from agentkv._state import SessionState
-
-__all__ = ["SessionOptions", "TurnRunner"]
+__all__ = ["TurnRunner"]
 
 T = TypeVar("T")
 
@@ -77,17 +75,6 @@ _CHAT_PATH = "/v1/chat/completions"
 _CONFIRM_TTL_S = 30.0
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SessionOptions:
-    """Per-turn request settings: session defaults, overridden field by field per turn."""
-
-    max_tokens: int = 256
-    temperature: float | None = 0.0
-    tools: tuple[Mapping[str, Any], ...] | None = None
-    tool_choice: Any = None
-    extra_body: Mapping[str, Any] = field(default_factory=dict)
-
-
 def _unexplained(result: DecodeResult) -> bool:
     """An answer without a handle that vLLM would have pinned KV for (not a stop string)."""
     cause = no_handle_cause(result.finish_reason, result.stop_reason)
@@ -95,11 +82,23 @@ def _unexplained(result: DecodeResult) -> bool:
 
 
 class TurnRunner:
-    """Runs one turn of a session; ``events()`` yields text deltas (streaming) then the result."""
+    """Runs one turn of a session; ``events()`` yields text deltas (streaming) then the result.
+
+    The one place that directs a turn: it reads the session's state, calls the pool for every
+    server it needs (placement, health, templates, HTTP, lease calls) and hands the state what
+    changed (``SessionState.commit``).
+    """
 
     def __init__(
-        self, state: SessionState, options: SessionOptions, *, stream: bool, final: bool = False
+        self,
+        pool: PairPool,
+        state: SessionState,
+        options: SessionOptions,
+        *,
+        stream: bool,
+        final: bool = False,
     ) -> None:
+        self._pool = pool
         self._state = state
         self._options = options
         self._stream = stream
@@ -123,12 +122,12 @@ class TurnRunner:
                 async for event in events:
                     yield event
         except Exception as exc:
-            if self._state.cluster.retry.max_attempts == 1 or not self._retryable(exc):
+            if self._pool.retry.max_attempts == 1 or not self._retryable(exc):
                 raise
             first_failure: Exception | None = exc
         else:
             return
-        retry = self._state.cluster.retry
+        retry = self._pool.retry
         retrying = AsyncRetrying(
             stop=stop_after_attempt(retry.max_attempts),
             wait=wait_exponential(multiplier=retry.initial_backoff_s, max=retry.max_backoff_s)
@@ -164,10 +163,9 @@ class TurnRunner:
         )
 
     async def _attempt(self) -> AsyncGenerator[TextDelta | TurnResult, None]:
-        state = self._state
-        cluster = state.cluster
+        state, pool = self._state, self._pool
         self._attempts += 1
-        pair = await cluster._pair_for(state.session_id, state.pair)
+        pair = await pool.pair_for(state.session_id, state.pair)
         if pair is not state.pair:
             handle = state.handle
             state.move_to(pair)
@@ -178,7 +176,7 @@ class TurnRunner:
                 async for event in events:
                     yield event
         except ConnectError as exc:
-            cluster._mark_down(pair, reason=str(exc))
+            pool.mark_down(pair, reason=str(exc))
             # A server that refused a connection may come back restarted, its block ids reused
             # by other requests: a handle into it is never safe again.
             handle = state.handle
@@ -190,13 +188,13 @@ class TurnRunner:
             # Lost, timed out or 5xx mid-turn (a vLLM API server whose engine died answers 500
             # before it exits): a server that died under the turn is found now (the probe marks
             # the pair down), so the retry moves instead of running into it again.
-            if not await cluster._probe(pair):
+            if not await pool.probe(pair):
                 handle = state.handle
                 state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} stopped answering")
                 # Unsent; the one that stopped answering may be the pair's prefill.
                 await self._release_unsent(handle, reason="pair_down")
-            if cluster.pooled and self._prefill_name is not None:
-                await cluster._probe_prefill(self._prefill_name)
+            if pool.pooled and self._prefill_name is not None:
+                await pool.probe_prefill(self._prefill_name)
             raise
         finally:
             self._prefill_name = None  # a retry chooses again, by the load it then sees
@@ -234,55 +232,62 @@ class TurnRunner:
         same step as the choice, with no await between: turns that start together see each
         other's load instead of all choosing the same idle prefill.
         """
-        state = self._state
-        cluster = state.cluster
+        state, pool = self._state, self._pool
         tried: set[str] = set()
         key = f"{state.session_id}/{state.transcript.version + 1}"
         while True:
-            name = cluster._choose_prefill(key, pair, warm=state.last_prefill, exclude=tried)
+            name = pool.choose_prefill(key, pair, warm=state.last_prefill, exclude=tried)
             self._prefill_name = name
-            cluster._prefill_begin(name, cost)
+            pool.prefill_begin(name, cost)
             try:
-                return await call(cluster._prefill_url(name))
+                return await call(pool.prefill_url(name))
             except ConnectError as exc:
-                if not cluster.pooled:
+                if not pool.pooled:
                     raise
-                cluster._mark_prefill_down(name, reason=str(exc))
+                pool.mark_prefill_down(name, reason=str(exc))
                 tried.add(name)
                 logger.warning(
                     "agentkv.prefill_refused", session_id=state.session_id, prefill=name
                 )
             finally:
-                cluster._prefill_end(name, cost)
+                pool.prefill_end(name, cost)
 
     async def _prompt_for(self, pair: Pair) -> TurnPrompt:
         # Built once per turn: every server serves the same model, so the tokens hold on any.
         if self._prompt is None:
-            tools, pending = self._options.tools, self._pending
-            self._prompt = await self._on_prefill(
-                pair, lambda url: self._state.build_prompt(url, tools, pending)
-            )
+            self._prompt = await self._on_prefill(pair, self._build_prompt)
         return self._prompt
 
+    async def _build_prompt(self, prefill_url: str) -> TurnPrompt:
+        """The turn's exact prompt for the messages pending when it started, rendered by the
+        template of ``prefill_url`` (``/tokenize``); any appended meanwhile wait for the next."""
+        state, tools = self._state, self._options.tools
+        state.check_tools(tools)
+        template = self._pool.template(prefill_url)
+        if not state.fingerprint_ok:
+            state.check_fingerprint(await template.fingerprint())
+        if not self._pending:
+            raise InvalidMessageError("nothing to send: append a message before the turn")
+        return await template.prompt(state.transcript, self._pending, tools=tools)
+
     async def _legs(self, pair: Pair) -> AsyncGenerator[TextDelta | TurnResult, None]:
-        state = self._state
+        state, pool = self._state, self._pool
         prompt = await self._prompt_for(pair)
-        request = self._request or state.turn_request(prompt, self._options)
+        request = self._request or state.turn_request(prompt, self._options, model=pool.model)
         self._request = request
-        cluster = state.cluster
         # Asked once per decode server, then cached: whether to send hints at all.
-        supported = await cluster._leases.supported(pair.decode)
+        supported = await pool.leases.supported(pair.decode)
         await self._confirm_loaded(supported, len(prompt))
         sent, handle_state, reason, extends, unsent = self._take_handle(len(prompt))
         if unsent is not None:
-            await release_handle(state, unsent, reason=handle_state.value)
+            await release_handle(pool, state, unsent, reason=handle_state.value)
         ids = fragment(prompt.tolist())
 
         t_prefill = self._t_prefill = time.perf_counter()
         prefill, prefill_name = await self._p_leg(pair, request, ids, sent, len(prompt))
         t_decode = time.perf_counter()
 
-        issued_at = cluster.clock()
+        issued_at = pool.clock()
         # A stock decode ignores the hint; one known to be stock gets the request it expects.
         hint = None if supported is False else state.policy.decide_persist(final=self._final)
         body = decode_body(request, prompt_ids=ids, prefill=prefill, stream=self._stream, hint=hint)
@@ -300,8 +305,8 @@ class TurnRunner:
         except BaseException:
             # Prefill answered (above), so the handle it carried is done with: free it if the
             # pull did not (cancelled or a stream left early too, hence in the background).
-            if sent is not None and state.policy.decide_release(sent, now=cluster.clock()):
-                release_soon(state, sent, reason="decode_failed")
+            if sent is not None and state.policy.decide_release(sent, now=pool.clock()):
+                release_soon(pool, state, sent, reason="decode_failed")
             raise
         if result is None:  # pragma: no cover - _decode ends with the result or raises
             raise RuntimeError("decode leg ended without a result")
@@ -310,9 +315,9 @@ class TurnRunner:
         # the whole answer arrives at once).
         server_ttft = self._ttft if self._ttft is not None else t_end - t_prefill
         result = self._leased(result, issued_at=issued_at)
-        stats = state.commit(
-            prompt,
-            result,
+        outcome = TurnOutcome(
+            prompt=prompt,
+            result=result,
             pair=pair,
             prefill_name=prefill_name,
             prefill=prefill,
@@ -330,11 +335,12 @@ class TurnRunner:
             final=self._final,
             tools=self._options.tools,
         )
+        stats = state.commit(outcome, block_size=pool.block_size)
         if state.closed and state.handle is not None:
             # Closed while this turn ran: nobody will send the new handle.
             handle, state.handle = state.handle, None
-            if state.policy.decide_release(handle, now=cluster.clock()):
-                await release_handle(state, handle, reason="closed_during_turn")
+            if state.policy.decide_release(handle, now=pool.clock()):
+                await release_handle(pool, state, handle, reason="closed_during_turn")
         yield TurnResult(
             message=result.message,
             token_ids=result.token_ids,
@@ -357,7 +363,7 @@ class TurnRunner:
         decode_url = pair.decode + _CHAT_PATH
         deadline = state.policy.deadline(issued_at)
         summary = request.summary("decode")
-        client = state.cluster.http_client
+        client = self._pool.http_client
         # A request id of our choosing (vLLM honours X-Request-Id): if the answer, and with it
         # the handle, never reaches us, its secret still releases what decode pinned for it.
         secret = new_request_secret()
@@ -391,6 +397,7 @@ class TurnRunner:
             # have finished and pinned the turn's KV for a handle nobody will ever send.
             if releasable and not refused and (result is None or _unexplained(result)):
                 release_lost(
+                    self._pool,
                     state,
                     pair.decode,
                     secret,
@@ -399,9 +406,9 @@ class TurnRunner:
         yield result
 
     async def _release_unsent(self, handle: KVHandle | None, *, reason: str) -> None:
-        state = self._state
-        if handle is not None and state.policy.decide_release(handle, now=state.cluster.clock()):
-            await release_handle(state, handle, reason=reason)
+        state, pool = self._state, self._pool
+        if handle is not None and state.policy.decide_release(handle, now=pool.clock()):
+            await release_handle(pool, state, handle, reason=reason)
 
     async def _confirm_loaded(self, supported: bool | None, prompt_len: int) -> None:
         """A handle read from a save file is attached only once decode confirms it still holds it.
@@ -418,7 +425,7 @@ class TurnRunner:
         handle = state.handle
         if handle is None or handle is not state.unconfirmed:
             return
-        now = state.cluster.clock()
+        now = self._pool.clock()
         if not state.policy.decide_attach(handle, prompt_len=prompt_len, now=now).attach:
             return  # not attached anyway (expired, diverged, ...): the turn says why
         state.unconfirmed = None
@@ -429,7 +436,7 @@ class TurnRunner:
                 "confirm it still holds the blocks",
             )
             return
-        await extend_handle(state, _CONFIRM_TTL_S, reason="confirm_loaded")
+        await extend_handle(self._pool, state, _CONFIRM_TTL_S, reason="confirm_loaded")
         if state.handle is handle:  # not extended, not dropped: the call failed
             state.drop_handle(
                 HandleState.INVALIDATED,
@@ -454,7 +461,7 @@ class TurnRunner:
         """
         state = self._state
         handle = state.handle
-        now = state.cluster.clock()
+        now = self._pool.clock()
         decision = state.policy.decide_attach(handle, prompt_len=prompt_len, now=now)
         handle_state, reason = decision.state, decision.reason
         unsent: KVHandle | None = None
@@ -478,7 +485,7 @@ class TurnRunner:
     ) -> PrefillResult:
         url = base + _CHAT_PATH
         data = await post_json(
-            self._state.cluster.http_client,
+            self._pool.http_client,
             url,
             prefill_body(request, prompt_ids=ids, handle=sent),
             summary=request.summary("prefill"),

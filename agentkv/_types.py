@@ -1,4 +1,4 @@
-"""Values that cross module boundaries: messages, handles, turn results and statistics.
+"""Values that cross module boundaries: messages, pairs, handles, turn settings, results, stats.
 
 All are frozen, keyword-only dataclasses. Messages validate themselves on construction, so a bad
 message fails where it is written, not three calls later inside a request:
@@ -17,19 +17,22 @@ import enum
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, Literal, TypeAlias, TypedDict, cast
 
-from agentkv._exceptions import InvalidMessageError
+from agentkv._exceptions import ConfigError, InvalidMessageError
 
 __all__ = [
     "HandleState",
     "KVHandle",
     "Message",
     "MessageLike",
+    "Pair",
     "Role",
+    "SessionOptions",
     "SessionStats",
     "TextDelta",
     "ToolCall",
+    "TurnOverrides",
     "TurnResult",
     "TurnStats",
 ]
@@ -422,3 +425,46 @@ class SessionStats:
             median_ttft_s=statistics.median(t.ttft_s for t in turns),
             median_warm_ttft_s=statistics.median(warm) if warm else None,
         )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pair:
+    """One prefill server and the decode server it hands off to.
+
+    >>> Pair(name="p0", prefill="http://127.0.0.1:8100/", decode="http://127.0.0.1:8101").prefill
+    'http://127.0.0.1:8100'
+    """
+
+    name: str
+    prefill: str
+    decode: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError("a pair needs a non-empty name")
+        for role in ("prefill", "decode"):
+            url = getattr(self, role)
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ConfigError(f"pair {self.name!r}: {role} must be an http(s) URL, got {url!r}")
+            object.__setattr__(self, role, url.rstrip("/"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SessionOptions:
+    """Per-turn request settings: session defaults, overridden field by field per turn."""
+
+    max_tokens: int = 256
+    temperature: float | None = 0.0
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    tool_choice: Any = None
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
+
+
+class TurnOverrides(TypedDict, total=False):
+    """Per-turn overrides of the session's defaults (all optional)."""
+
+    max_tokens: int
+    temperature: float | None
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: Any
+    extra_body: Mapping[str, Any]

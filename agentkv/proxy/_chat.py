@@ -66,8 +66,7 @@ def _discard_pending(session: AsyncSession) -> None:
     A failed ``turn()`` leaves its messages pending so an SDK caller can retry; the proxy's next
     request re-sends the whole history instead, so they must go.
     """
-    # The SDK has no public call for this yet (``send`` does it internally); see docs/proxy.md.
-    session._state.transcript.drop_pending(0)
+    session.discard_pending()
 
 
 async def _aclose(events: AsyncIterator[object]) -> None:

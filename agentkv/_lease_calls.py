@@ -1,0 +1,220 @@
+"""The lease routes of the decode servers, as calls: info, release, release-request, extend.
+
+The HTTP side of a session's pinned KV (``_leasing`` decides when to call; ``_hints`` is the wire
+form). No session state here: a call takes a decode URL and a handle, and answers a
+``CallResult`` whose ``outcome`` says what decode did. Never raises for the server's sake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import structlog
+
+from agentkv._exceptions import TransportError
+from agentkv._handoff import lease_ref
+from agentkv._hints import (
+    EXTEND_PATH,
+    INFO_PATH,
+    RELEASE_PATH,
+    RELEASE_REQUEST_PATH,
+    ExtendRequest,
+    ExtendResult,
+    HintError,
+    RequestRelease,
+    ServerInfo,
+)
+from agentkv._http import exchange
+from agentkv._json import dumps
+from agentkv._types import KVHandle
+
+__all__ = [
+    "FAILED",
+    "GONE",
+    "OK",
+    "RECHECK_UNSUPPORTED_S",
+    "UNAVAILABLE",
+    "CallResult",
+    "LeaseCalls",
+]
+
+logger = structlog.get_logger("agentkv")
+
+# How long a decode found without agentkv's extension is taken at its word before it is asked
+# again (cluster clock).
+RECHECK_UNSUPPORTED_S = 60.0
+
+# Lease calls answer in milliseconds; a decode that takes longer is in trouble, and a close
+# must not hang on it.
+_CALL_TIMEOUT_S = 5.0
+
+# Outcomes of a lease call, as logged (``outcome``).
+OK = "ok"
+GONE = "gone"  # 404/410: decode holds nothing for this handle (consumed, expired, released)
+UNAVAILABLE = "unavailable"  # 501: decode runs the plugin with a stock connector
+FAILED = "failed"  # transport error, 5xx, or an answer we cannot read
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CallResult:
+    outcome: str
+    status: int | None
+    detail: str = ""
+    extended: ExtendResult | None = None
+
+
+def _error_code(data: Any) -> str:
+    error = data.get("error") if isinstance(data, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return str(code) if code is not None else ""
+
+
+def _outcome(status: int) -> str:
+    if status in (404, 410):
+        return GONE
+    if status == 501:
+        return UNAVAILABLE
+    return FAILED
+
+
+class LeaseCalls:
+    """The lease routes of a cluster's decode servers, and which servers have them.
+
+    One per cluster: whether a decode runs agentkv's extension is asked once per server
+    (``GET /v1/agentkv/info``). A "yes" is kept until the server is marked down (it may come
+    back restarted, with another build: :meth:`forget`); a "no" also for at most
+    :data:`RECHECK_UNSUPPORTED_S`, so a decode restarted with the extension is found.
+    """
+
+    def __init__(
+        self, client: httpx.AsyncClient, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._client = client
+        self._clock = clock
+        self._support: dict[str, bool] = {}
+        self._unsupported_at: dict[str, float] = {}
+        self._warned: set[str] = set()
+        self._asking: dict[str, asyncio.Task[bool | None]] = {}
+        self._lost: set[asyncio.Task[None]] = set()
+
+    async def supported(self, decode: str) -> bool | None:
+        """Whether ``decode`` has agentkv's extension: ``None`` when it could not be asked (it is
+        asked again next time)."""
+        known = self._support.get(decode)
+        if known is False and self._clock() - self._unsupported_at[decode] >= RECHECK_UNSUPPORTED_S:
+            known = None  # ask again: it may have been restarted with the extension
+        if known is not None:
+            return known
+        task = self._asking.get(decode)
+        if task is None:
+            task = asyncio.ensure_future(self._ask(decode))
+            self._asking[decode] = task
+            task.add_done_callback(lambda _: self._asking.pop(decode, None))
+        # Shielded: one caller giving up (a cancelled turn) must not cancel the others' answer.
+        return await asyncio.shield(task)
+
+    async def _ask(self, decode: str) -> bool | None:
+        try:
+            status, data = await exchange(
+                self._client, "GET", decode + INFO_PATH, timeout_s=_CALL_TIMEOUT_S
+            )
+        except TransportError as exc:
+            logger.debug("agentkv.leases_unknown", decode=decode, detail=str(exc))
+            return None
+        if status == 200:
+            try:
+                info = ServerInfo.from_wire(data)
+            except HintError as exc:
+                reason = f"unreadable {INFO_PATH} answer: {exc}"
+            else:
+                if info.leases:
+                    self._support[decode] = True
+                    self._warned.discard(decode)
+                    logger.debug(
+                        "agentkv.leases_available",
+                        decode=decode,
+                        default_ttl_s=info.default_ttl_s,
+                        max_ttl_s=info.max_ttl_s,
+                    )
+                    return True
+                reason = "the agentkv plugin runs, but decode's KV connector is vLLM's own"
+        elif status == 404:
+            reason = f"no agentkv plugin on decode ({INFO_PATH} answered 404)"
+        else:
+            logger.debug("agentkv.leases_unknown", decode=decode, status=status)
+            return None
+        self._support[decode] = False
+        self._unsupported_at[decode] = self._clock()
+        if decode in self._warned:
+            return False
+        self._warned.add(decode)
+        logger.warning(
+            "agentkv.leases_unavailable",
+            decode=decode,
+            reason=reason,
+            fallback="stock vLLM: turn-end KV is pinned for the server's TTL; no release or extend",
+            hint="run decode with AgentKVConnector and VLLM_PLUGINS=agentkv (docs/connector.md)",
+        )
+        return False
+
+    def forget(self, decode: str) -> None:
+        """``decode`` went down: ask again once it is back (a restart may change the answer)."""
+        self._support.pop(decode, None)
+
+    async def _call(self, url: str, body: dict[str, Any]) -> tuple[int, Any] | CallResult:
+        try:
+            return await exchange(
+                self._client, "POST", url, body=dumps(body), timeout_s=_CALL_TIMEOUT_S
+            )
+        except TransportError as exc:
+            return CallResult(outcome=FAILED, status=None, detail=str(exc))
+
+    async def release(self, decode: str, handle: KVHandle) -> CallResult:
+        answer = await self._call(decode + RELEASE_PATH, lease_ref(handle).to_wire())
+        if isinstance(answer, CallResult):
+            return answer
+        status, data = answer
+        if status == 200:
+            return CallResult(outcome=OK, status=status)
+        return CallResult(outcome=_outcome(status), status=status, detail=_error_code(data))
+
+    async def release_request(self, decode: str, secret: str) -> CallResult:
+        answer = await self._call(
+            decode + RELEASE_REQUEST_PATH, RequestRelease(secret=secret).to_wire()
+        )
+        if isinstance(answer, CallResult):
+            return answer
+        status, data = answer
+        if status == 200:
+            released = data.get("released") if isinstance(data, dict) else None
+            return CallResult(outcome=OK, status=status, detail=f"released {released}")
+        return CallResult(outcome=_outcome(status), status=status, detail=_error_code(data))
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        """Keep a background release alive until it is done (:meth:`settle` waits for it)."""
+        self._lost.add(task)
+        task.add_done_callback(self._lost.discard)
+
+    async def settle(self) -> None:
+        """Wait for the releases of lost D legs still in flight (a close waits for them)."""
+        while self._lost:
+            await asyncio.gather(*list(self._lost), return_exceptions=True)
+
+    async def extend(self, decode: str, handle: KVHandle, *, ttl_s: float) -> CallResult:
+        request = ExtendRequest(ref=lease_ref(handle), ttl_s=ttl_s)
+        answer = await self._call(decode + EXTEND_PATH, request.to_wire())
+        if isinstance(answer, CallResult):
+            return answer
+        status, data = answer
+        if status != 200:
+            return CallResult(outcome=_outcome(status), status=status, detail=_error_code(data))
+        try:
+            result = ExtendResult.from_wire(data)
+        except HintError as exc:
+            return CallResult(outcome=FAILED, status=status, detail=str(exc))
+        return CallResult(outcome=OK, status=status, extended=result)

@@ -1,0 +1,80 @@
+"""Every sync/async twin offers the same public calls, with the same parameters.
+
+A twin's annotations name the other twin's types (``Session`` where the async one says
+``AsyncSession``), so parameters are compared by name, kind and default, not by annotation.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+
+import agentkv
+
+# Async name -> sync name, where they differ.
+RENAMED = {"aclose": "close", "__aenter__": "__enter__", "__aexit__": "__exit__"}
+# Members one twin has on purpose, with the reason.
+ASYNC_ONLY = {
+    # An asyncio client, bound to the sync twin's private loop thread: no use to sync callers.
+    ("AsyncCluster", "http_client"),
+}
+# Twins whose constructors differ on purpose (the sync one wraps an async one).
+OWN_CONSTRUCTORS = {"Session", "AsyncSession"}
+TWINS = [
+    ("Cluster", "AsyncCluster"),
+    ("Session", "AsyncSession"),
+    ("OpenAI", "AsyncOpenAI"),
+]
+
+
+def _members(cls: type) -> dict[str, Any]:
+    """Public members the class (or one of agentkv's bases) defines, by their sync name."""
+    found: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if not klass.__module__.startswith("agentkv"):
+            continue
+        for name, value in vars(klass).items():
+            wanted = not name.startswith("_") or name in RENAMED.values() or name in RENAMED
+            if name == "__init__" and cls.__name__ not in OWN_CONSTRUCTORS:
+                wanted = True
+            if wanted and (cls.__name__, name) not in ASYNC_ONLY:
+                found[RENAMED.get(name, name)] = value
+    return found
+
+
+def _parameters(member: Any) -> list[tuple[str, Any, Any]] | str:
+    if isinstance(member, property):
+        return "property"
+    if isinstance(member, classmethod | staticmethod):
+        member = member.__func__
+    if not callable(member):
+        return "attribute"
+    return [(p.name, p.kind, p.default) for p in inspect.signature(member).parameters.values()]
+
+
+@pytest.mark.parametrize(("sync", "async_"), TWINS)
+def test_twins_have_the_same_public_calls_and_parameters(sync: str, async_: str) -> None:
+    sync_members = _members(getattr(agentkv, sync))
+    async_members = _members(getattr(agentkv, async_))
+    assert sorted(sync_members) == sorted(async_members)
+    for name, member in sync_members.items():
+        assert _parameters(member) == _parameters(async_members[name]), f"{sync}.{name}"
+
+
+def test_the_twin_check_sees_a_missing_call_and_a_different_parameter() -> None:
+    class Sync:
+        __module__ = "agentkv.example"
+
+        def turn(self, *, final: bool = False) -> None: ...
+
+    class Async:
+        __module__ = "agentkv.example"
+
+        async def turn(self, *, final: bool = True) -> None: ...
+
+        async def fork(self) -> None: ...
+
+    assert sorted(_members(Sync)) != sorted(_members(Async))
+    assert _parameters(_members(Sync)["turn"]) != _parameters(_members(Async)["turn"])
