@@ -53,7 +53,7 @@ _Items = AsyncIterator[AgentEvent | RunResult]
 
 
 class AgentOptions(TypedDict, total=False):
-    """``AsyncAgent``'s keyword arguments (documented there), which ``Agent`` takes too."""
+    """The keyword arguments of ``AsyncAgent`` and ``Agent`` (documented on ``AsyncAgent``)."""
 
     tools: Iterable[Tool[..., Any]]
     system: str | None
@@ -70,34 +70,9 @@ class AgentOptions(TypedDict, total=False):
     extra_body: Mapping[str, Any] | None
 
 
-class AsyncAgent:
-    """A tool-using agent on an agentkv session (see the module docstring).
-
-    Args:
-        target: an ``AsyncSession`` (runs continue its conversation) or an ``AsyncCluster``
-            (each run on a new session, closed at its end).
-        tools: ``@tool`` functions; their order does not matter (specs are sorted by name).
-        system: the system prompt; it follows the protocol's tool instructions. Used when
-            the session is empty (a new session, or a fresh one per run with a cluster).
-        examples: worked examples as messages after the system prompt (few-shot turns, see
-            ``JsonToolCalling.example``); also only when the session is empty.
-        max_steps: the most model turns per run. With ``force_final_answer`` the last one must
-            give the answer.
-        min_tool_calls: the model may not answer before this many tool calls ran (with
-            ``JsonToolCalling`` the final tool is withheld until then): for tasks known to need
-            tools, and small models that answer too early.
-        tool_calling: the protocol (``JsonToolCalling()`` by default, see ``_tool_calling``).
-        max_tokens: per model turn.
-        parallel_tool_calls: run the calls of one reply concurrently.
-        tool_timeout_s: per call, unless the tool sets its own.
-        expected_tool_s: how long one step's tool calls are expected to take (default: the
-            tool timeout). Around the tools the session's policy extends the decode handle when
-            the wait would outlast it (``Session.tool_wait``), so a long tool does not cost the
-            next turn its reuse.
-        max_output_chars: tool outputs longer than this are cut before the model sees them.
-        force_final_answer: make the last step an answer rather than more tool calls.
-        extra_body: more fields for every decode request (merged under the protocol's).
-    """
+class _AgentCore:
+    """What both twins are: the options (``AsyncAgent`` documents them) and the loop, which runs
+    on an async session or cluster (the sync twin's on its portal)."""
 
     def __init__(
         self,
@@ -118,12 +93,6 @@ class AsyncAgent:
         force_final_answer: bool = True,
         extra_body: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(target, AsyncSession | AsyncCluster):
-            twin = " (use Agent for it)" if isinstance(target, Session | Cluster) else ""
-            raise TypeError(
-                f"AsyncAgent needs an AsyncSession or AsyncCluster, "
-                f"not {type(target).__name__}{twin}"
-            )
         if max_steps < 1:
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
         self._target = target
@@ -143,18 +112,6 @@ class AsyncAgent:
         # The tool instructions first, the caller's prompt (and any worked example) last: small
         # models follow what is closest to the conversation.
         self.system_prompt = "\n\n".join(p for p in (instructions, system) if p)
-
-    async def run(self, task: str) -> RunResult:
-        """Run ``task`` to a final answer or ``max_steps``; return the ``RunResult``."""
-        return await _last(self._items(task, stream=False))
-
-    async def stream(self, task: str) -> _Items:
-        """Run ``task``, yielding events as they happen, then the ``RunResult``.
-
-        Model text is streamed (``TextEvent``). Leaving the loop early abandons the run.
-        """
-        async for item in self._items(task, stream=True):
-            yield item
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -294,43 +251,79 @@ class AsyncAgent:
         )
 
 
-class Agent:
-    """The sync twin of ``AsyncAgent``: the same agent on a ``Session`` or ``Cluster``.
+class AsyncAgent(_AgentCore):
+    """A tool-using agent on an agentkv session (see the module docstring).
 
-    Takes ``AsyncAgent``'s arguments; ``run`` and ``stream`` block (the loop runs on the
-    session's event loop thread, as the sync session's turns do).
+    Args:
+        target: an ``AsyncSession`` (runs continue its conversation) or an ``AsyncCluster``
+            (each run on a new session, closed at its end).
+        tools: ``@tool`` functions; their order does not matter (specs are sorted by name).
+        system: the system prompt; it follows the protocol's tool instructions. Used when
+            the session is empty (a new session, or a fresh one per run with a cluster).
+        examples: worked examples as messages after the system prompt (few-shot turns, see
+            ``JsonToolCalling.example``); also only when the session is empty.
+        max_steps: the most model turns per run. With ``force_final_answer`` the last one must
+            give the answer.
+        min_tool_calls: the model may not answer before this many tool calls ran (with
+            ``JsonToolCalling`` the final tool is withheld until then): for tasks known to need
+            tools, and small models that answer too early.
+        tool_calling: the protocol (``JsonToolCalling()`` by default, see ``_tool_calling``).
+        max_tokens: per model turn.
+        parallel_tool_calls: run the calls of one reply concurrently.
+        tool_timeout_s: per call, unless the tool sets its own.
+        expected_tool_s: how long one step's tool calls are expected to take (default: the
+            tool timeout). Around the tools the session's policy extends the decode handle when
+            the wait would outlast it (``Session.tool_wait``), so a long tool does not cost the
+            next turn its reuse.
+        max_output_chars: tool outputs longer than this are cut before the model sees them.
+        force_final_answer: make the last step an answer rather than more tool calls.
+        extra_body: more fields for every decode request (merged under the protocol's).
     """
+
+    def __init__(self, target: AsyncTarget, /, **options: Unpack[AgentOptions]) -> None:
+        if not isinstance(target, AsyncSession | AsyncCluster):
+            twin = " (use Agent for it)" if isinstance(target, Session | Cluster) else ""
+            raise TypeError(
+                f"AsyncAgent needs an AsyncSession or AsyncCluster, "
+                f"not {type(target).__name__}{twin}"
+            )
+        super().__init__(target, **options)
+
+    async def run(self, task: str) -> RunResult:
+        """Run ``task`` to a final answer or ``max_steps``; return the ``RunResult``."""
+        return await _last(self._items(task, stream=False))
+
+    async def stream(self, task: str) -> _Items:
+        """Run ``task``, yielding events as they happen, then the ``RunResult``.
+
+        Model text is streamed (``TextEvent``). Leaving the loop early abandons the run.
+        """
+        async for item in self._items(task, stream=True):
+            yield item
+
+
+class Agent(_AgentCore):
+    """The sync twin of ``AsyncAgent``: the same agent, and options, on a ``Session`` or
+    ``Cluster``. ``run`` and ``stream`` block; the loop runs on the session's event-loop thread,
+    as the sync session's turns do."""
 
     def __init__(self, target: Session | Cluster, /, **options: Unpack[AgentOptions]) -> None:
         if not isinstance(target, Session | Cluster):
             twin = " (use AsyncAgent for it)" if isinstance(target, AsyncTarget) else ""
             raise TypeError(f"Agent needs a Session or Cluster, not {type(target).__name__}{twin}")
         self._portal: Portal = target._portal
-        inner = target._inner if isinstance(target, Session) else target._async
-        self._async = AsyncAgent(inner, **options)
-
-    @property
-    def tools(self) -> ToolSet:
-        return self._async.tools
-
-    @property
-    def tool_calling(self) -> ToolCalling:
-        return self._async.tool_calling
-
-    @property
-    def system_prompt(self) -> str:
-        return self._async.system_prompt
+        super().__init__(target._inner if isinstance(target, Session) else target._async, **options)
 
     def run(self, task: str) -> RunResult:
         """Run ``task`` to a final answer or ``max_steps``; return the ``RunResult``."""
-        return self._portal.call(self._async.run(task))
+        return self._portal.call(_last(self._items(task, stream=False)))
 
     def stream(self, task: str) -> Iterator[AgentEvent | RunResult]:
         """Run ``task``, yielding events as they happen, then the ``RunResult``.
 
         Model text is streamed (``TextEvent``). Leaving the loop early abandons the run.
         """
-        return self._portal.iterate(self._async.stream(task))
+        return self._portal.iterate(self._items(task, stream=True))
 
 
 class _Box:

@@ -472,17 +472,6 @@ class AsyncSession(_SessionBase):
             state.handle = None
             self._pool.release(state.pair)
 
-    # The proxy's session store calls these older names (kept for it).
-    def _snapshot(self, *, wall: float) -> dict[str, Any]:
-        return self.snapshot(wall=wall)
-
-    def _detach(self) -> None:
-        self.detach()
-
-    @classmethod
-    def _restore(cls, data: Mapping[str, Any], cluster: AsyncSessionHost) -> AsyncSession:
-        return cluster.restore_session(data)
-
     async def __aenter__(self) -> AsyncSession:
         return self
 

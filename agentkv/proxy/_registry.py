@@ -106,7 +106,7 @@ class SessionEntry:
         """The entry as the shared store keeps it: the session's snapshot and the mapping."""
         return dumps(
             {
-                "session": self.session._snapshot(wall=wall),
+                "session": self.session.snapshot(wall=wall),
                 "generated": sorted(self.generated),
                 "views": {str(i): view.to_openai() for i, view in self.views.items()},
                 "tools_key": self.tools_key,
@@ -118,8 +118,8 @@ class SessionEntry:
     def load_bytes(self, data: bytes, cluster: AsyncCluster) -> None:
         """Replace this copy with the stored one (the old copy is detached, its pin kept)."""
         stored: dict[str, Any] = loads(data)
-        session = AsyncSession._restore(stored["session"], cluster)
-        self.session._detach()
+        session = cluster.restore_session(stored["session"])
+        self.session.detach()
         self.session = session
         self.generated = set(stored["generated"])
         self.views = {int(i): Message.from_openai(v) for i, v in stored["views"].items()}
@@ -291,7 +291,7 @@ class SessionRegistry:
             entry.load_bytes(claim.data, self._cluster)
         elif claim.version == 0 and entry.version != 0:
             # Deleted or expired elsewhere since this copy was made: a new session starts.
-            entry.session._detach()
+            entry.session.detach()
             entry.session = self._fresh_session(entry.key, placement_key=placement_key)
             entry.generated, entry.views, entry.tools_key, entry.forks = set(), {}, None, 0
         if claim.version == 0:
@@ -440,7 +440,7 @@ class SessionRegistry:
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
         if entry.users == 0:
-            entry.session._detach()
+            entry.session.detach()
 
     async def _make_room(self) -> None:
         while len(self._entries) >= self._max:

@@ -17,6 +17,7 @@ import pydantic
 import pytest
 
 from agentkv import Agent, AgentOptions, AsyncAgent, AsyncCluster, Cluster, HandleState, Message
+from agentkv._agent import _AgentCore
 from agentkv._agent_types import (
     HandleExpiredEvent,
     RunResult,
@@ -285,10 +286,10 @@ def test_async_agents_on_async_clusters_answer_as_their_sync_twins_do(fake, cloc
     assert isinstance(events[-1], RunResult)
 
 
-def test_the_sync_agent_takes_the_async_agents_options():
+def test_the_options_are_the_agents_keywords():
     keywords = {
         name
-        for name, parameter in inspect.signature(AsyncAgent).parameters.items()
+        for name, parameter in inspect.signature(_AgentCore).parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
     }
     assert keywords == set(AgentOptions.__annotations__)

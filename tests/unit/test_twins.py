@@ -26,6 +26,7 @@ TWINS = [
     ("Cluster", "AsyncCluster"),
     ("Session", "AsyncSession"),
     ("OpenAI", "AsyncOpenAI"),
+    ("Agent", "AsyncAgent"),
 ]
 
 
