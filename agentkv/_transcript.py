@@ -97,12 +97,16 @@ class Transcript:
         "_pending",
         "_spans",
         "_tail_open",
+        "_token_tuple",
         "_tokens",
         "_version",
     )
 
     def __init__(self, messages: Iterable[Message] = ()) -> None:
         self._tokens: array[int] = array(_TOKEN_TYPECODE)
+        # ``token_ids`` as a tuple, made once per length: the tokens only ever grow (a commit
+        # checks that the new ids extend them), so one length is one content.
+        self._token_tuple: tuple[int, ...] = ()
         self._messages: list[Message] = []
         self._spans: list[Span] = []
         self._pending: list[Message] = []
@@ -125,7 +129,9 @@ class Transcript:
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        return tuple(self._tokens)
+        if len(self._token_tuple) != len(self._tokens):
+            self._token_tuple = tuple(self._tokens)
+        return self._token_tuple
 
     @property
     def spans(self) -> tuple[Span, ...]:
