@@ -11,8 +11,8 @@ import inspect as _inspect
 import typing as _typing
 from importlib import metadata as _metadata
 
-from agentkv._agent import Agent, AgentOptions, AsyncAgent
-from agentkv._agent_types import (
+from agentkv._agent.agent import Agent, AgentOptions, AsyncAgent
+from agentkv._agent.events import (
     AgentEvent,
     AgentStep,
     HandleExpiredEvent,
@@ -23,7 +23,30 @@ from agentkv._agent_types import (
     ToolResultEvent,
     TurnEvent,
 )
-from agentkv._cluster import AsyncCluster, Cluster
+from agentkv._agent.tool_calling import (
+    FINAL_ANSWER,
+    JsonToolCalling,
+    ModelReply,
+    NativeToolCalling,
+    ToolCalling,
+)
+from agentkv._agent.tools import (
+    Tool,
+    ToolArgumentsError,
+    ToolCallFormatError,
+    ToolDefinitionError,
+    ToolError,
+    ToolExecutionError,
+    ToolSpec,
+    ToolTimeoutError,
+    UnknownToolError,
+    tool,
+)
+from agentkv._agent.toolset import ToolResult, ToolSet
+from agentkv._client.cluster import AsyncCluster, Cluster
+from agentkv._client.leasing import ToolWait
+from agentkv._client.pool import ClusterOptions
+from agentkv._client.session import AsyncSession, Session
 from agentkv._exceptions import (
     AgentKVError,
     BadRequestError,
@@ -45,32 +68,8 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
-from agentkv._leasing import ToolWait
-from agentkv._placement import PrefillWeights
-from agentkv._policy import AttachDecision, CachePolicy, ExtendDecision, RetryPolicy
-from agentkv._pool import ClusterOptions
-from agentkv._session import AsyncSession, Session
-from agentkv._tool_calling import (
-    FINAL_ANSWER,
-    JsonToolCalling,
-    ModelReply,
-    NativeToolCalling,
-    ToolCalling,
-)
-from agentkv._tools import (
-    Tool,
-    ToolArgumentsError,
-    ToolCallFormatError,
-    ToolDefinitionError,
-    ToolError,
-    ToolExecutionError,
-    ToolSpec,
-    ToolTimeoutError,
-    UnknownToolError,
-    tool,
-)
-from agentkv._toolset import ToolResult, ToolSet
-from agentkv._transcript import Span, TranscriptView
+from agentkv._policy import AttachDecision, CachePolicy, ExtendDecision, PrefillWeights, RetryPolicy
+from agentkv._prompt.transcript import Span, TranscriptView
 from agentkv._types import (
     HandleState,
     KVHandle,
@@ -86,7 +85,7 @@ from agentkv._types import (
 )
 
 if _typing.TYPE_CHECKING:
-    from agentkv._openai_client import AsyncOpenAI, OpenAI
+    from agentkv._openai.client import AsyncOpenAI, OpenAI
 
 __all__ = [
     "FINAL_ANSWER",
@@ -190,7 +189,7 @@ _LAZY = frozenset({"AsyncOpenAI", "OpenAI"})
 
 def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
-        from agentkv import _openai_client
+        from agentkv._openai import client as _openai_client
 
         value = getattr(_openai_client, name)
         _public(value)

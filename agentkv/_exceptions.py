@@ -22,7 +22,7 @@
     ├── InvalidMessageError          a message is empty, has an unknown role or non-string content
     └── ConfigError                  a cluster file or setting is wrong
 
-The agent runtime's tool errors (defined in ``agentkv/_tools.py``) hang off the same root::
+The agent runtime's tool errors (defined in ``agentkv/_agent/tools.py``) hang off the same root::
 
     AgentKVError
     └── ToolError                    a tool could not be defined, called or run

@@ -289,7 +289,7 @@ class KVHandle:
     server_expiry: float | None = None
     lease_ttl_s: float | None = None
     extends: int = 0
-    # The params exactly as decode sent them, for re-sending; read only by agentkv._handoff.
+    # The params exactly as decode sent them, for re-sending; read only by agentkv._wire.handoff.
     _params: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def remaining_s(self, now: float) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import structlog
 
-from agentkv._exceptions import AgentKVError
+from agentkv import AgentKVError
 from agentkv.local._config import ClusterRecord, LocalClusterConfig, default_cluster_file
 from agentkv.local._cpu import DTYPES, ISA_ENV
 from agentkv.local._launch import _healthy, serving_dtype, start_cluster, stop_cluster

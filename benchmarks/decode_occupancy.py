@@ -44,7 +44,7 @@ import httpx
 
 import agentkv
 from agentkv import CachePolicy
-from agentkv._hints import PersistHint
+from agentkv._wire.hints import PersistHint
 
 USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", re.MULTILINE)
 RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", re.MULTILINE)

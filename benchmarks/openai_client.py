@@ -53,7 +53,7 @@ import structlog
 
 import agentkv
 from agentkv import AsyncCluster
-from agentkv._asgi_transport import AsyncAppTransport
+from agentkv._openai.transport import AsyncAppTransport
 from agentkv.proxy import ProxyConfig
 from agentkv.testing import FakeCluster
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import structlog
 
-from agentkv._exceptions import ConfigError
+from agentkv import ConfigError
 from agentkv.bench._config import DEFAULT_MODES, BenchConfig, parse_modes
 from agentkv.bench._modes import ClusterTarget
 from agentkv.bench._progress import ProgressBar

@@ -14,7 +14,7 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agentkv._exceptions import ConfigError
+from agentkv import ConfigError
 
 __all__ = ["DEFAULT_MODES", "BenchConfig", "Mode", "parse_modes"]
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import httpx
 
-from agentkv._hints import PersistHint, with_hint
-from agentkv._json import dumps, loads
+from agentkv._wire.hints import PersistHint, with_hint
+from agentkv._wire.json import dumps, loads
 
 __all__ = ["LegRewriter", "SaltSource"]
 

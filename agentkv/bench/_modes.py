@@ -28,12 +28,9 @@ from typing import Any, Protocol
 
 import httpx
 
-from agentkv._cluster import AsyncCluster
-from agentkv._http import stream_events
-from agentkv._json import dumps
-from agentkv._policy import CachePolicy
-from agentkv._session import AsyncSession
-from agentkv._types import Message, TurnResult
+from agentkv import AsyncCluster, AsyncSession, CachePolicy, Message, TurnResult
+from agentkv._wire.http import stream_events
+from agentkv._wire.json import dumps
 from agentkv.bench._config import Mode
 from agentkv.bench._legs import LegRewriter
 from agentkv.bench._samples import TurnSample

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from agentkv._exceptions import ConfigError
+from agentkv import ConfigError
 from agentkv.bench._report import median_by_turn
 
 __all__ = ["plot_ttft"]

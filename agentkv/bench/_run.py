@@ -8,9 +8,9 @@ from typing import Any
 import httpx
 import structlog
 
-from agentkv._exceptions import AgentKVError, MalformedResponseError
-from agentkv._http import post_json
-from agentkv._json import dumps
+from agentkv import AgentKVError, MalformedResponseError
+from agentkv._wire.http import post_json
+from agentkv._wire.json import dumps
 from agentkv.bench._config import BenchConfig, Mode
 from agentkv.bench._env import environment, server_cache
 from agentkv.bench._modes import ClusterTarget, NotOwned, SessionRunner, open_runner

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from agentkv._hints import (
+from agentkv._wire.hints import (
     EXTEND_PATH,
     INFO_PATH,
     RELEASE_PATH,

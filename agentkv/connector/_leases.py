@@ -11,7 +11,7 @@ not, so the routes are no oracle for other sessions' request ids.
 
 A D leg whose answer the client lost carries no secret back, so it is released by the request
 id the client chose instead: the SDK sends ``X-Request-Id: agentkv-<sha256(secret)>`` (the tag)
-and, to release, presents the secret itself (:class:`~agentkv._hints.RequestRelease`). The tag
+and, to release, presents the secret itself (:class:`~agentkv._wire.hints.RequestRelease`). The tag
 travels in the clear (logs, response ids, the handle prefill reads) but names nothing anyone can
 act on: only a preimage releases, and only the sender has it. A release that arrives before the
 request finished leaves a tombstone for :data:`TOMBSTONE_S`, so the pin is never granted; a
@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from agentkv._hints import (
+from agentkv._wire.hints import (
     HINTS_KEY,
     ExtendRequest,
     ExtendResult,

@@ -56,20 +56,24 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from agentkv._cluster import Cluster
-from agentkv._exceptions import InvalidMessageError, PrefixDivergedError
-from agentkv._session import Session, TurnOverrides
-from agentkv._tool_calling import (
-    AUTO,
-    NONE,
-    REQUIRED,
+from agentkv import (
+    Cluster,
+    InvalidMessageError,
     JsonToolCalling,
+    Message,
     ModelReply,
+    PrefixDivergedError,
+    Session,
+    Tool,
+    ToolCall,
     ToolCalling,
+    ToolExecutionError,
+    ToolResult,
+    ToolSpec,
+    TurnOverrides,
+    TurnResult,
 )
-from agentkv._tools import Tool, ToolExecutionError, ToolSpec
-from agentkv._toolset import ToolResult
-from agentkv._types import Message, ToolCall, TurnResult
+from agentkv._agent.tool_calling import AUTO, NONE, REQUIRED
 
 __all__ = ["ChatAgentKV"]
 

@@ -61,7 +61,7 @@ class LocalClusterConfig:
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        from agentkv._exceptions import ConfigError
+        from agentkv import ConfigError
 
         if (self.prefill is None) != (self.decode is None):
             raise ConfigError("a pool needs both --prefill and --decode")
@@ -224,7 +224,7 @@ class ClusterRecord:
 
     @classmethod
     def read(cls, path: Path) -> ClusterRecord:
-        from agentkv._exceptions import ConfigError
+        from agentkv import ConfigError
 
         try:
             data = json.loads(path.read_text())

@@ -102,7 +102,7 @@ def default_dtype(cpu: CpuInfo) -> str:
 
 def _check_isa(isa: str) -> None:
     if isa not in _ISAS:
-        from agentkv._exceptions import ConfigError
+        from agentkv import ConfigError
 
         raise ConfigError(f"unknown {ISA_ENV} {isa!r}; known: {', '.join(sorted(_ISAS))}")
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from agentkv._cluster import Cluster
-from agentkv._types import Message, TurnStats
+from agentkv import Cluster, Message, TurnStats
 
 # A shared "system prompt" in the shape of an agent's: instructions plus a block of reference
 # material that every turn re-sends. Long enough (~1.3k tokens) that recomputing it is visible.

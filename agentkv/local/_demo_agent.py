@@ -13,13 +13,18 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from agentkv._agent import Agent
-from agentkv._agent_types import RunResult, ToolCallEvent, ToolResultEvent, TurnEvent
-from agentkv._cluster import Cluster
-from agentkv._session import Session
-from agentkv._tool_calling import JsonToolCalling
-from agentkv._tools import tool
-from agentkv._types import TurnStats
+from agentkv import (
+    Agent,
+    Cluster,
+    JsonToolCalling,
+    RunResult,
+    Session,
+    ToolCallEvent,
+    ToolResultEvent,
+    TurnEvent,
+    TurnStats,
+    tool,
+)
 
 __all__ = ["EXAMPLE", "SYSTEM", "TASK", "build_agent", "run_agent_demo", "turn_table"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentkv._exceptions import ConfigError
+from agentkv import ConfigError
 from agentkv.local._config import (
     ClusterRecord,
     LocalClusterConfig,

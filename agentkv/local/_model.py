@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentkv._exceptions import ConfigError
+from agentkv import ConfigError
 
 MANIFEST = "agentkv-manifest.json"
 # The dtypes a model can be prepared (and served) in.

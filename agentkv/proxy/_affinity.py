@@ -22,8 +22,8 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from agentkv._json import JSONDecodeError, dumps, loads
-from agentkv._types import Message
+from agentkv import Message
+from agentkv._wire.json import JSONDecodeError, dumps, loads
 
 __all__ = ["HistoryIndex"]
 

@@ -22,11 +22,17 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from agentkv._cluster import AsyncCluster
-from agentkv._json import dumps
-from agentkv._session import AsyncSession, TurnOverrides
-from agentkv._template import tools_key
-from agentkv._types import HandleState, Message, TextDelta, TurnResult
+from agentkv import (
+    AsyncCluster,
+    AsyncSession,
+    HandleState,
+    Message,
+    TextDelta,
+    TurnOverrides,
+    TurnResult,
+)
+from agentkv._prompt.template import tools_key
+from agentkv._wire.json import dumps
 from agentkv.proxy._affinity import HistoryIndex
 from agentkv.proxy._config import ProxyConfig
 from agentkv.proxy._mapping import HistoryPlan, plan_history

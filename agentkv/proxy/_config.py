@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from agentkv._exceptions import ConfigError
+from agentkv import ConfigError
 
 __all__ = ["ApiKeys", "ProxyConfig", "key_digest"]
 

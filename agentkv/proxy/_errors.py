@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentkv._exceptions import (
+from agentkv import (
     AgentKVError,
     BadRequestError,
     InvalidMessageError,
@@ -27,7 +27,7 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
-from agentkv._json import JSONDecodeError, loads
+from agentkv._wire.json import JSONDecodeError, loads
 
 __all__ = ["ProxyError"]
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
-from agentkv._json import JSONDecodeError, loads
-from agentkv._types import Message, ToolCall
+from agentkv import Message, ToolCall
+from agentkv._wire.json import JSONDecodeError, loads
 
 __all__ = ["HistoryPlan", "is_echo", "plan_history"]
 

@@ -34,11 +34,8 @@ from typing import Any
 
 import structlog
 
-from agentkv._cluster import AsyncCluster
-from agentkv._exceptions import SessionClosedError
-from agentkv._json import dumps, loads
-from agentkv._session import AsyncSession
-from agentkv._types import Message
+from agentkv import AsyncCluster, AsyncSession, Message, SessionClosedError
+from agentkv._wire.json import dumps, loads
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._store import Claim, ClaimLostError, SessionStore, StoreUnavailableError

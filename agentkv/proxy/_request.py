@@ -1,7 +1,7 @@
 """A chat completions request body, checked and parsed into a ``ChatRequest``.
 
 Every field vLLM 0.32's ``ChatCompletionRequest`` accepts is accepted, in one of three ways
-(the table is ``agentkv._fields``, shared with the SDK; docs/proxy.md lists it):
+(the table is ``agentkv._wire.fields``, shared with the SDK; docs/proxy.md lists it):
 
 * **passed** to the decode leg when it only shapes sampling or the output (``seed``, ``stop``, ...);
 * **refused** with 400 (``forbidden_parameter``) when it could change the prompt's tokens behind
@@ -24,9 +24,8 @@ from typing import Any
 
 import structlog
 
-from agentkv._exceptions import InvalidMessageError
-from agentkv._fields import PASSED_FIELDS, refusal
-from agentkv._types import Message
+from agentkv import InvalidMessageError, Message
+from agentkv._wire.fields import PASSED_FIELDS, refusal
 from agentkv.proxy._errors import ProxyError
 
 __all__ = ["ChatRequest", "parse_chat_request", "session_id_from"]

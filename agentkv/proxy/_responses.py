@@ -26,7 +26,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from agentkv._types import Message
+from agentkv import Message
 from agentkv.proxy._chat import ChatService
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._registry import SessionRegistry

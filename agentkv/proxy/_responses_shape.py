@@ -11,8 +11,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from agentkv._json import dumps
-from agentkv._types import Message, TurnResult, TurnStats
+from agentkv import Message, TurnResult, TurnStats
+from agentkv._wire.json import dumps
 from agentkv.proxy._request import ChatRequest
 
 __all__ = ["OnAnswer", "ResponsesShape"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from agentkv._exceptions import AgentKVError
+from agentkv import AgentKVError
 
 __all__ = ["Claim", "ClaimLostError", "SessionStore", "StoreUnavailableError", "open_store"]
 
@@ -98,7 +98,7 @@ def open_store(url: str, *, lease_s: float) -> SessionStore:
     try:
         from agentkv.proxy._redis_store import RedisSessions
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        from agentkv._exceptions import ConfigError
+        from agentkv import ConfigError
 
         raise ConfigError(
             "--state redis://... needs the redis client: pip install 'agentkv[redis]'"

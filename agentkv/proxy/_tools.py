@@ -31,12 +31,18 @@ from typing import Any
 
 import structlog
 
-from agentkv._cluster import AsyncCluster
-from agentkv._exceptions import BadRequestError
-from agentkv._http import post_json
-from agentkv._tool_calling import AUTO, NONE, REQUIRED, JsonToolCalling
-from agentkv._tools import ToolDefinitionError, ToolSpec
-from agentkv._types import Message, ToolCall, TurnResult
+from agentkv import (
+    AsyncCluster,
+    BadRequestError,
+    JsonToolCalling,
+    Message,
+    ToolCall,
+    ToolDefinitionError,
+    ToolSpec,
+    TurnResult,
+)
+from agentkv._agent.tool_calling import AUTO, NONE, REQUIRED
+from agentkv._wire.http import post_json
 from agentkv.proxy._errors import ProxyError
 
 __all__ = ["ToolMode", "ToolModes", "ToolPlan", "plan_tools"]

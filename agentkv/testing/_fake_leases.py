@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agentkv._hints import (
+from agentkv._wire.hints import (
     ExtendRequest,
     ExtendResult,
     HintError,

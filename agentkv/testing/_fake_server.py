@@ -6,7 +6,7 @@ import copy
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from agentkv._hints import EXTEND_PATH, INFO_PATH, RELEASE_PATH, RELEASE_REQUEST_PATH
+from agentkv._wire.hints import EXTEND_PATH, INFO_PATH, RELEASE_PATH, RELEASE_REQUEST_PATH
 from agentkv.testing import _fake_endpoints as endpoints
 from agentkv.testing import _fake_leases as leases
 from agentkv.testing._fake_chat import serve_chat

@@ -52,7 +52,7 @@ def test_a_langchain_tool_loop_reuses_every_turn_too(cluster_file: Path) -> None
     pytest.importorskip("langchain_core")
     from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage, ToolMessage
 
-    from agentkv._tool_calling import JsonToolCalling
+    from agentkv._agent.tool_calling import JsonToolCalling
     from agentkv.integrations.langchain import ChatAgentKV
     from agentkv.local._demo_agent import SYSTEM, add, multiply, subtract
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkv._hints import (
+from agentkv._wire.hints import (
     EXTEND_PATH,
     INFO_PATH,
     RELEASE_PATH,

@@ -80,7 +80,7 @@ def _langchain_model(cluster_file: Path, policy: CachePolicy, wiring: str) -> It
     """A LangChain chat model, wired as ``wiring`` says, and how to read its session after."""
     from langchain_openai import ChatOpenAI
 
-    from agentkv._tool_calling import JsonToolCalling
+    from agentkv._agent.tool_calling import JsonToolCalling
     from agentkv.integrations.langchain import ChatAgentKV
     from agentkv.proxy import ProxyConfig, ProxyServer
 

@@ -21,7 +21,7 @@ from langchain_core.messages import (
 from langchain_core.tools import tool as lc_tool
 
 from agentkv import Cluster, HandleState, InvalidMessageError
-from agentkv._tool_calling import JsonToolCalling, NativeToolCalling
+from agentkv._agent.tool_calling import JsonToolCalling, NativeToolCalling
 from agentkv.integrations.langchain import ChatAgentKV
 from agentkv.testing import FakeCluster, ManualClock
 

@@ -17,8 +17,8 @@ import pydantic
 import pytest
 
 from agentkv import Agent, AgentOptions, AsyncAgent, AsyncCluster, Cluster, HandleState, Message
-from agentkv._agent import _AgentCore
-from agentkv._agent_types import (
+from agentkv._agent.agent import _AgentCore
+from agentkv._agent.events import (
     HandleExpiredEvent,
     RunResult,
     TextEvent,
@@ -26,8 +26,8 @@ from agentkv._agent_types import (
     ToolResultEvent,
     TurnEvent,
 )
-from agentkv._tool_calling import ModelReply, NativeToolCalling
-from agentkv._tools import (
+from agentkv._agent.tool_calling import ModelReply, NativeToolCalling
+from agentkv._agent.tools import (
     ToolArgumentsError,
     ToolCallFormatError,
     ToolExecutionError,
@@ -35,7 +35,7 @@ from agentkv._tools import (
     ToolTimeoutError,
     tool,
 )
-from agentkv._toolset import ToolResult
+from agentkv._agent.toolset import ToolResult
 from agentkv._types import ToolCall, TurnResult
 from agentkv.testing import FakeCluster, ManualClock
 

@@ -13,8 +13,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from agentkv import AsyncCluster, CachePolicy, Cluster, HandleState, Message, RetryPolicy
-from agentkv._handoff import lease_ref
-from agentkv._hints import EXTEND_PATH, RELEASE_PATH, ExtendRequest, LeaseRef
+from agentkv._wire.handoff import lease_ref
+from agentkv._wire.hints import EXTEND_PATH, RELEASE_PATH, ExtendRequest, LeaseRef
 from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)

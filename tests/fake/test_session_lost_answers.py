@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from agentkv import AsyncCluster, Cluster, Message, RetryPolicy
-from agentkv._hints import REQUEST_TAG_PREFIX
+from agentkv._wire.hints import REQUEST_TAG_PREFIX
 from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)

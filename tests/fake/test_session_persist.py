@@ -20,7 +20,7 @@ from agentkv import (
     SessionError,
     SessionLoadError,
 )
-from agentkv._persist import write_atomic
+from agentkv._client.persist import write_atomic
 from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import httpx2
 import pytest
 
-from agentkv._asgi_transport import AppTransport, AsyncAppTransport
-from agentkv._portal import Portal
+from agentkv._client.portal import Portal
+from agentkv._openai.transport import AppTransport, AsyncAppTransport
 
 
 class StreamingApp:

@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 from agentkv import AsyncCluster, CachePolicy, Cluster
-from agentkv._pool import ClusterOptions, PairPool
+from agentkv._client.pool import ClusterOptions, PairPool
 
 SPEC = {
     "model": "m",

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from agentkv._hints import HINTS_KEY, RequestRelease, request_tag
+from agentkv._wire.hints import HINTS_KEY, RequestRelease, request_tag
 from agentkv.connector._leases import LeaseBook, LeaseService, SchedulerPins, apply_pin_policy
 
 

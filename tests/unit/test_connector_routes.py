@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from agentkv._hints import EXTEND_PATH, INFO_PATH, RELEASE_PATH, LeaseRef, ServerInfo
+from agentkv._wire.hints import EXTEND_PATH, INFO_PATH, RELEASE_PATH, LeaseRef, ServerInfo
 from agentkv.connector._endpoint import AgentKVEndpointPlugin
 from agentkv.connector._engine_rpc import METHOD, agentkv_leases
 from agentkv.connector._leases import LeaseBook, LeaseService

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from agentkv import KVHandle, MalformedResponseError, Message, ServerError
-from agentkv._handoff import (
+from agentkv._wire.handoff import (
     StreamAccumulator,
     TurnRequest,
     decode_body,
@@ -17,7 +17,7 @@ from agentkv._handoff import (
     parse_prefill,
     prefill_body,
 )
-from agentkv._json import fragment
+from agentkv._wire.json import fragment
 
 URL = "http://p:8000/v1/chat/completions"
 REQUEST = TurnRequest(

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkv._hints import (
+from agentkv._wire.hints import (
     HINTS_KEY,
     WIRE_VERSION,
     ExtendRequest,

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from agentkv._exceptions import ConnectionLostError, RequestTimeoutError
-from agentkv._http import post_json, stream_events
 from agentkv._transport import ServerPools
+from agentkv._wire.http import post_json, stream_events
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 """Serves one connection."""

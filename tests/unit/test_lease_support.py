@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from agentkv._hints import INFO_PATH, ServerInfo
-from agentkv._lease_calls import RECHECK_UNSUPPORTED_S, LeaseCalls
+from agentkv._wire.hints import INFO_PATH, ServerInfo
+from agentkv._wire.lease_calls import RECHECK_UNSUPPORTED_S, LeaseCalls
 
 DECODE = "http://decode:8000"
 

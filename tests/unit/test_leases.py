@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from agentkv._hints import LeaseRef, RequestRelease, request_tag, tag_of_request_id
+from agentkv._wire.hints import LeaseRef, RequestRelease, request_tag, tag_of_request_id
 from agentkv.connector._leases import (
     MAX_TOMBSTONES,
     TOMBSTONE_S,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import CachePolicy, ConfigError, KVHandle
-from agentkv._hints import PersistHint
+from agentkv._wire.hints import PersistHint
 
 
 def handle(*, deadline=450.0, leased=True, issued_at=0.0) -> KVHandle:

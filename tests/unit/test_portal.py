@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from agentkv._portal import Portal
+from agentkv._client.portal import Portal
 
 
 def _threads(name: str) -> list[threading.Thread]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from agentkv._cluster import _parse_spec
+from agentkv._client.cluster import _parse_spec
 from agentkv.connector._plugin import plugin_env
 from agentkv.local._config import LocalClusterConfig
 from agentkv.local._launch import kv_transfer_config, plan_servers

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from agentkv import BadRequestError, ServerError
-from agentkv._http import post_json
+from agentkv._wire.http import post_json
 from agentkv.proxy._errors import ProxyError
 
 

@@ -19,8 +19,8 @@ from chatml_toy import (
 )
 
 from agentkv import MalformedResponseError, Message, TemplateError, ToolCall
-from agentkv._template import ChatTemplate, ServerRenderer, tools_key
-from agentkv._transcript import Transcript
+from agentkv._prompt.template import ChatTemplate, ServerRenderer, tools_key
+from agentkv._prompt.transcript import Transcript
 
 SYSTEM = Message.system("You are terse.")
 USER = Message.user("Capital of France?")

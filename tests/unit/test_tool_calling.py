@@ -7,15 +7,15 @@ import json
 import pytest
 
 from agentkv import HandleState, Message, ToolCall, TurnResult, TurnStats
-from agentkv._tool_calling import (
+from agentkv._agent.tool_calling import (
     FINAL_ANSWER,
     JsonToolCalling,
     NativeToolCalling,
     calls_schema,
     describe_tools,
 )
-from agentkv._tools import ToolDefinitionError, ToolExecutionError, ToolSpec, tool
-from agentkv._toolset import ToolResult
+from agentkv._agent.tools import ToolDefinitionError, ToolExecutionError, ToolSpec, tool
+from agentkv._agent.toolset import ToolResult
 
 
 @tool

@@ -22,8 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentkv import AgentKVError, ToolCall
-from agentkv._docstrings import parse_docstring
-from agentkv._tools import (
+from agentkv._agent.docstrings import parse_docstring
+from agentkv._agent.tools import (
     ToolArgumentsError,
     ToolDefinitionError,
     ToolError,
@@ -35,7 +35,7 @@ from agentkv._tools import (
     serialize_output,
     tool,
 )
-from agentkv._toolset import ToolSet
+from agentkv._agent.toolset import ToolSet
 
 
 class Color(enum.Enum):

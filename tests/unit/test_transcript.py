@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import InvalidMessageError, Message, PrefixDivergedError
-from agentkv._transcript import Delta, Transcript, TurnPrompt
+from agentkv._prompt.transcript import Delta, Transcript, TurnPrompt
 
 CLOSING = (2, 3)  # like ChatML's "<|im_end|>", "\n"
 

@@ -11,8 +11,8 @@ import pytest
 
 from agentkv import AsyncCluster
 from agentkv._exceptions import ConnectError
-from agentkv._http import post_json
 from agentkv._transport import ClusterClient, ServerPools
+from agentkv._wire.http import post_json
 
 LIMITS = httpx.Limits(max_connections=8, max_keepalive_connections=8, keepalive_expiry=30.0)
 

@@ -17,8 +17,9 @@ import httpx
 import structlog
 
 from agentkv._exceptions import TransportError
-from agentkv._handoff import lease_ref
-from agentkv._hints import (
+from agentkv._types import KVHandle
+from agentkv._wire.handoff import lease_ref
+from agentkv._wire.hints import (
     EXTEND_PATH,
     INFO_PATH,
     RELEASE_PATH,
@@ -29,9 +30,8 @@ from agentkv._hints import (
     RequestRelease,
     ServerInfo,
 )
-from agentkv._http import exchange
-from agentkv._json import dumps
-from agentkv._types import KVHandle
+from agentkv._wire.http import exchange
+from agentkv._wire.json import dumps
 
 __all__ = [
     "FAILED",

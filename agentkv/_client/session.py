@@ -28,21 +28,20 @@ from typing import Any, Protocol, Unpack
 
 import structlog
 
+from agentkv._client.leasing import ToolWait, begin_wait, end_wait, extend_handle, release_handle
+from agentkv._client.persist import load_state, restore, save_state
+from agentkv._client.persist import snapshot as snapshot_state
+from agentkv._client.pool import PairPool
+from agentkv._client.portal import Portal
+from agentkv._client.state import SessionState
+from agentkv._client.turn import TurnRunner
 from agentkv._exceptions import (
     InvalidMessageError,
     SessionBusyError,
     SessionClosedError,
 )
-from agentkv._fields import check_extra_body
-from agentkv._leasing import ToolWait, begin_wait, end_wait, extend_handle, release_handle
-from agentkv._persist import load_state, restore, save_state
-from agentkv._persist import snapshot as snapshot_state
 from agentkv._policy import CachePolicy
-from agentkv._pool import PairPool
-from agentkv._portal import Portal
-from agentkv._state import SessionState
-from agentkv._transcript import Transcript, TranscriptView
-from agentkv._turn import TurnRunner
+from agentkv._prompt.transcript import Transcript, TranscriptView
 from agentkv._types import (
     KVHandle,
     Message,
@@ -55,6 +54,7 @@ from agentkv._types import (
     TurnResult,
     TurnStats,
 )
+from agentkv._wire.fields import check_extra_body
 
 __all__ = [
     "AsyncSession",

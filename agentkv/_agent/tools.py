@@ -40,7 +40,7 @@ import pydantic
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
-from agentkv._docstrings import parse_docstring
+from agentkv._agent.docstrings import parse_docstring
 from agentkv._exceptions import AgentKVError
 
 __all__ = [

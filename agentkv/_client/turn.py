@@ -35,6 +35,9 @@ import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_exponential, wait_random
 
+from agentkv._client.leasing import extend_handle, release_handle, release_lost, release_soon
+from agentkv._client.pool import PairPool
+from agentkv._client.state import SessionState, TurnOutcome
 from agentkv._exceptions import (
     ConnectError,
     InvalidMessageError,
@@ -43,7 +46,9 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
-from agentkv._handoff import (
+from agentkv._prompt.transcript import TurnPrompt
+from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TextDelta, TurnResult
+from agentkv._wire.handoff import (
     DecodeResult,
     PrefillResult,
     StreamAccumulator,
@@ -54,14 +59,9 @@ from agentkv._handoff import (
     parse_prefill,
     prefill_body,
 )
-from agentkv._hints import new_request_secret, request_tag
-from agentkv._http import post_json, stream_events
-from agentkv._json import fragment
-from agentkv._leasing import extend_handle, release_handle, release_lost, release_soon
-from agentkv._pool import PairPool
-from agentkv._state import SessionState, TurnOutcome
-from agentkv._transcript import TurnPrompt
-from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TextDelta, TurnResult
+from agentkv._wire.hints import new_request_secret, request_tag
+from agentkv._wire.http import post_json, stream_events
+from agentkv._wire.json import fragment
 
 __all__ = ["TurnRunner"]
 

@@ -5,7 +5,7 @@ becomes a ``ToolResult`` whose ``output`` (``"error: ..."``) tells the model wha
 the loop goes on.
 
 >>> import asyncio
->>> from agentkv._tools import tool
+>>> from agentkv._agent.tools import tool
 >>> @tool
 ... def double(x: int) -> int:
 ...     '''Double a number.'''
@@ -30,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from agentkv._tools import (
+from agentkv._agent.tools import (
     Tool,
     ToolDefinitionError,
     ToolError,

@@ -26,7 +26,8 @@ from typing import Any, TypeGuard
 import structlog
 
 from agentkv._exceptions import InvalidMessageError, MalformedResponseError, ServerError
-from agentkv._hints import (
+from agentkv._types import KVHandle, Message, ToolCall
+from agentkv._wire.hints import (
     ExtendResult,
     HintError,
     LeaseAck,
@@ -36,8 +37,7 @@ from agentkv._hints import (
     with_expiry,
     with_hint,
 )
-from agentkv._json import dumps
-from agentkv._types import KVHandle, Message, ToolCall
+from agentkv._wire.json import dumps
 
 _logger = structlog.get_logger("agentkv")
 

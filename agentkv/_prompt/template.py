@@ -38,10 +38,10 @@ from typing import Any, Protocol
 import httpx
 
 from agentkv._exceptions import BadRequestError, MalformedResponseError, TemplateError
-from agentkv._http import post_json
-from agentkv._json import dumps
-from agentkv._transcript import Delta, Transcript, TurnPrompt
+from agentkv._prompt.transcript import Delta, Transcript, TurnPrompt
 from agentkv._types import Message
+from agentkv._wire.http import post_json
+from agentkv._wire.json import dumps
 
 __all__ = ["ChatTemplate", "Renderer", "ServerRenderer", "TemplateInfo", "tools_key"]
 

@@ -22,7 +22,7 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
-from agentkv._json import JSONDecodeError, loads
+from agentkv._wire.json import JSONDecodeError, loads
 
 __all__ = ["exchange", "get_ok", "post_json", "raise_transport_error", "stream_events"]
 

@@ -21,13 +21,12 @@ import httpx
 import structlog
 
 from agentkv._exceptions import ConfigError, NoHealthyPairError, SessionClosedError
-from agentkv._http import get_ok
-from agentkv._lease_calls import LeaseCalls
-from agentkv._placement import PrefillWeights, choose_prefill, place
-from agentkv._policy import CachePolicy, RetryPolicy
-from agentkv._template import ChatTemplate, ServerRenderer
+from agentkv._policy import CachePolicy, PrefillWeights, RetryPolicy, choose_prefill, place
+from agentkv._prompt.template import ChatTemplate, ServerRenderer
 from agentkv._transport import ClusterClient, ServerPools
 from agentkv._types import Pair
+from agentkv._wire.http import get_ok
+from agentkv._wire.lease_calls import LeaseCalls
 
 __all__ = ["DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "ClusterOptions", "PairPool"]
 

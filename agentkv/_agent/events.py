@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-from agentkv._toolset import ToolResult
+from agentkv._agent.toolset import ToolResult
 from agentkv._types import Message, SessionStats, ToolCall, TurnStats
 
 __all__ = [

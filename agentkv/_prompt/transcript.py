@@ -185,7 +185,7 @@ class Transcript:
         finish_reason: str | None,
         version: int,
     ) -> Transcript:
-        """Rebuild a saved transcript (``agentkv._persist``); ``ValueError`` if inconsistent."""
+        """Rebuild a saved transcript (``_client.persist``); ``ValueError`` if inconsistent."""
         if len(spans) != len(messages):
             raise ValueError("a saved transcript needs one span per message")
         start = 0

@@ -21,21 +21,20 @@ from typing import Any, TypeVar, Unpack
 
 import httpx
 
-from agentkv._exceptions import ConfigError
-from agentkv._fields import check_extra_body
-from agentkv._json import JSONDecodeError, loads
-from agentkv._placement import PrefillWeights
-from agentkv._policy import CachePolicy, RetryPolicy
-from agentkv._pool import ClusterOptions, PairPool
-from agentkv._portal import Portal
-from agentkv._session import (
+from agentkv._client.pool import ClusterOptions, PairPool
+from agentkv._client.portal import Portal
+from agentkv._client.session import (
     AsyncSession,
     Session,
     load_session,
     open_session,
     restore_session,
 )
+from agentkv._exceptions import ConfigError
+from agentkv._policy import CachePolicy, PrefillWeights, RetryPolicy
 from agentkv._types import Pair, SessionOptions
+from agentkv._wire.fields import check_extra_body
+from agentkv._wire.json import JSONDecodeError, loads
 
 __all__ = ["AsyncCluster", "Cluster", "Pair"]
 

@@ -15,12 +15,12 @@ from typing import Any
 import structlog
 
 from agentkv._exceptions import PrefixDivergedError, SessionLoadError
-from agentkv._handoff import DecodeResult, PrefillResult, TurnRequest, no_handle_cause
-from agentkv._json import fragment
 from agentkv._policy import CachePolicy
-from agentkv._template import tools_key
-from agentkv._transcript import Transcript, TurnPrompt
+from agentkv._prompt.template import tools_key
+from agentkv._prompt.transcript import Transcript, TurnPrompt
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TurnStats
+from agentkv._wire.handoff import DecodeResult, PrefillResult, TurnRequest, no_handle_cause
+from agentkv._wire.json import fragment
 
 __all__ = ["SessionState", "TurnOutcome", "pulled_estimate"]
 

@@ -29,8 +29,8 @@ from typing import Any
 import httpx2
 import openai
 
-from agentkv._asgi_transport import AppTransport, AsyncAppTransport
-from agentkv._cluster import AsyncCluster, Cluster
+from agentkv import AsyncCluster, Cluster
+from agentkv._openai.transport import AppTransport, AsyncAppTransport
 from agentkv.proxy._app import create_app
 from agentkv.proxy._config import ProxyConfig
 

@@ -26,13 +26,13 @@ from typing import Any
 
 import structlog
 
-from agentkv._handoff import extended_handle
-from agentkv._hints import request_tag
-from agentkv._lease_calls import GONE, OK, CallResult
+from agentkv._client.pool import PairPool
+from agentkv._client.state import SessionState
 from agentkv._policy import ExtendDecision
-from agentkv._pool import PairPool
-from agentkv._state import SessionState
 from agentkv._types import HandleState, KVHandle
+from agentkv._wire.handoff import extended_handle
+from agentkv._wire.hints import request_tag
+from agentkv._wire.lease_calls import GONE, OK, CallResult
 
 __all__ = [
     "ToolWait",

@@ -14,7 +14,7 @@ Both keep the prompt append-only: the tool block is part of the first (system) m
 constraint lives in the decode request only, and the assistant's tool calls stay in the transcript
 as the exact tokens the model generated.
 
->>> from agentkv._tools import ToolSpec
+>>> from agentkv._agent.tools import ToolSpec
 >>> add = ToolSpec(name="add", description="Add two numbers.", parameters={
 ...     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
 ...     "required": ["a", "b"]})
@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agentkv._tools import ToolCallFormatError, ToolDefinitionError, ToolSpec
-from agentkv._toolset import ToolResult
+from agentkv._agent.tools import ToolCallFormatError, ToolDefinitionError, ToolSpec
+from agentkv._agent.toolset import ToolResult
 from agentkv._types import Message, ToolCall, TurnOverrides, TurnResult
 
 __all__ = [

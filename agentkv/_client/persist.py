@@ -39,11 +39,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from agentkv._client.pool import PairPool
+from agentkv._client.state import SessionState
 from agentkv._exceptions import AgentKVError, SessionLoadError
 from agentkv._policy import CachePolicy
-from agentkv._pool import PairPool
-from agentkv._state import SessionState
-from agentkv._transcript import Span, Transcript
+from agentkv._prompt.transcript import Span, Transcript
 from agentkv._types import HandleState, KVHandle, Message, SessionOptions, TurnStats
 
 __all__ = ["FORMAT", "VERSION", "load_state", "restore", "save_state", "snapshot", "write_atomic"]

@@ -25,7 +25,7 @@ from typing import Any, TypedDict, Unpack
 
 import structlog
 
-from agentkv._agent_types import (
+from agentkv._agent.events import (
     AgentEvent,
     AgentStep,
     HandleExpiredEvent,
@@ -35,14 +35,14 @@ from agentkv._agent_types import (
     ToolResultEvent,
     TurnEvent,
 )
-from agentkv._cluster import AsyncCluster, Cluster
-from agentkv._fields import check_extra_body
-from agentkv._portal import Portal
-from agentkv._session import AsyncSession, Session, TurnOverrides
-from agentkv._tool_calling import AUTO, FINAL, REQUIRED, JsonToolCalling, ToolCalling
-from agentkv._tools import Tool
-from agentkv._toolset import ToolResult, ToolSet
+from agentkv._agent.tool_calling import AUTO, FINAL, REQUIRED, JsonToolCalling, ToolCalling
+from agentkv._agent.tools import Tool
+from agentkv._agent.toolset import ToolResult, ToolSet
+from agentkv._client.cluster import AsyncCluster, Cluster
+from agentkv._client.portal import Portal
+from agentkv._client.session import AsyncSession, Session, TurnOverrides
 from agentkv._types import Message, MessageLike, TextDelta, TurnResult
+from agentkv._wire.fields import check_extra_body
 
 __all__ = ["Agent", "AgentOptions", "AsyncAgent"]
 

@@ -1,0 +1,1 @@
+"""The agent runtime: tools, tool sets, tool-calling protocols, events, Agent/AsyncAgent."""

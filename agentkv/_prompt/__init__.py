@@ -1,0 +1,1 @@
+"""The token-exact prompt: the append-only transcript and chat-template deltas."""
