@@ -48,6 +48,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from agentkv import _constants as defaults
+
 if TYPE_CHECKING:
     import httpx
 
@@ -73,9 +75,7 @@ __all__ = [
     "UpstreamStatusError",
 ]
 
-# Response bodies can be large (a whole completion); errors keep the start, which is where vLLM
-# puts the reason.
-_BODY_LIMIT = 2000
+_BODY_LIMIT = defaults.ERROR_BODY_LIMIT
 
 
 class AgentKVError(Exception):

@@ -40,6 +40,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError
 from agentkv._types import HandleState, KVHandle
 from agentkv._wire.hints import PersistHint
@@ -99,12 +100,12 @@ class CachePolicy:
             than this before the deadline, and by this much more than the estimate.
     """
 
-    server_ttl_s: float = 480.0
-    ttl_margin_s: float = 30.0
-    recompute_threshold: int = 64
+    server_ttl_s: float = defaults.SERVER_TTL_S
+    ttl_margin_s: float = defaults.TTL_MARGIN_S
+    recompute_threshold: int = defaults.RECOMPUTE_THRESHOLD
     min_reuse_tokens: int = 0
     pin_ttl_s: float | None = None
-    extend_slack_s: float = 30.0
+    extend_slack_s: float = defaults.EXTEND_SLACK_S
 
     def __post_init__(self) -> None:
         if self.server_ttl_s <= 0:
@@ -242,10 +243,10 @@ class RetryPolicy:
     RetryPolicy(max_attempts=1, initial_backoff_s=0.05, max_backoff_s=1.0, jitter_s=0.05)
     """
 
-    max_attempts: int = 3
-    initial_backoff_s: float = 0.05
-    max_backoff_s: float = 1.0
-    jitter_s: float = 0.05
+    max_attempts: int = defaults.RETRY_ATTEMPTS
+    initial_backoff_s: float = defaults.RETRY_INITIAL_BACKOFF_S
+    max_backoff_s: float = defaults.RETRY_MAX_BACKOFF_S
+    jitter_s: float = defaults.RETRY_JITTER_S
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -272,7 +273,7 @@ def place(
     *,
     loads: Mapping[str, int],
     healthy: Collection[str],
-    load_factor: float = 1.25,
+    load_factor: float = defaults.LOAD_FACTOR,
 ) -> str | None:
     """The pair for a new (or moving) session, or ``None`` when no pair is healthy.
 
@@ -311,8 +312,8 @@ class PrefillWeights:
     behind the least loaded. ``benchmarks/placement_sim.py`` measures the balance they give.
     """
 
-    slack_tokens: int = 512
-    slack_ratio: float = 0.1
+    slack_tokens: int = defaults.PREFILL_SLACK_TOKENS
+    slack_ratio: float = defaults.PREFILL_SLACK_RATIO
 
     def __post_init__(self) -> None:
         if self.slack_tokens < 0 or self.slack_ratio < 0:

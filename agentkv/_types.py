@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypedDict, cast
 
+from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError, InvalidMessageError
 
 __all__ = [
@@ -453,8 +454,8 @@ class Pair:
 class SessionOptions:
     """Per-turn request settings: session defaults, overridden field by field per turn."""
 
-    max_tokens: int = 256
-    temperature: float | None = 0.0
+    max_tokens: int = defaults.MAX_TOKENS
+    temperature: float | None = defaults.TEMPERATURE
     tools: tuple[Mapping[str, Any], ...] | None = None
     tool_choice: Any = None
     extra_body: Mapping[str, Any] = field(default_factory=dict)

@@ -25,6 +25,7 @@ from typing import Any, TypedDict, Unpack
 
 import structlog
 
+from agentkv import _constants as defaults
 from agentkv._agent.events import (
     AgentEvent,
     AgentStep,
@@ -82,14 +83,14 @@ class _AgentCore:
         tools: Iterable[Tool[..., Any]] = (),
         system: str | None = None,
         examples: Iterable[MessageLike] = (),
-        max_steps: int = 8,
+        max_steps: int = defaults.AGENT_MAX_STEPS,
         min_tool_calls: int = 0,
         tool_calling: ToolCalling | None = None,
-        max_tokens: int = 256,
+        max_tokens: int = defaults.MAX_TOKENS,
         parallel_tool_calls: bool = True,
-        tool_timeout_s: float | None = 60.0,
+        tool_timeout_s: float | None = defaults.AGENT_TOOL_TIMEOUT_S,
         expected_tool_s: float | None = None,
-        max_output_chars: int | None = 4000,
+        max_output_chars: int | None = defaults.AGENT_MAX_OUTPUT_CHARS,
         force_final_answer: bool = True,
         extra_body: Mapping[str, Any] | None = None,
     ) -> None:

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from agentkv import _constants as defaults
 from agentkv._agent.tools import ToolCallFormatError, ToolDefinitionError, ToolSpec
 from agentkv._agent.toolset import ToolResult
 from agentkv._types import Message, ToolCall, TurnOverrides, TurnResult
@@ -244,7 +245,7 @@ class JsonToolCalling:
         final_tool: the tool that ends the run; its ``answer`` argument is the answer.
     """
 
-    max_calls: int = 4
+    max_calls: int = defaults.JSON_TOOL_MAX_CALLS
     final_tool: ToolSpec = FINAL_ANSWER
 
     def _allowed(self, tools: Sequence[ToolSpec], choice: str) -> tuple[list[ToolSpec], int]:

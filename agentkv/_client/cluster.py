@@ -21,6 +21,7 @@ from typing import Any, TypeVar, Unpack
 
 import httpx
 
+from agentkv import _constants as defaults
 from agentkv._client.pool import ClusterOptions, PairPool
 from agentkv._client.portal import Portal
 from agentkv._client.session import (
@@ -233,8 +234,8 @@ class AsyncCluster:
         *,
         session_id: str | None = None,
         policy: CachePolicy | None = None,
-        max_tokens: int = 256,
-        temperature: float | None = 0.0,
+        max_tokens: int = defaults.MAX_TOKENS,
+        temperature: float | None = defaults.TEMPERATURE,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,
         extra_body: Mapping[str, Any] | None = None,
@@ -396,8 +397,8 @@ class Cluster:
         *,
         session_id: str | None = None,
         policy: CachePolicy | None = None,
-        max_tokens: int = 256,
-        temperature: float | None = 0.0,
+        max_tokens: int = defaults.MAX_TOKENS,
+        temperature: float | None = defaults.TEMPERATURE,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,
         extra_body: Mapping[str, Any] | None = None,

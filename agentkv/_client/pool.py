@@ -20,6 +20,7 @@ from typing import TypedDict
 import httpx
 import structlog
 
+from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError, NoHealthyPairError, SessionClosedError
 from agentkv._policy import CachePolicy, PrefillWeights, RetryPolicy, choose_prefill, place
 from agentkv._prompt.template import ChatTemplate, ServerRenderer
@@ -32,15 +33,9 @@ __all__ = ["DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "ClusterOptions", "PairPool"]
 
 logger = structlog.get_logger("agentkv")
 
-# Long reads on purpose: a cold multi-thousand-token prefill on CPU takes minutes.
-DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0)
-# vLLM's API server (uvicorn) closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by
-# default; keeping ours for less means we never send on a connection the server is closing (a
-# failed P leg costs the turn its handle). The limits apply to each server (agentkv._transport).
-DEFAULT_LIMITS = httpx.Limits(
-    max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0
-)
-_HEALTH_TIMEOUT_S = 2.0
+DEFAULT_TIMEOUT = defaults.TIMEOUT
+DEFAULT_LIMITS = defaults.LIMITS
+_HEALTH_TIMEOUT_S = defaults.HEALTH_TIMEOUT_S
 
 
 class ClusterOptions(TypedDict, total=False):
@@ -94,8 +89,8 @@ class PairPool:
         retry: RetryPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         block_size: int | None = None,
-        load_factor: float = 1.25,
-        health_recheck_s: float = 5.0,
+        load_factor: float = defaults.LOAD_FACTOR,
+        health_recheck_s: float = defaults.HEALTH_RECHECK_S,
         prefill_pool: Mapping[str, str] | None = None,
         prefill_weights: PrefillWeights | None = None,
     ) -> None:

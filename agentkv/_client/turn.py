@@ -35,6 +35,7 @@ import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_exponential, wait_random
 
+from agentkv import _constants as defaults
 from agentkv._client.leasing import extend_handle, release_handle, release_lost, release_soon
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState, TurnOutcome
@@ -70,9 +71,7 @@ T = TypeVar("T")
 logger = structlog.get_logger("agentkv")
 
 _CHAT_PATH = "/v1/chat/completions"
-# How long a loaded handle's lease is extended when decode confirms it: past prefill's 5 s expiry
-# margin, with room for the P leg to reach prefill.
-_CONFIRM_TTL_S = 30.0
+_CONFIRM_TTL_S = defaults.CONFIRM_TTL_S
 
 
 def _unexplained(result: DecodeResult) -> bool:

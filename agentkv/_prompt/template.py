@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from agentkv import _constants as defaults
 from agentkv._exceptions import BadRequestError, MalformedResponseError, TemplateError
 from agentkv._prompt.transcript import Delta, Transcript, TurnPrompt
 from agentkv._types import Message
@@ -51,8 +52,7 @@ _SYSTEM = Message.system("S")
 _USER = Message.user("U")
 _ASSISTANT_1 = Message.assistant("1")
 _ASSISTANT_2 = Message.assistant("2")
-# A template's anchor renders are kept per tools list; agents use a handful.
-_CACHE_LIMIT = 64
+_CACHE_LIMIT = defaults.TEMPLATE_CACHE_LIMIT
 
 
 class Renderer(Protocol):

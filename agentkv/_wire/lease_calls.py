@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import structlog
 
+from agentkv import _constants as defaults
 from agentkv._exceptions import TransportError
 from agentkv._types import KVHandle
 from agentkv._wire.handoff import lease_ref
@@ -45,13 +46,8 @@ __all__ = [
 
 logger = structlog.get_logger("agentkv")
 
-# How long a decode found without agentkv's extension is taken at its word before it is asked
-# again (cluster clock).
-RECHECK_UNSUPPORTED_S = 60.0
-
-# Lease calls answer in milliseconds; a decode that takes longer is in trouble, and a close
-# must not hang on it.
-_CALL_TIMEOUT_S = 5.0
+RECHECK_UNSUPPORTED_S = defaults.RECHECK_UNSUPPORTED_S
+_CALL_TIMEOUT_S = defaults.LEASE_CALL_TIMEOUT_S
 
 # Outcomes of a lease call, as logged (``outcome``).
 OK = "ok"
