@@ -175,8 +175,9 @@ def _snapshot_size(url: str) -> dict[str, float]:
 
 
 async def _components(fake: FakeCluster, url: str, n: int = 500) -> dict[str, float]:
-    """Median microseconds of the store's parts for one 8-turn session: a claim + commit pair
-    (the two round trips), the snapshot's serialization, and its restore on another replica."""
+    """Median microseconds of the store's parts for one 8-turn session: a bare round trip
+    (PING), a claim + commit pair (the two round trips), the snapshot's serialization, and its
+    restore on another replica."""
     from agentkv._types import Message
     from agentkv.proxy._registry import SessionEntry
 
@@ -188,6 +189,12 @@ async def _components(fake: FakeCluster, url: str, n: int = 500) -> dict[str, fl
         await session.turn(max_tokens=32)
     entry = SessionEntry(("bench", "components"), session, now=0.0)
     store = RedisSessions.from_url(url)
+    # The floor under every store call: one bare round trip to this Redis (PING).
+    pings = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await store.ping()
+        pings.append(time.perf_counter() - t0)
     data = entry.to_bytes(wall=time.time())
     version = 0
     rtt, dump, load = [], [], []
@@ -207,6 +214,7 @@ async def _components(fake: FakeCluster, url: str, n: int = 500) -> dict[str, fl
     await cluster.aclose()
     return {
         "transcript_tokens": len(session.transcript.token_ids),
+        "ping_us": round(statistics.median(pings) * 1e6),
         "claim_commit_us": round(statistics.median(rtt) * 1e6),
         "snapshot_us": round(statistics.median(dump) * 1e6),
         "restore_us": round(statistics.median(load) * 1e6),
