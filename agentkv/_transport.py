@@ -5,34 +5,40 @@ request, a P leg and a D leg. httpcore's connection pool (httpx's default) walks
 of the pool and asks each idle one whether its socket was closed, on every request start and
 close; with anyio's locks and the pure-Python h11 parser around each exchange, that was ~6 ms of
 CPU per request at 64 concurrent sessions on the 2-core machine, and the proxy's event loop
-saturated (``docs/proxy.md``). aiohttp does the exchange the cheap way: a connection is an
-asyncio protocol (the loop reports a server's close of an idle connection, so nothing is polled),
-llhttp parses the response in C, and each (host, port) has its own list of idle connections.
+saturated (``docs/proxy.md``). aiohttp does it the cheap way: a connection is an asyncio protocol
+(the loop reports a server's close of an idle connection, so nothing is polled), llhttp parses
+the response in C, and each (host, port) has its own list of idle connections.
 
 The rest of agentkv speaks httpx (``agentkv._http``, the fakes' ``FakeTransport``), so this is an
-``httpx.AsyncBaseTransport`` that sends each request through one ``aiohttp.ClientSession``:
+``httpx.AsyncBaseTransport`` on aiohttp's ``TCPConnector`` (the pool: limits, keep-alive, DNS,
+connect) and its client protocol (parsing, body streams with flow control, the read timeout, a
+lost connection's errors). It writes the request httpx built (head and body) on the connection
+itself rather than through ``aiohttp.ClientSession``, whose per-request work (headers, cookies,
+redirects, its own request and response objects) doubled the CPU of an exchange on top of
+httpx's (``benchmarks/transport_cpu.py``, ``docs/benchmarks.md``).
 
 * ``httpx.Limits`` apply per server, as aiohttp's ``limit_per_host`` (no total limit), with
   ``max_keepalive_connections`` idle connections kept per server for ``keepalive_expiry`` s;
 * httpx's ``Timeout`` phases: ``connect`` bounds opening a connection (aiohttp's
   ``sock_connect``; DNS and the connect together are bounded by ``connect`` + ``pool``), ``pool``
-  the wait for a free place under the limit, ``write`` each write of the request body, ``read``
-  each wait for the server's bytes (aiohttp's ``sock_read``);
+  the wait for a free place under the limit, ``write`` each wait to write the request, ``read``
+  each wait for the server's bytes;
 * httpx's exceptions: a refused or unresolvable server is ``ConnectError``, a server that closes
   the connection before answering in full is ``RemoteProtocolError`` (a lost connection, never a
   connect error: the cluster must not mark a live server down for it), a reset mid-request
-  ``ReadError``, and so on (``_error``);
-* response bodies stream as they arrive (server-sent events are not buffered); closing one hands
-  its connection back when it was read to the end, and closes it otherwise.
+  ``ReadError``, and so on (``_ERRORS``);
+* response bodies stream as they arrive (server-sent events are not buffered); a body read to
+  its end hands its connection back at once, and closing one that was not closes the connection.
 
 A request is never re-sent; like httpcore, a connection the server closes just as a request goes
 out fails that request (``DEFAULT_LIMITS`` keeps idle connections for less than vLLM's keep-alive
 so this does not happen). ``https`` URLs go to httpx's own transport; HTTP(S)_PROXY variables are
 not used (the servers are the cluster's own): pass ``http_client=`` to a cluster for that.
 
-Two of httpx's semantics have no aiohttp option, so ``_Connector`` adds them on two of its
-internal methods (the pool timeout, the cap on idle connections); the tests in
-``tests/unit/test_transport.py`` fail if an aiohttp release changes either.
+aiohttp has no option for three of these (the pool timeout, the idle cap, retiring a connection
+that receives bytes while idle): ``_Connector`` and ``_Handler`` add them on aiohttp's internal
+methods, so ``pyproject.toml`` bounds the version and ``tests/unit/test_transport.py`` fails if a
+release changes any of them.
 """
 
 from __future__ import annotations
@@ -45,14 +51,14 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import httpx
-from aiohttp.abc import AbstractStreamWriter
 from aiohttp.client_proto import ResponseHandler
-from aiohttp.payload import AsyncIterablePayload, Payload
-from multidict import CIMultiDict
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_writer import StreamWriter
 from yarl import URL
 
 if typing.TYPE_CHECKING:
     from aiohttp.client_reqrep import ConnectionKey
+    from aiohttp.streams import StreamReader
     from aiohttp.tracing import Trace
 
 __all__ = ["ClusterClient", "ServerPools"]
@@ -61,22 +67,14 @@ __all__ = ["ClusterClient", "ServerPools"]
 _POOL_TIMEOUT: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "agentkv_pool_timeout", default=None
 )
-# Sent as httpx built them: aiohttp adds none of its default headers.
-_SKIP_HEADERS = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
 _HTTP_VERSIONS: dict[tuple[int, int], bytes] = {(1, 1): b"HTTP/1.1", (1, 0): b"HTTP/1.0"}
 
 
 class _Handler(ResponseHandler):
-    """aiohttp's client protocol, retired when bytes arrive while it waits in the pool.
-
-    aiohttp would parse them and hand them to the next request as its answer.
-    """
+    """aiohttp's client protocol, retired when bytes arrive while it waits in the pool
+    (aiohttp would parse them and hand them to the next request as its answer)."""
 
     idle = False
-
-    def set_response_params(self, **params: typing.Any) -> None:
-        self.idle = False  # a request is about to go out on it
-        super().set_response_params(**params)
 
     def data_received(self, data: bytes) -> None:
         if self.idle and data:  # (aiohttp calls it with b"" to resume its own reading)
@@ -117,62 +115,10 @@ class _Connector(aiohttp.TCPConnector):
         super()._release(key, protocol, should_close=should_close)
 
 
-class _Upload(Payload):
-    """A request body, written under httpx's write timeout.
-
-    (Not aiohttp's ``BytesPayload``: that one warns about bodies over 1 MiB, which a long agent
-    history with its token ids can be.)
-    """
-
-    _autoclose = True
-
-    def __init__(self, value: bytes, write_timeout: float | None) -> None:
-        super().__init__(value)
-        self._size = len(value)
-        self._write_timeout = write_timeout
-
-    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        return typing.cast(bytes, self._value).decode(encoding, errors)
-
-    async def write(self, writer: AbstractStreamWriter) -> None:
-        await self.write_with_length(writer, None)
-
-    # A timeout here reaches the caller as a bare TimeoutError (aiohttp passes those on): _error
-    # maps it onto httpx.WriteTimeout.
-    async def write_with_length(
-        self, writer: AbstractStreamWriter, content_length: int | None
-    ) -> None:
-        value: bytes = self._value if content_length is None else self._value[:content_length]
-        async with asyncio.timeout(self._write_timeout):
-            await writer.write(value)
-
-
-class _StreamUpload(AsyncIterablePayload):
-    """A streamed request body; each chunk is written under httpx's write timeout."""
-
-    def __init__(self, stream: httpx.AsyncByteStream, write_timeout: float | None) -> None:
-        super().__init__(stream)
-        self._stream = stream
-        self._write_timeout = write_timeout
-
-    async def write(self, writer: AbstractStreamWriter) -> None:
-        await self.write_with_length(writer, None)
-
-    async def write_with_length(
-        self, writer: AbstractStreamWriter, content_length: int | None
-    ) -> None:
-        async for chunk in self._stream:
-            if chunk:
-                async with asyncio.timeout(self._write_timeout):
-                    await writer.write(chunk)
-
-
 # aiohttp's exceptions, the more specific first, and the httpx exception each one becomes.
 _ERRORS: tuple[tuple[type[BaseException], Callable[[BaseException], httpx.TransportError]], ...] = (
-    (aiohttp.ConnectionTimeoutError, lambda e: httpx.ConnectTimeout(f"timed out connecting: {e}")),
     (aiohttp.SocketTimeoutError, lambda e: httpx.ReadTimeout("timed out reading")),
-    # refused, unreachable, unresolvable
-    (aiohttp.ClientConnectorError, lambda e: httpx.ConnectError(str(e))),
+    (aiohttp.ClientConnectorError, lambda e: httpx.ConnectError(str(e))),  # refused, DNS, ...
     (
         aiohttp.ServerDisconnectedError,
         lambda e: httpx.RemoteProtocolError("Server disconnected without sending a response."),
@@ -181,68 +127,101 @@ _ERRORS: tuple[tuple[type[BaseException], Callable[[BaseException], httpx.Transp
         aiohttp.ClientPayloadError,
         lambda e: httpx.RemoteProtocolError(f"incomplete message body: {e}"),
     ),
-    (
-        aiohttp.ClientResponseError,
-        lambda e: httpx.RemoteProtocolError(f"malformed HTTP response: {e}"),
-    ),
+    (HttpProcessingError, lambda e: httpx.RemoteProtocolError(f"malformed HTTP response: {e!r}")),
     (
         aiohttp.ClientConnectionResetError,
         lambda e: httpx.WriteError(f"the connection closed while the request was sent: {e}"),
     ),
-    # a reset or close mid-request (ClientOSError and the like)
+    # a reset or a close mid-request (ClientOSError and the like)
     (aiohttp.ClientConnectionError, lambda e: httpx.ReadError(f"the connection broke: {e!r}")),
-    # _Upload's write timeout (aiohttp raises its own timeouts as the types above)
-    (TimeoutError, lambda e: httpx.WriteTimeout("timed out writing")),
     (OSError, lambda e: httpx.ReadError(f"the connection broke: {e!r}")),
 )
+_AIOHTTP_ERRORS = (aiohttp.ClientError, HttpProcessingError, OSError)
 
 
 def _error(exc: BaseException) -> httpx.TransportError:
     """The httpx exception for an aiohttp one (``agentkv._http`` maps those onto agentkv's)."""
-    if isinstance(exc, httpx.TransportError):
-        return exc  # raised by this module inside aiohttp (the pool timeout)
     for kind, make in _ERRORS:
         if isinstance(exc, kind):
             return make(exc)
     return httpx.TransportError(f"{exc!r}")
 
 
-@functools.lru_cache(maxsize=512)
-def _url(raw: str) -> URL:
-    # yarl parses a URL string in Python; a cluster talks to a handful of URLs.
-    return URL(raw, encoded=True)
-
-
 @functools.lru_cache(maxsize=64)
-def _timeout(
-    connect: float | None, read: float | None, pool: float | None
-) -> aiohttp.ClientTimeout:
+def _timeout(connect: float | None, pool: float | None) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(
         # Bounds DNS and connect together; the connect alone is sock_connect, the wait for a
         # place _Connector's pool timeout.
         connect=None if connect is None or pool is None else connect + pool,
         sock_connect=connect,
-        sock_read=read,
     )
 
 
-class _Body(httpx.AsyncByteStream):
-    """A response body as it arrives; closing it hands the connection back (or closes it)."""
+async def _drain(protocol: ResponseHandler, write_timeout: float | None) -> None:
+    """Wait, at most ``write_timeout`` s, while the connection's send buffer is full."""
+    if protocol.writing_paused:
+        try:
+            async with asyncio.timeout(write_timeout):
+                await StreamWriter(protocol, protocol._loop).drain()
+        except TimeoutError:
+            raise httpx.WriteTimeout("timed out writing") from None
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
+
+async def _send(
+    request: httpx.Request, protocol: ResponseHandler, write_timeout: float | None
+) -> None:
+    """Write ``request`` as httpx built it: its head and its body (chunked when streamed)."""
+    transport = protocol.transport
+    if transport is None:
+        raise httpx.WriteError("the server closed the connection")
+    head = [request.method.encode("ascii"), b" ", request.url.raw_path, b" HTTP/1.1\r\n"]
+    for name, value in request.headers.raw:
+        head += (name, b": ", value, b"\r\n")
+    head.append(b"\r\n")
+    try:
+        body: bytes | None = request.content
+    except httpx.RequestNotRead:
+        body = None
+    if body is not None:
+        transport.write(b"".join(head) + body)
+        await _drain(protocol, write_timeout)
+        return
+    transport.write(b"".join(head))
+    chunked = request.headers.get("transfer-encoding", "").lower() == "chunked"
+    assert isinstance(request.stream, httpx.AsyncByteStream)
+    async for chunk in request.stream:
+        if chunk:
+            if protocol.transport is None:
+                raise httpx.WriteError("the server closed the connection")
+            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+            await _drain(protocol, write_timeout)
+    if chunked:
+        transport.write(b"0\r\n\r\n")
+    await _drain(protocol, write_timeout)
+
+
+class _Body(httpx.AsyncByteStream):
+    """A response body as it arrives.
+
+    Its connection went back to the pool when the body ended; closing it before then closes
+    the connection (the rest of the body is still on the wire).
+    """
+
+    def __init__(self, connection: aiohttp.connector.Connection, payload: StreamReader) -> None:
+        self._connection = connection
+        self._payload = payload
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        content = self._response.content
+        payload = self._payload
         try:
-            while chunk := await content.readany():
+            while chunk := await payload.readany():
                 yield chunk
-        except (aiohttp.ClientError, OSError) as exc:
+        except _AIOHTTP_ERRORS as exc:
             raise _error(exc) from exc
 
     async def aclose(self) -> None:
-        # Read to the end, the connection went back to the pool already; otherwise it closes.
-        self._response.release()
+        if not self._payload.is_eof():
+            self._connection.close()
 
 
 class ServerPools(httpx.AsyncBaseTransport):
@@ -250,24 +229,20 @@ class ServerPools(httpx.AsyncBaseTransport):
 
     def __init__(self, limits: httpx.Limits) -> None:
         self._limits = limits
-        self._session: aiohttp.ClientSession | None = None
+        self._connector: _Connector | None = None
+        # aiohttp's pool hands out connections for a request; one stands for each server.
+        self._servers: dict[tuple[str, int], aiohttp.ClientRequest] = {}
         self._tls: httpx.AsyncHTTPTransport | None = None
         self._closed = False
 
-    def _open(self) -> aiohttp.ClientSession:
-        # Opened on first use: aiohttp binds a session to the running event loop.
-        session = aiohttp.ClientSession(
-            connector=_Connector(self._limits),
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=_SKIP_HEADERS,
-            auto_decompress=False,  # httpx decodes the body as the headers say
-            timeout=aiohttp.ClientTimeout(),
+    def _server(self, host: str, port: int) -> aiohttp.ClientRequest:
+        loop = asyncio.get_running_loop()
+        if self._connector is None:
+            self._connector = _Connector(self._limits)  # aiohttp binds it to the running loop
+        server = self._servers[host, port] = aiohttp.ClientRequest(
+            "GET", URL.build(scheme="http", host=host, port=port), loop=loop
         )
-        # Never re-send a request (aiohttp retries idempotent ones on a closed connection):
-        # the caller decides, as with httpx. aiohttp's own test client sets this the same way.
-        session._retry_connection = False
-        self._session = session
-        return session
+        return server
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if self._closed:
@@ -281,55 +256,59 @@ class ServerPools(httpx.AsyncBaseTransport):
             raise httpx.UnsupportedProtocol(
                 f"Request URL has an unsupported protocol '{url.scheme}://'.", request=request
             )
-        session = self._session or self._open()
+        host, port = url.host, url.port or 80
+        server = self._servers.get((host, port)) or self._server(host, port)
+        assert self._connector is not None
         timeout = request.extensions.get("timeout", {})
-        write_timeout = timeout.get("write")
-        # (httpx's Headers.multi_items() re-checks the encoding of every header per header.)
-        headers = CIMultiDict(
-            [
-                (name.decode("latin-1"), value.decode("latin-1"))
-                for name, value in request.headers.raw
-            ]
-        )
-        data: Payload | None
-        try:
-            content = request.content
-        except httpx.RequestNotRead:
-            assert isinstance(request.stream, httpx.AsyncByteStream)
-            headers.popall("transfer-encoding", None)  # aiohttp frames the stream itself
-            data = _StreamUpload(request.stream, write_timeout)
-        else:
-            data = _Upload(content, write_timeout) if content else None
         _POOL_TIMEOUT.set(timeout.get("pool"))
         try:
-            response = await session.request(
-                request.method,
-                _url(str(url)),
-                headers=headers,
-                data=data,
-                allow_redirects=False,
-                timeout=_timeout(timeout.get("connect"), timeout.get("read"), timeout.get("pool")),
+            connection = await self._connector.connect(
+                server, [], _timeout(timeout.get("connect"), timeout.get("pool"))
             )
-        except (aiohttp.ClientError, OSError, httpx.TransportError) as exc:
+        except TimeoutError as exc:
+            raise httpx.ConnectTimeout(f"timed out connecting to {host}:{port}") from exc
+        except _AIOHTTP_ERRORS as exc:
             raise _error(exc) from exc
-        if response.status == 101:
-            response.close()
-            raise httpx.RemoteProtocolError("the server switched protocols", request=request)
+        protocol = connection.protocol
+        assert protocol is not None
+        try:
+            typing.cast(_Handler, protocol).idle = False
+            protocol.set_response_params(
+                skip_payload=request.method == "HEAD",
+                read_until_eof=True,  # a body without a length ends with the connection
+                auto_decompress=False,  # httpx decodes the body as the headers say
+                read_timeout=timeout.get("read"),
+            )
+            await _send(request, protocol, timeout.get("write"))
+            protocol.start_timeout()  # the read timeout, from here on
+            while True:
+                message, payload = await protocol.read()
+                if not 100 <= message.code < 200:
+                    break
+                if message.code == 101:
+                    raise httpx.RemoteProtocolError("the server switched protocols")
+                # An interim answer (100 Continue, 103 Early Hints): the real one follows.
+        except BaseException as exc:
+            connection.close()
+            if isinstance(exc, _AIOHTTP_ERRORS):
+                raise _error(exc) from exc
+            raise
+        payload.on_eof(connection.release)  # the whole body is here: reuse the connection
         return httpx.Response(
-            response.status,
-            headers=list(response.raw_headers),
-            stream=_Body(response),
+            message.code,
+            headers=list(message.raw_headers),
+            stream=_Body(connection, payload),
             extensions={
-                "http_version": _HTTP_VERSIONS.get(response.version or (1, 1), b"HTTP/1.1"),
-                "reason_phrase": (response.reason or "").encode("latin-1", "replace"),
+                "http_version": _HTTP_VERSIONS.get(message.version, b"HTTP/1.1"),
+                "reason_phrase": message.reason.encode("latin-1", "replace"),
             },
         )
 
     async def aclose(self) -> None:
         self._closed = True
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        connector, self._connector = self._connector, None
+        if connector is not None:
+            await connector.close()
         if self._tls is not None:
             await self._tls.aclose()
 
