@@ -36,9 +36,10 @@ so this does not happen). ``https`` URLs go to httpx's own transport; HTTP(S)_PR
 not used (the servers are the cluster's own): pass ``http_client=`` to a cluster for that.
 
 aiohttp has no option for three of these (the pool timeout, the idle cap, retiring a connection
-that receives bytes while idle): ``_Connector`` and ``_Handler`` add them on aiohttp's internal
-methods, so ``pyproject.toml`` bounds the version and ``tests/unit/test_transport.py`` fails if a
-release changes any of them.
+that receives bytes while idle), and its public client API is the ClientSession this module
+avoids: ``_Connector``, ``_Handler`` and ``handle_async_request`` use aiohttp's connector and
+client protocol through their internal methods, and ``tests/unit/test_transport.py`` fails if an
+aiohttp release changes any of them.
 """
 
 from __future__ import annotations
@@ -159,44 +160,36 @@ def _timeout(connect: float | None, pool: float | None) -> aiohttp.ClientTimeout
 
 async def _drain(protocol: ResponseHandler, write_timeout: float | None) -> None:
     """Wait, at most ``write_timeout`` s, while the connection's send buffer is full."""
-    if protocol.writing_paused:
-        try:
-            async with asyncio.timeout(write_timeout):
-                await StreamWriter(protocol, protocol._loop).drain()
-        except TimeoutError:
-            raise httpx.WriteTimeout("timed out writing") from None
+    try:
+        async with asyncio.timeout(write_timeout):
+            await StreamWriter(protocol, protocol._loop).drain()
+    except TimeoutError:
+        raise httpx.WriteTimeout("timed out writing") from None
 
 
-async def _send(
-    request: httpx.Request, protocol: ResponseHandler, write_timeout: float | None
-) -> None:
-    """Write ``request`` as httpx built it: its head and its body (chunked when streamed)."""
-    transport = protocol.transport
-    if transport is None:
-        raise httpx.WriteError("the server closed the connection")
+def _head(request: httpx.Request) -> bytes:
+    """The request line and headers, as httpx built them."""
     head = [request.method.encode("ascii"), b" ", request.url.raw_path, b" HTTP/1.1\r\n"]
     for name, value in request.headers.raw:
         head += (name, b": ", value, b"\r\n")
     head.append(b"\r\n")
-    try:
-        body: bytes | None = request.content
-    except httpx.RequestNotRead:
-        body = None
-    if body is not None:
-        transport.write(b"".join(head) + body)
-        await _drain(protocol, write_timeout)
-        return
-    transport.write(b"".join(head))
+    return b"".join(head)
+
+
+async def _send_stream(
+    request: httpx.Request, protocol: ResponseHandler, write_timeout: float | None
+) -> None:
+    """Write a request whose body is a stream (chunked unless httpx gave it a length)."""
     chunked = request.headers.get("transfer-encoding", "").lower() == "chunked"
     assert isinstance(request.stream, httpx.AsyncByteStream)
     async for chunk in request.stream:
         if chunk:
             if protocol.transport is None:
                 raise httpx.WriteError("the server closed the connection")
-            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+            protocol.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
             await _drain(protocol, write_timeout)
-    if chunked:
-        transport.write(b"0\r\n\r\n")
+    if chunked and protocol.transport is not None:
+        protocol.transport.write(b"0\r\n\r\n")
     await _drain(protocol, write_timeout)
 
 
@@ -256,7 +249,10 @@ class ServerPools(httpx.AsyncBaseTransport):
             raise httpx.UnsupportedProtocol(
                 f"Request URL has an unsupported protocol '{url.scheme}://'.", request=request
             )
-        host, port = url.host, url.port or 80
+        return await self._exchange(request, url.host, url.port or 80)
+
+    async def _exchange(self, request: httpx.Request, host: str, port: int) -> httpx.Response:
+        """Send ``request`` on a connection to ``host:port`` and return the answer's head."""
         server = self._servers.get((host, port)) or self._server(host, port)
         assert self._connector is not None
         timeout = request.extensions.get("timeout", {})
@@ -279,7 +275,16 @@ class ServerPools(httpx.AsyncBaseTransport):
                 auto_decompress=False,  # httpx decodes the body as the headers say
                 read_timeout=timeout.get("read"),
             )
-            await _send(request, protocol, timeout.get("write"))
+            transport = protocol.transport
+            if transport is None:
+                raise httpx.WriteError("the server closed the connection")
+            try:
+                transport.write(_head(request) + request.content)
+            except httpx.RequestNotRead:
+                transport.write(_head(request))
+                await _send_stream(request, protocol, timeout.get("write"))
+            if protocol.writing_paused:
+                await _drain(protocol, timeout.get("write"))
             protocol.start_timeout()  # the read timeout, from here on
             while True:
                 message, payload = await protocol.read()

@@ -16,7 +16,7 @@ POSTs of a ~3 KB JSON body each and reports its own CPU time per request for:
 The transport before aiohttp (a hand-written HTTP/1.1 client, up to commit a898df9) is measured
 by running this file against that tree: ``git archive a898df9 | tar -x -C /tmp/base`` and
 ``PYTHONPATH=/tmp/base .venv/bin/python benchmarks/transport_cpu.py`` (``pools`` and ``cluster``
-are then the old transport; ``docs/benchmarks.md`` has both).
+are then the old transport; ``docs/proxy.md``, "Overhead", has both).
 """
 
 from __future__ import annotations
