@@ -61,7 +61,6 @@ class Scripted:
         self.first = first
         self.then = then or first
         self.connections = 0
-        self.requests = 0
         self._server: asyncio.Server | None = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
