@@ -33,6 +33,12 @@ as this process's client and the proxy (proxied). Columns:
     .venv/bin/python benchmarks/proxy_overhead.py [--concurrency 1,16,64] [--turns 6]
         [--server-ms 100] [--context 1000] [--min-samples 120] [--min-rounds 3]
         [--start staggered|lockstep] [--pin|--no-pin]
+
+Every process here sends with the SDK's default transport (``agentkv._wire.transport``, on aiohttp
+since issue 16). The transport before it (a hand-written HTTP/1.1 client, up to commit a898df9)
+is measured by running this file against that tree: ``git archive a898df9 | tar -x -C
+/tmp/base``, then ``PYTHONPATH=/tmp/base .venv/bin/python benchmarks/proxy_overhead.py``
+(``docs/proxy.md``, "Overhead", has both).
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ import orjson
 import structlog
 
 from agentkv import AsyncCluster, Message
-from agentkv._transport import ClusterClient, ServerPools
+from agentkv._wire.transport import ClusterClient, ServerPools
 from agentkv.proxy import ProxyConfig
 from agentkv.testing import FakeCluster, FakeServer
 

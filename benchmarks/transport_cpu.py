@@ -5,17 +5,25 @@ A uvicorn server in its own process answers every POST with a ~2 KB JSON body af
 POSTs of a ~3 KB JSON body each and reports its own CPU time per request for:
 
 * ``httpx``: ``httpx.AsyncClient`` on httpx's default transport (httpcore's pool);
-* ``pools``: ``httpx.AsyncClient`` on ``agentkv._transport.ServerPools``;
-* ``cluster``: ``agentkv._transport.ClusterClient`` on ``ServerPools``, what a cluster builds.
+* ``aiohttp``: a bare ``aiohttp.ClientSession`` (its pool, the same limits), reading each JSON
+  answer: the floor under ``ServerPools``, which puts httpx's interface on aiohttp's pool;
+* ``pools``: ``httpx.AsyncClient`` on ``agentkv._wire.transport.ServerPools``;
+* ``cluster``: ``agentkv._wire.transport.ClusterClient`` on ``ServerPools``, what a cluster builds.
 
     .venv/bin/python benchmarks/transport_cpu.py [--concurrency 64] [--requests 30]
-        [--server-ms 100] [--clients httpx,pools,cluster]
+        [--server-ms 100] [--clients httpx,aiohttp,pools,cluster]
+
+The transport before aiohttp (a hand-written HTTP/1.1 client, up to commit a898df9) is measured
+by running this file against that tree: ``git archive a898df9 | tar -x -C /tmp/base`` and
+``PYTHONPATH=/tmp/base .venv/bin/python benchmarks/transport_cpu.py`` (``pools`` and ``cluster``
+are then the old transport; ``docs/proxy.md``, "Overhead", has both).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -23,9 +31,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import httpx
 
-from agentkv._transport import ClusterClient, ServerPools
+from agentkv._wire.transport import ClusterClient, ServerPools
 
 ANSWER = b'{"text": "' + b"a" * 2000 + b'"}'
 BODY = b'{"prompt": "' + b"1" * 3000 + b'"}'
@@ -69,8 +78,29 @@ def _client(kind: str) -> httpx.AsyncClient:
     raise SystemExit(f"unknown client {kind!r}")
 
 
+async def _measure_aiohttp(url: str, args: argparse.Namespace) -> tuple[float, float]:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=LIMITS.max_connections or 0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def loop() -> None:
+            for _ in range(args.requests):
+                async with session.post(
+                    url, data=BODY, headers={"content-type": "application/json"}
+                ) as response:
+                    response.raise_for_status()
+                    json.loads(await response.read())  # as httpx's .json()
+
+        await asyncio.gather(*(loop() for _ in range(args.concurrency)))  # connections, warm
+        cpu, wall = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(args.concurrency)))
+        n = args.concurrency * args.requests
+        return (time.process_time() - cpu) / n * 1e6, time.perf_counter() - wall
+
+
 async def _measure(kind: str, url: str, args: argparse.Namespace) -> tuple[float, float]:
     """(CPU microseconds per request, wall seconds) of one timed pass, after a warm-up pass."""
+    if kind == "aiohttp":
+        return await _measure_aiohttp(url, args)
     async with _client(kind) as client:
 
         async def loop() -> None:
@@ -93,7 +123,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=30, help="per concurrent loop")
     parser.add_argument("--server-ms", type=float, default=100.0)
-    parser.add_argument("--clients", default="httpx,pools,cluster")
+    parser.add_argument("--clients", default="httpx,aiohttp,pools,cluster")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:

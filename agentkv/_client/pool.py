@@ -24,10 +24,10 @@ from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError, NoHealthyPairError, SessionClosedError
 from agentkv._policy import CachePolicy, PrefillWeights, RetryPolicy, choose_prefill, place
 from agentkv._prompt.template import ChatTemplate, ServerRenderer
-from agentkv._transport import ClusterClient, ServerPools
 from agentkv._types import Pair
 from agentkv._wire.http import get_ok
 from agentkv._wire.lease_calls import LeaseCalls
+from agentkv._wire.transport import ClusterClient, ServerPools
 
 __all__ = ["DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "ClusterOptions", "PairPool"]
 
