@@ -31,10 +31,11 @@ from agentkv.proxy._chat import ChatService, json_response
 from agentkv.proxy._config import ProxyConfig, key_digest
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
+from agentkv.proxy._open_store import open_store
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
 from agentkv.proxy._responses import ResponsesService
 from agentkv.proxy._shape import turn_stats_json
-from agentkv.proxy._store import SessionStore, open_store
+from agentkv.proxy._store import SessionStore
 
 __all__ = ["create_app"]
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from agentkv import AgentKVError
 
-__all__ = ["Claim", "ClaimLostError", "SessionStore", "StoreUnavailableError", "open_store"]
+__all__ = ["Claim", "ClaimLostError", "SessionStore", "StoreUnavailableError"]
 
 
 class ClaimLostError(AgentKVError):
@@ -91,16 +91,3 @@ class SessionStore(Protocol):
     async def ping(self) -> bool: ...
 
     async def aclose(self) -> None: ...
-
-
-def open_store(url: str, *, lease_s: float) -> SessionStore:
-    """The store a ``--state`` URL names (``redis://``: needs ``pip install 'agentkv[redis]'``)."""
-    try:
-        from agentkv.proxy._redis_store import RedisSessions
-    except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        from agentkv import ConfigError
-
-        raise ConfigError(
-            "--state redis://... needs the redis client: pip install 'agentkv[redis]'"
-        ) from exc
-    return RedisSessions.from_url(url, lease_s=lease_s)
