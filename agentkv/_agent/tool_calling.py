@@ -35,6 +35,7 @@ from agentkv import _constants as defaults
 from agentkv._agent.tools import ToolCallFormatError, ToolDefinitionError, ToolSpec
 from agentkv._agent.toolset import ToolResult
 from agentkv._types import Message, ToolCall, TurnOverrides, TurnResult
+from agentkv._wire.fields import AUTO, FINAL, NONE, REQUIRED
 
 __all__ = [
     "AUTO",
@@ -64,14 +65,6 @@ FINAL_ANSWER = ToolSpec(
 )
 """The tool a model calls to end a run, where every reply must be a tool call."""
 
-AUTO = "auto"
-"""Choice: the model calls any tool, or answers (``ToolCalling.turn_options``)."""
-FINAL = "final"
-"""Choice: the model must give its final answer now."""
-NONE = "none"
-"""Choice: plain text, no tool calls."""
-REQUIRED = "required"
-"""Choice: the model must call one of the tools (not the final one) now."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

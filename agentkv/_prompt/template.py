@@ -42,7 +42,7 @@ from agentkv._exceptions import BadRequestError, MalformedResponseError, Templat
 from agentkv._prompt.transcript import Delta, Transcript, TurnPrompt
 from agentkv._types import Message
 from agentkv._wire.http import post_json
-from agentkv._wire.json import dumps
+from agentkv._wire.json import dumps, tools_key
 
 __all__ = ["ChatTemplate", "Renderer", "ServerRenderer", "TemplateInfo", "tools_key"]
 
@@ -109,12 +109,6 @@ class TemplateInfo:
     """What the template puts after an assistant message's content."""
     generation_prompt: tuple[int, ...]
     """The assistant header ``add_generation_prompt`` adds; empty if it depends on context."""
-
-
-def tools_key(tools: Tools) -> str:
-    """A stable key for a tools list (templates render tools into the prompt); key order in the
-    tool definitions does not matter."""
-    return json.dumps(tools, sort_keys=True, separators=(",", ":")) if tools else ""
 
 
 async def _ready(info: TemplateInfo) -> TemplateInfo:

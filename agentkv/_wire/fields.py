@@ -121,3 +121,15 @@ def check_extra_body(extra: Mapping[str, Any]) -> None:
         reason = refusal(name, value)
         if reason is not None:
             raise InvalidMessageError(f"'{name}': {value!r} is refused: {reason}")
+
+
+# The tool_choice values of agentkv's tool-calling protocols (``ToolCalling.turn_options``): the
+# OpenAI API's three, and agentkv's own "final".
+AUTO = "auto"
+"""Choice: the model calls any tool, or answers."""
+FINAL = "final"
+"""Choice: the model must give its final answer now."""
+NONE = "none"
+"""Choice: plain text, no tool calls."""
+REQUIRED = "required"
+"""Choice: the model must call one of the tools (not the final one) now."""

@@ -13,11 +13,13 @@ b'{"a":[1,2]}'
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
 
-__all__ = ["JSONDecodeError", "dumps", "fragment", "loads"]
+__all__ = ["JSONDecodeError", "dumps", "fragment", "loads", "tools_key"]
 
 # A subclass of the standard library's json.JSONDecodeError (and of ValueError).
 JSONDecodeError = orjson.JSONDecodeError
@@ -34,3 +36,9 @@ def loads(data: bytes | str) -> Any:
 def fragment(obj: Any) -> Any:
     """``obj`` serialized once, embeddable in later ``dumps`` calls."""
     return orjson.Fragment(orjson.dumps(obj))
+
+
+def tools_key(tools: Sequence[Mapping[str, Any]] | None) -> str:
+    """A stable key for a tools list (templates render tools into the prompt); key order in the
+    tool definitions does not matter. Saved sessions hold it: its form never changes."""
+    return json.dumps(tools, sort_keys=True, separators=(",", ":")) if tools else ""

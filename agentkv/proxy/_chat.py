@@ -31,8 +31,7 @@ from agentkv import (
     TurnOverrides,
     TurnResult,
 )
-from agentkv._prompt.template import tools_key
-from agentkv._wire.json import dumps
+from agentkv._wire.json import dumps, tools_key
 from agentkv.proxy._affinity import HistoryIndex
 from agentkv.proxy._config import ProxyConfig
 from agentkv.proxy._mapping import HistoryPlan, plan_history

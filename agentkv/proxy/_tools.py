@@ -41,7 +41,7 @@ from agentkv import (
     ToolSpec,
     TurnResult,
 )
-from agentkv._agent.tool_calling import AUTO, NONE, REQUIRED
+from agentkv._wire.fields import AUTO, NONE, REQUIRED
 from agentkv._wire.http import post_json
 from agentkv.proxy._errors import ProxyError
 

@@ -137,11 +137,6 @@ ALLOWED = {
     ("agentkv.proxy._server", "agentkv._client.portal"),
     ("agentkv.testing._fake_http", "agentkv._client.portal"),
     ("agentkv._openai.transport", "agentkv._client.portal"),
-    # The proxy keys a session's rendering by its tools exactly as the template renders them.
-    ("agentkv.proxy._chat", "agentkv._prompt.template"),
-    # tool_choice values of the tool-calling protocols ("auto", "none", "required").
-    ("agentkv.proxy._tools", "agentkv._agent.tool_calling"),
-    ("agentkv.integrations.langchain", "agentkv._agent.tool_calling"),
 }
 
 
