@@ -298,7 +298,7 @@ class AsyncSession(_SessionBase):
         options = _merge(self._state.options, overrides)
         await self._close_abandoned()
         self._check_turnable()
-        self._state.busy = True
+        self._state.begin_turn()
         try:
             runner = TurnRunner(self._pool, self._state, options, stream=False, final=final)
             async with contextlib.aclosing(runner.events()) as events:
@@ -306,7 +306,7 @@ class AsyncSession(_SessionBase):
                     if isinstance(event, TurnResult):
                         return event
         finally:
-            self._state.busy = False
+            self._state.end_turn()
         raise AssertionError("a turn ended without a result")  # pragma: no cover
 
     async def send(
@@ -361,7 +361,7 @@ class AsyncSession(_SessionBase):
         await self._close_abandoned()
         self._check_turnable()
         state = self._state
-        state.busy = True
+        state.begin_turn()
         state.stream = holder[0]
         try:
             runner = TurnRunner(self._pool, state, options, stream=True, final=final)
@@ -369,7 +369,7 @@ class AsyncSession(_SessionBase):
                 async for event in events:
                     yield event
         finally:
-            state.busy = False
+            state.end_turn()
             if state.stream is holder[0]:
                 state.stream = None
 
@@ -446,7 +446,7 @@ class AsyncSession(_SessionBase):
         if state.closed:
             return
         await self._close_abandoned()
-        state.closed = True
+        state.close()
         # Releases of this session's lost D legs, still in flight: done before close returns.
         pool = self._pool
         await pool.leases.settle()
@@ -468,7 +468,7 @@ class AsyncSession(_SessionBase):
         """
         state = self._state
         if not state.closed:
-            state.closed = True
+            state.close()
             state.handle = None
             self._pool.release(state.pair)
 
@@ -572,7 +572,7 @@ class Session(_SessionBase):
     def close(self) -> None:
         """Close the session: forget its handle and free its place on the pair."""
         if self._pool.closed:
-            self._state.closed = True  # the loop thread is gone; so is everything it held
+            self._state.close()  # the loop thread is gone; so is everything it held
             self._state.handle = None
         elif not self._state.closed:
             self._portal.call(self._inner.aclose())
@@ -580,7 +580,7 @@ class Session(_SessionBase):
     def detach(self) -> None:
         """Close this copy without releasing its handle (see ``AsyncSession.detach``)."""
         if self._pool.closed:
-            self._state.closed = True  # the loop thread is gone; so is everything it held
+            self._state.close()  # the loop thread is gone; so is everything it held
             self._state.handle = None
         elif not self._state.closed:
 

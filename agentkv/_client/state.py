@@ -8,6 +8,7 @@ as arguments. It is mutated only on the event loop its pool runs on.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,12 +56,23 @@ class TurnOutcome:
     tools: Sequence[Mapping[str, Any]] | None
 
 
+class Lifecycle(enum.Enum):
+    """Where a session is in its life: one value instead of two flags that could disagree.
+
+    ``IDLE`` ⇄ ``RUNNING`` for each turn; ``close()`` makes an idle session ``CLOSED`` and a
+    running one ``CLOSING``, which becomes ``CLOSED`` when its turn ends.
+    """
+
+    IDLE = "idle"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
 class SessionState:
     """Everything a session knows. Mutated only on the event loop its pool runs on."""
 
     __slots__ = (
-        "busy",
-        "closed",
         "fingerprint",
         "fingerprint_ok",
         "handle",
@@ -69,6 +81,7 @@ class SessionState:
         "lost",
         "options",
         "pair",
+        "phase",
         "policy",
         "prefilled",
         "session_id",
@@ -121,8 +134,34 @@ class SessionState:
         # The stream running the current turn, if one does: left suspended by a caller that
         # stopped iterating, it is closed by the next call rather than by garbage collection.
         self.stream: AsyncGenerator[Any, None] | None = None
-        self.closed = False
-        self.busy = False
+        self.phase = Lifecycle.IDLE
+
+    # --- the lifecycle -----------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """A turn is running (the session may have been closed meanwhile)."""
+        return self.phase in (Lifecycle.RUNNING, Lifecycle.CLOSING)
+
+    @property
+    def closed(self) -> bool:
+        """The session was closed (a turn may still be finishing)."""
+        return self.phase in (Lifecycle.CLOSING, Lifecycle.CLOSED)
+
+    def begin_turn(self) -> None:
+        if self.phase is not Lifecycle.IDLE:
+            raise AssertionError(f"a turn cannot begin while {self.phase.value}")
+        self.phase = Lifecycle.RUNNING
+
+    def end_turn(self) -> None:
+        self.phase = Lifecycle.CLOSED if self.phase is Lifecycle.CLOSING else Lifecycle.IDLE
+
+    def close(self) -> None:
+        """Mark the session closed; a running turn finishes, and then it is ``CLOSED``."""
+        if self.phase is Lifecycle.IDLE:
+            self.phase = Lifecycle.CLOSED
+        elif self.phase is Lifecycle.RUNNING:
+            self.phase = Lifecycle.CLOSING
 
     def move_to(self, pair: Pair) -> None:
         self.pair = pair

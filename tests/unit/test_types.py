@@ -83,3 +83,24 @@ def test_session_stats_of_no_turns():
     stats = SessionStats.from_turns([])
     assert stats.turns == 0
     assert stats.reuse_ratio is None
+
+
+def test_a_sessions_lifecycle_is_one_value_and_a_close_waits_for_the_running_turn():
+    from agentkv._client.state import Lifecycle, SessionState
+
+    state = SessionState.__new__(SessionState)
+    state.phase = Lifecycle.IDLE
+    state.begin_turn()
+    assert (state.phase, state.busy, state.closed) == (Lifecycle.RUNNING, True, False)
+    with pytest.raises(AssertionError):
+        state.begin_turn()
+    state.close()  # closed while the turn runs: it finishes, then the session is closed
+    assert (state.phase, state.busy, state.closed) == (Lifecycle.CLOSING, True, True)
+    state.end_turn()
+    assert (state.phase, state.busy, state.closed) == (Lifecycle.CLOSED, False, True)
+    state.close()
+    assert state.phase is Lifecycle.CLOSED
+    idle = SessionState.__new__(SessionState)
+    idle.phase = Lifecycle.IDLE
+    idle.close()
+    assert (idle.phase, idle.busy, idle.closed) == (Lifecycle.CLOSED, False, True)
