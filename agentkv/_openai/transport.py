@@ -204,6 +204,24 @@ async def _exchange(app: ASGIApp, scope: dict[str, Any], body: bytes) -> httpx2.
 async def _serve(
     app: ASGIApp, direct: DirectEndpoints, request: httpx2.Request, body: bytes
 ) -> httpx2.Response:
+    """Serve ``request``, within its read timeout (``timeout=`` of the openai call) as a socket
+    transport would: no answer started in time is ``httpx2.ReadTimeout``, and the request is
+    cancelled (a turn it was running commits nothing)."""
+    timeout = request.extensions.get("timeout") or {}
+    read_s = timeout.get("read")
+    deadline = asyncio.timeout(read_s)
+    try:
+        async with deadline:
+            return await _answer(app, direct, request, body)
+    except TimeoutError as exc:
+        if not deadline.expired():
+            raise
+        raise httpx2.ReadTimeout(f"no answer within {read_s} s", request=request) from exc
+
+
+async def _answer(
+    app: ASGIApp, direct: DirectEndpoints, request: httpx2.Request, body: bytes
+) -> httpx2.Response:
     scope = _scope(request)
     endpoint = direct.get((request.method, request.url.path))
     if endpoint is None:

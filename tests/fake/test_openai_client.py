@@ -5,8 +5,10 @@ every pin."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -327,3 +329,48 @@ async def test_an_async_client_opened_from_a_cluster_file_closes_its_cluster(fak
         assert fake.decode(0).pinned_handles == 1
         await client.close()
         assert fake.decode(0).pinned_handles == 0
+
+
+class _Slow(httpx.AsyncBaseTransport):
+    """The fake's transport, each request held back while ``slow`` is set."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self._inner = inner
+        self.slow = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.slow:
+            await asyncio.sleep(1.0)
+        return await self._inner.handle_async_request(request)
+
+
+async def test_a_call_the_caller_gives_up_on_commits_nothing_and_the_session_goes_on(fake):
+    """``timeout=`` holds for the in-process transport as for a socket: the call times out, its
+    turn is cancelled and commits nothing, so the retry (the same history) extends the session
+    as if the call had never been made."""
+    transport = _Slow(fake.transport)
+    async with (
+        AsyncCluster.from_dict(fake.cluster_spec, transport=transport) as cluster,
+        agentkv.AsyncOpenAI(cluster, session_id="cancel", max_retries=0) as client,
+    ):
+        messages = [{"role": "user", "content": "Tell me about ports."}]
+        first = await client.chat.completions.create(model=client.model, messages=messages)
+        messages += [first.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "And harbours?"}]
+        transport.slow = True
+        with pytest.raises(openai.APITimeoutError):
+            await client.chat.completions.create(
+                model=client.model, messages=messages, timeout=0.2
+            )
+        transport.slow = False
+        raw = await client.chat.completions.with_raw_response.create(
+            model=client.model, messages=messages
+        )
+        retry = raw.parse()
+        assert raw.headers.get("x-agentkv-forked") is None
+        assert raw.headers["x-agentkv-handle"] == "attached"
+        assert retry.usage is not None
+        assert first.usage is not None
+        assert retry.usage.prompt_tokens_details is not None
+        assert retry.usage.prompt_tokens_details.cached_tokens == _ideal(first.usage)
+    assert fake.wrong_reuse_events == 0
