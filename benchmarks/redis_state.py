@@ -35,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -44,6 +45,7 @@ import structlog
 from agentkv import AsyncCluster
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._redis_store import RedisSessions
+from agentkv.proxy._registry import store_key
 from agentkv.testing import FakeCluster
 
 SYSTEM = "You answer briefly. " + " ".join(f"Rule {i}: be kind to robot {i}." for i in range(60))
@@ -90,8 +92,27 @@ def _calls(url: str) -> int:
     client.close()
     # Requests the proxy sent: its scripts and its plain reads (INFO also counts the commands a
     # script runs, but those run inside the script's one round trip).
-    sent = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_hmget", "cmdstat_zrangebyscore")
+    sent = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_zrangebyscore")
     return sum(int(v["calls"]) for k, v in stats.items() if k in sent)
+
+
+async def _end(
+    client: httpx.AsyncClient, store: RedisSessions | None, session_ids: list[str]
+) -> list[tuple[int, int]]:
+    """Delete the sessions, as a client ends its conversations (a replica that stops keeps
+    sessions and pins: without this the fake decode fills up with pins); return each stored
+    snapshot's (bytes, transcript tokens) first."""
+    snapshots = []
+    for session_id in session_ids:
+        if store is not None:
+            stored = await store.peek(store_key("anonymous", session_id))
+            assert stored.data is not None
+            tokens = len(json.loads(stored.data)["session"]["transcript"]["token_ids"])
+            snapshots.append((len(stored.data), tokens))
+        ended = await client.delete(f"/v1/sessions/{session_id}")
+        if ended.is_error:
+            raise RuntimeError(f"DELETE {session_id}: {ended.status_code} {ended.text}")
+    return snapshots
 
 
 async def _run(
@@ -106,8 +127,14 @@ async def _run(
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p")
         apps.append(client)
         closers.append((client, store, cluster, app))
+    peek_store = closers[0][1]
     latencies: list[float] = []
     store_s: list[float] = []
+    turn_s: list[float] = []  # the SDK's turn (with the in-process fake pair), per request
+    proxy_s: list[float] = []  # the proxy's own work around it (the store's part included)
+    # Fresh ids every run: a replica closing does not delete what it stored, so a later round
+    # reusing an id would find the last round's 8-turn session and fork it on its first turn.
+    run_id = uuid.uuid4().hex[:8]
     gate = asyncio.Semaphore(args.concurrency)
 
     async def conversation(i: int) -> None:
@@ -120,15 +147,18 @@ async def _run(
                 response = await client.post(
                     "/v1/chat/completions",
                     json={"model": fake.model, "messages": messages, "max_tokens": 32},
-                    headers={"X-Session-ID": f"{mode}-{i}"},
+                    headers={"X-Session-ID": f"{mode}-{run_id}-{i}"},
                 )
                 latencies.append(time.perf_counter() - started)
-            response.raise_for_status()
+            if response.is_error:
+                raise RuntimeError(f"{mode} turn {turn}: {response.status_code} {response.text}")
             timing = dict(
                 part.strip().split(";dur=") for part in response.headers["server-timing"].split(",")
             )
             if "store" in timing:
                 store_s.append(float(timing["store"]) / 1e3)
+            turn_s.append(float(timing["turn"]) / 1e3)
+            proxy_s.append(float(timing["proxy"]) / 1e3)
             messages.append(response.json()["choices"][0]["message"])
 
     calls_before = _calls(url) if url else 0
@@ -137,7 +167,12 @@ async def _run(
     await asyncio.gather(*(conversation(i) for i in range(args.sessions)))
     cpu = time.process_time() - cpu
     elapsed = time.perf_counter() - started
+    for _, _, _, app in closers:
+        await app.state.registry.written()  # the last commits, written behind their answers
     calls = (_calls(url) - calls_before) if url else 0
+    snapshots = await _end(
+        apps[0], peek_store, [f"{mode}-{run_id}-{i}" for i in range(args.sessions)]
+    )
     for client, store, cluster, app in closers:
         await app.state.registry.close_all()
         await client.aclose()
@@ -151,20 +186,15 @@ async def _run(
         "p99_ms": round(latencies[int(0.99 * (len(latencies) - 1))] * 1000, 3),
         "turns_per_s": round(len(latencies) / elapsed, 1),
         "cpu_ms_per_turn": round(1000 * cpu / len(latencies), 3),
+        "turn_ms": round(statistics.median(turn_s) * 1000, 3),
+        "proxy_ms": round(statistics.median(proxy_s) * 1000, 3),
         "store_ms": round(statistics.median(store_s) * 1000, 3) if store_s else 0.0,
         "redis_round_trips_per_turn": round(calls / len(latencies), 2) if url else 0,
+        "snapshots": snapshots,
     }
 
 
-def _snapshot_size(url: str) -> dict[str, float]:
-    client = redis.Redis.from_url(url)
-    sizes = []
-    for key in client.scan_iter("agentkv:s:*"):
-        snap = client.hget(key, "snap")
-        assert isinstance(snap, bytes)
-        tokens = len(json.loads(snap)["session"]["transcript"]["token_ids"])
-        sizes.append((len(snap), tokens))
-    client.close()
+def _snapshot_size(sizes: list[tuple[int, int]]) -> dict[str, float]:
     total_bytes = sum(b for b, _ in sizes)
     total_tokens = sum(t for _, t in sizes)
     return {
@@ -241,7 +271,8 @@ async def main_async(args: argparse.Namespace) -> None:
         cpu_base = statistics.median(r["cpu_ms_per_turn"] for r in by_mode["memory"])
         print(
             f"{'mode':8} {'median ms':>10} {'p99 ms':>8} {'added ms':>9} {'turns/s':>8} "
-            f"{'CPU ms':>7} {'added CPU':>9} {'store ms':>8} {'RTT/turn':>8}"
+            f"{'CPU ms':>7} {'added CPU':>9} {'turn ms':>8} {'proxy ms':>8} {'store ms':>8} "
+            f"{'RTT/turn':>8}"
         )
         for mode, runs in by_mode.items():
             median = statistics.median(r["median_ms"] for r in runs)
@@ -250,12 +281,13 @@ async def main_async(args: argparse.Namespace) -> None:
                 f"{mode:8} {median:10.3f} {statistics.median(r['p99_ms'] for r in runs):8.3f} "
                 f"{median - base:9.3f} {statistics.median(r['turns_per_s'] for r in runs):8.1f} "
                 f"{cpu:7.3f} {cpu - cpu_base:9.3f} "
+                f"{statistics.median(r['turn_ms'] for r in runs):8.3f} "
+                f"{statistics.median(r['proxy_ms'] for r in runs):8.3f} "
                 f"{statistics.median(r['store_ms'] for r in runs):8.3f} "
                 f"{runs[-1]['redis_round_trips_per_turn']:8}"
             )
-        # The snapshots of the last redis round are still stored (the replicas closed without
-        # deleting them, as a replica that stops does).
-        print("snapshot:", json.dumps(_snapshot_size(url)))
+        ended = [size for row in rows for size in row["snapshots"]]
+        print("snapshot:", json.dumps(_snapshot_size(ended)))
         print("components (median):", json.dumps(await _components(fake, url)))
     finally:
         process.terminate()

@@ -244,12 +244,12 @@ class ChatService:
         self.tool_modes = ToolModes(cluster, configured=config.tool_calling)
         self._histories = HistoryIndex(max_entries=config.max_sessions)
 
-
     def _salted(self, extra: Mapping[str, Any], principal: str) -> Mapping[str, Any]:
         """``extra`` with the principal's ``cache_salt`` (``isolate_prefix_caches``)."""
         if not self._config.isolate_prefix_caches:
             return extra
         return {**extra, "cache_salt": self._salts.salt(principal)}
+
     async def complete(
         self,
         body: object,
@@ -329,7 +329,8 @@ class ChatService:
         total_s = time.perf_counter() - started
         timing = f"turn;dur={turn_s * 1e3:.3f}, proxy;dur={(total_s - turn_s) * 1e3:.3f}"
         if lease.entry is not None and self._registry.shared:
-            # Part of ``proxy``: what the shared session store (claim, commit) took.
+            # Part of ``proxy``: what the shared session store took before the answer (the
+            # claim, and the restore when another replica served the last turn).
             timing += f", store;dur={lease.entry.store_s * 1e3:.3f}"
         response.headers["Server-Timing"] = timing
         self._metrics.overhead_seconds.observe(total_s - turn_s)

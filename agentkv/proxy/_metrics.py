@@ -106,6 +106,19 @@ class ProxyMetrics:
             buckets=_OVERHEAD_BUCKETS,
             registry=registry,
         )
+        self.commit_seconds = Histogram(
+            "agentkv_proxy_store_commit_seconds",
+            "Time a turn's commit to the shared session store took (written after the answer)",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=registry,
+        )
+        self.commit_failures = Counter(
+            "agentkv_proxy_store_commit_failures",
+            "Commits to the shared store that stored nothing (refused: the claim was lost; "
+            "unreachable: the store was)",
+            ("reason",),
+            registry=registry,
+        )
         self.ttft_seconds = Histogram(
             "agentkv_proxy_ttft_seconds",
             "Time to the first token of a turn, as the SDK saw it",

@@ -9,7 +9,8 @@ Keys (``prefix`` defaults to ``agentkv:``):
 
 Every operation is one Lua script, so one round trip and atomic: claiming (lock, fence, and the
 snapshot when the caller's copy is stale), committing (fence check, write, unlock, idle index),
-renewing, releasing and removing. A turn costs two round trips: ``claim`` and ``commit``.
+renewing, releasing, removing and peeking. A turn costs two round trips, ``claim`` and
+``commit``, and the answer waits only for the first (the proxy commits after answering).
 The multi-key scripts need every key on one node: a single Redis or a primary with replicas,
 not Redis Cluster.
 
@@ -28,7 +29,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from agentkv.proxy._store import Claim, ClaimLostError, StoreUnavailableError
+from agentkv.proxy._store import Claim, ClaimLostError, Stored, StoreUnavailableError
 
 __all__ = ["RedisSessions"]
 
@@ -49,6 +50,11 @@ redis.call('HSET', KEYS[1], 'snap', ARGV[2], 'ver', ARGV[1])
 redis.call('DEL', KEYS[2])
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[4])
 return tonumber(ARGV[1])
+"""
+
+_PEEK = """
+local stored = redis.call('HMGET', KEYS[1], 'ver', 'snap')
+return {stored[1], stored[2], redis.call('EXISTS', KEYS[2])}
 """
 
 _RENEW = """
@@ -114,6 +120,7 @@ class RedisSessions:
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._remove = client.register_script(_REMOVE)
+        self._peek = client.register_script(_PEEK)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisSessions:
@@ -130,7 +137,8 @@ class RedisSessions:
     async def claim(self, key: str, *, known_version: int, wait_s: float) -> Claim:
         session, lock = self._keys(key)
         deadline = time.monotonic() + wait_s
-        pause = 0.001
+        # A commit written behind an answer lands within a round trip: look again soon.
+        pause = 0.00025
         while True:
             with _reachable():
                 reply = await self._claim(
@@ -179,13 +187,13 @@ class RedisSessions:
         )
         return bool(removed)
 
-    async def peek(self, key: str) -> tuple[int, bytes | None]:
-        session, _ = self._keys(key)
+    async def peek(self, key: str) -> Stored:
         with _reachable():
-            version, data = await self._redis.hmget(session, ["ver", "snap"])
+            version, data, claimed = await self._peek(keys=list(self._keys(key)))
         if version is None or data is None:
-            return 0, None
-        return int(version), data if isinstance(data, bytes) else data.encode()
+            return Stored(version=0, data=None, claimed=bool(claimed))
+        data = data if isinstance(data, bytes) else str(data).encode()
+        return Stored(version=int(version), data=data, claimed=bool(claimed))
 
     async def idle(self, *, before: float, limit: int) -> list[str]:
         members = await self._redis.zrangebyscore(

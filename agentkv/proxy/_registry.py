@@ -17,6 +17,10 @@ front of the store, and the store is the truth (see ``_store``):
 * A checkout claims the session in the store after the local lock (one claim per replica at a
   time), and takes the stored snapshot when the cached copy is not exactly it; a checkin commits
   the snapshot and releases the claim. A claim whose lease ran out commits nothing.
+* The commit is written behind: ``checkin`` returns at once, so the answer waits for one round
+  trip (the claim), not two. The session stays checked out, locally and in the store, until the
+  commit lands, so the next request for it, on this replica or another, runs after it; a read
+  (``lookup``) that finds the session claimed waits a moment for a commit about to land.
 * Dropping a cached copy (local eviction, shutdown, a replica killed) never releases the
   session's pin: another replica continues the session. Only a DELETE or the idle sweep, after
   removing the session from the store under a claim, releases it: exactly once, on whichever
@@ -38,13 +42,24 @@ from agentkv import AsyncCluster, AsyncSession, Message, SessionClosedError
 from agentkv._wire.json import dumps, loads
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
-from agentkv.proxy._store import Claim, ClaimLostError, SessionStore, StoreUnavailableError
+from agentkv.proxy._store import (
+    Claim,
+    ClaimLostError,
+    SessionStore,
+    Stored,
+    StoreUnavailableError,
+)
 
 __all__ = ["SessionEntry", "SessionRegistry"]
 
 logger = structlog.get_logger("agentkv")
 
 Key = tuple[str, str]
+
+# The pauses of a read that finds a session claimed elsewhere, about 50 ms in all: long enough
+# for a commit written behind an answer to land (a round trip), short enough not to stall
+# behind a turn still running there. Real time, whatever clock the registry is given.
+READ_PAUSES_S = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.02)
 
 
 class SessionEntry:
@@ -71,6 +86,7 @@ class SessionEntry:
         "users",
         "version",
         "views",
+        "write",
     )
 
     def __init__(self, key: Key, session: AsyncSession, *, now: float) -> None:
@@ -91,8 +107,11 @@ class SessionEntry:
         self.version = 0
         self.claim: Claim | None = None
         self.renewer: asyncio.Task[None] | None = None
-        # Seconds the request holding this entry spent on the shared store (claim and restore,
-        # snapshot and commit): the proxy reports it in ``Server-Timing: store``.
+        # The checkin writing this entry's commit behind its answer (shared store only).
+        self.write: asyncio.Task[None] | None = None
+        # Seconds the request holding this entry waited on the shared store (the claim, with the
+        # restore when the copy was stale; the commit comes after the answer): the proxy reports
+        # it in ``Server-Timing: store``.
         self.store_s = 0.0
 
     @property
@@ -161,6 +180,8 @@ class SessionRegistry:
         self._clock = clock
         # Ordered by last checkout, oldest first: eviction scans from the front.
         self._entries: OrderedDict[Key, SessionEntry] = OrderedDict()
+        # Checkins whose commit is still being written behind their answer.
+        self._writes: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -188,18 +209,43 @@ class SessionRegistry:
     async def _lookup_shared(self, principal: str, session_id: str) -> SessionEntry | None:
         assert self._store is not None
         key = (principal, session_id)
-        version, data = await self._store.peek(store_key(principal, session_id))
         entry = self._entries.get(key)
-        if data is None:
+        if entry is not None:
+            await self._written(entry)  # a commit written behind an answer from here
+        if entry is not None and entry.claim is not None:
+            # A turn runs here now: what is stored is the state before it; nothing to wait for.
+            stored = await self._store.peek(store_key(principal, session_id))
+        else:
+            stored = await self._peek(store_key(principal, session_id))
+        entry = self._entries.get(key)
+        if stored.data is None:
             if entry is not None and entry.users == 0:
                 self._forget(entry)
             return None
         if entry is None:
             entry = self._new_entry(key, placement_key=None)
-        if entry.version != version and entry.users == 0:
-            entry.load_bytes(data, self._cluster)
-            entry.version = version
+        if entry.version != stored.version and entry.users == 0:
+            entry.load_bytes(stored.data, self._cluster)
+            entry.version = stored.version
         return entry
+
+    async def _peek(self, key: str) -> Stored:
+        """The stored session; while another replica holds it, wait a moment (``READ_PAUSES_S``)
+        for the commit that an answer already sent may still be writing."""
+        assert self._store is not None
+        stored = await self._store.peek(key)
+        for pause in READ_PAUSES_S:
+            if not stored.claimed:
+                break
+            await asyncio.sleep(pause)
+            stored = await self._store.peek(key)
+        return stored
+
+    @staticmethod
+    async def _written(entry: SessionEntry) -> None:
+        """Wait until no checkin of ``entry`` is still writing behind its answer."""
+        if entry.write is not None:
+            await asyncio.wait([entry.write])
 
     def _fresh_session(self, key: Key, *, placement_key: str | None) -> AsyncSession:
         principal, session_id = key
@@ -327,22 +373,60 @@ class SessionRegistry:
             entry.version = await store.commit(
                 claim, entry.to_bytes(wall=self._wall()), used_at=self._wall()
             )
-            entry.store_s += time.perf_counter() - started
+            self._metrics.commit_seconds.observe(time.perf_counter() - started)
         except ClaimLostError:
             # Another replica holds the session now: this copy is not the stored one.
             entry.version = -1
+            self._metrics.commit_failures.labels("refused").inc()
             logger.warning(
                 "agentkv.proxy.commit_refused", session_id=entry.session_id, fence=claim.fence
             )
 
     async def checkin(self, entry: SessionEntry) -> None:
-        """Give the session back; a session deleted meanwhile is closed by its last user."""
+        """Give the session back; a session deleted meanwhile is closed by its last user.
+
+        With a shared store the commit is written behind the answer: this returns at once, and
+        the session stays checked out (here and in the store) until the commit has landed.
+        """
+        if entry.claim is not None and not entry.closed:
+            write = asyncio.get_running_loop().create_task(self._write_behind(entry))
+            entry.write = write
+            self._writes.add(write)
+            write.add_done_callback(self._writes.discard)
+            return
         await self._settle(entry)
+        await self._give_back(entry)
+
+    async def _write_behind(self, entry: SessionEntry) -> None:
+        try:
+            await self._settle(entry)
+        except StoreUnavailableError as exc:
+            # The answer is out; the store keeps the previous turn. The client's next request
+            # re-sends this turn's messages, which then fork from what is stored: reuse lost,
+            # nothing else. The claim's lease runs out on its own.
+            entry.version = -1
+            self._metrics.commit_failures.labels("unreachable").inc()
+            logger.error(
+                "agentkv.proxy.commit_failed", session_id=entry.session_id, detail=str(exc)
+            )
+        except Exception:
+            entry.version = -1
+            logger.exception("agentkv.proxy.commit_failed", session_id=entry.session_id)
+        finally:
+            entry.write = None
+            await self._give_back(entry)
+
+    async def _give_back(self, entry: SessionEntry) -> None:
         entry.lock.release()
         entry.users -= 1
         entry.last_used = self._clock()
         if entry.closed and entry.users == 0:
             await entry.session.aclose()
+
+    async def written(self) -> None:
+        """Wait until every commit written behind an answer has landed (or failed)."""
+        while self._writes:
+            await asyncio.wait(list(self._writes))
 
     async def replace(self, entry: SessionEntry, session: AsyncSession, *, keep: int) -> None:
         """Swap in a fork of the entry's session that kept its first ``keep`` messages."""
@@ -426,6 +510,7 @@ class SessionRegistry:
         return closed
 
     async def close_all(self) -> None:
+        await self.written()  # a replica that stops first stores the turns it answered
         for entry in list(self._entries.values()):
             if self._store is not None:
                 self._forget(entry)  # other replicas continue these sessions

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from agentkv import AgentKVError
 
-__all__ = ["Claim", "ClaimLostError", "SessionStore", "StoreUnavailableError"]
+__all__ = ["Claim", "ClaimLostError", "SessionStore", "StoreUnavailableError", "Stored"]
 
 
 class ClaimLostError(AgentKVError):
@@ -47,6 +47,16 @@ class Claim:
     fence: int
     version: int
     data: bytes | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stored:
+    """What :meth:`SessionStore.peek` saw: the stored version and snapshot (``0`` and ``None``
+    when none is stored), and whether some replica holds a claim on the session right now."""
+
+    version: int
+    data: bytes | None
+    claimed: bool
 
 
 class SessionStore(Protocol):
@@ -80,8 +90,8 @@ class SessionStore(Protocol):
         last used before then is deleted (an idle sweep that raced a request loses)."""
         ...
 
-    async def peek(self, key: str) -> tuple[int, bytes | None]:
-        """The stored version and snapshot, without claiming (``(0, None)`` when none)."""
+    async def peek(self, key: str) -> Stored:
+        """The stored version and snapshot, without claiming."""
         ...
 
     async def idle(self, *, before: float, limit: int) -> list[str]:

@@ -16,6 +16,7 @@ from openai import AsyncOpenAI
 from agentkv import AsyncCluster
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._redis_store import RedisSessions
+from agentkv.proxy._store import ClaimLostError
 from agentkv.testing import FakeCluster
 
 SYSTEM = "You answer briefly. " + " ".join(f"Rule {i}: be kind to robot {i}." for i in range(30))
@@ -122,6 +123,7 @@ async def test_a_replica_gone_mid_conversation_loses_nothing(fake, clock, redis_
     messages = [{"role": "system", "content": SYSTEM}]
     await _ask(a, "gone", messages, QUESTIONS[0])
     await _ask(a, "gone", messages, QUESTIONS[1])
+    await a.app.state.registry.written()  # killed between turns, after its commit landed
     pinned = fake.decode(0).pinned_handles + fake.decode(1).pinned_handles
     await a.aclose(release=False)  # like a killed process: releases nothing
     replicas.remove(a)
@@ -132,6 +134,76 @@ async def test_a_replica_gone_mid_conversation_loses_nothing(fake, clock, redis_
     assert len(turns) == len(QUESTIONS)
     _assert_ideal(turns)
     assert b.app.state.metrics.value("agentkv_proxy_forks_total") == 0
+
+
+class HeldCommits:
+    """A replica's store whose commits wait for ``go``: a replica that dies between sending an
+    answer and storing it is one whose commit never lands."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.lease_s = inner.lease_s
+        self.go = asyncio.Event()
+        self.held = 0
+        self.refused = 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def commit(self, claim, data, *, used_at):
+        self.held += 1
+        await self.go.wait()
+        try:
+            return await self._inner.commit(claim, data, used_at=used_at)
+        except ClaimLostError:
+            self.refused += 1
+            raise
+
+
+async def test_a_replica_dying_between_its_answer_and_its_commit_loses_only_reuse(
+    fake, clock, redis_url
+):
+    """The commit is written behind the answer. If the replica dies before it lands, the stored
+    session lacks that turn: the next request, on another replica once the dead one's claim
+    lapsed, re-sends the turn's messages as new input and recomputes (nothing is lost, no wrong
+    KV). The dead replica's late commit is refused: the session was taken over."""
+    held = HeldCommits(RedisSessions.from_url(redis_url, lease_s=0.3))
+    a = Replica(fake, clock, redis_url)
+    a.app = create_app(a.cluster, ProxyConfig(), clock=clock, store=held)
+    a.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=a.app), base_url="http://proxy")
+    b = Replica(fake, clock, redis_url)
+    messages = [{"role": "system", "content": SYSTEM}]
+    held.go.set()
+    await _ask(a, "dies", messages, QUESTIONS[0])
+    await a.app.state.registry.written()
+    held.go.clear()
+    # The answer comes back while its commit is held: it does not wait for it.
+    answer = await asyncio.wait_for(_ask(a, "dies", messages, QUESTIONS[1]), 5)
+    assert answer.choices[0].message.content
+    for _ in range(100):
+        if held.held == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert held.held == 2
+    # A is dead from here: its second commit does not land while B serves the next turn.
+    await _ask(b, "dies", messages, QUESTIONS[2])
+    turns = await b.turns("dies")
+    assert len(turns) == 2  # A's first turn, then B's: A's second never reached the store
+    # The stored handle is turn 1's, whose pin A's second turn consumed: B must not attach it.
+    assert turns[1]["handle_state"] == "expired"
+    assert fake.wrong_reuse_events == 0
+    held.go.set()
+    await a.app.state.registry.written()
+    assert held.refused == 1
+    refused = a.app.state.metrics.value(
+        "agentkv_proxy_store_commit_failures_total", reason="refused"
+    )
+    assert refused == 1
+    assert await b.turns("dies") == turns
+    await held.aclose()
+    await a.http.aclose()
+    await a.cluster.aclose()
+    await b.aclose()
 
 
 async def test_concurrent_requests_for_one_session_through_both_replicas_serialize(
@@ -184,6 +256,7 @@ async def test_idle_expiry_releases_the_pin_exactly_once_whichever_replica_sweep
     a, b = replicas
     messages = [{"role": "system", "content": SYSTEM}]
     await _ask(a, "idle", messages, QUESTIONS[0])
+    await a.app.state.registry.written()  # stored (and in the idle index) once it lands
     assert fake.decode(0).pinned_handles + fake.decode(1).pinned_handles == 1
     for replica in replicas:
         replica.app.state.registry._wall = lambda: 10.0**12  # far past the idle timeout
@@ -206,7 +279,7 @@ async def test_a_turn_costs_two_redis_round_trips_on_the_same_or_the_other_repli
         # Requests the proxy sent: its scripts and its plain reads (a script's own commands are
         # counted too by INFO, but run inside the one round trip).
         stats = admin.info("commandstats")
-        sent = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_hmget", "cmdstat_zrangebyscore")
+        sent = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_zrangebyscore")
         return sum(int(v["calls"]) for k, v in stats.items() if k in sent)
 
     a, b = replicas
@@ -214,8 +287,11 @@ async def test_a_turn_costs_two_redis_round_trips_on_the_same_or_the_other_repli
     await _ask(a, "rtt", messages, QUESTIONS[0])
     await _ask(b, "rtt", messages, QUESTIONS[1])  # both replicas have connected and loaded scripts
     for replica, question in ((b, QUESTIONS[2]), (a, QUESTIONS[3])):
+        for settled in replicas:
+            await settled.app.state.registry.written()
         admin.config_resetstat()
         await _ask(replica, "rtt", messages, question)
+        await replica.app.state.registry.written()  # the commit is written behind the answer
         assert commands() == 2  # claim, commit
     admin.close()
 

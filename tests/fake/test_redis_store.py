@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from agentkv.proxy._redis_store import RedisSessions
-from agentkv.proxy._store import ClaimLostError
+from agentkv.proxy._store import ClaimLostError, Stored
 
 
 @pytest.fixture
@@ -29,7 +29,19 @@ async def test_a_claim_commits_and_the_next_claim_gets_the_data_only_when_its_co
     assert (fresh.version, fresh.data) == (version, None)  # the caller's copy is current
     assert fresh.fence > stale.fence > claim.fence
     await store.release(fresh)
-    assert await store.peek("k") == (version, b"one")
+    assert await store.peek("k") == Stored(version=version, data=b"one", claimed=False)
+
+
+async def test_peek_says_whether_a_claim_is_held_without_taking_one(store):
+    """Readers wait a moment on ``claimed`` for a commit written behind an answer."""
+    assert await store.peek("k") == Stored(version=0, data=None, claimed=False)
+    claim = await store.claim("k", known_version=0, wait_s=1)
+    assert await store.peek("k") == Stored(version=0, data=None, claimed=True)
+    version = await store.commit(claim, b"one", used_at=1.0)
+    assert await store.peek("k") == Stored(version=version, data=b"one", claimed=False)
+    again = await store.claim("k", known_version=version, wait_s=1)
+    assert await store.peek("k") == Stored(version=version, data=b"one", claimed=True)
+    await store.release(again)
 
 
 async def test_a_held_session_cannot_be_claimed_until_released(store):
@@ -59,7 +71,7 @@ async def test_a_stale_holders_commit_and_remove_are_refused_after_its_lease_ran
     with pytest.raises(TimeoutError):
         await store.claim("k", known_version=0, wait_s=0.0)
     await store.commit(current, b"current", used_at=1.0)
-    assert (await store.peek("k"))[1] == b"current"
+    assert (await store.peek("k")).data == b"current"
 
 
 async def test_renewal_keeps_a_claim_past_its_lease(store):
@@ -107,5 +119,5 @@ async def test_removal_happens_exactly_once_and_an_idle_sweep_loses_to_a_recent_
         results.append(await store.remove(claim))
         await store.release(claim)
     assert results == [True, False]
-    assert await store.peek("k") == (0, None)
+    assert await store.peek("k") == Stored(version=0, data=None, claimed=False)
     assert await store.idle(before=1e12, limit=10) == []
