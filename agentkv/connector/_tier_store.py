@@ -202,6 +202,7 @@ class TierStore:
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(target)
+        self.touch(manifest.id)  # its LRU position: on the store's clock
         _fsync_dir(self.root)
         self.enforce_budget(keep=manifest.id)
 
