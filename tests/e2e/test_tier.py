@@ -141,3 +141,27 @@ def test_info_reports_the_tier(pair: Pair, local_cluster: ClusterRecord) -> None
     usage = TierUsage.from_wire(info["tier"])
     assert usage.budget_bytes > 0
     assert local_cluster.tier_dir == usage.dir
+
+
+def test_a_prefill_that_never_saw_the_session_loads_all_of_it_from_the_tier(pair: Pair) -> None:
+    """Turn 1 computed on decode alone (prefill's cache is cold for it): turn 2's P leg loads
+    every block from the tier, and the greedy answers equal a never-interrupted session's."""
+    conv = Conversation(pair, "tier-cold")
+    handle = conv.decode({"do_remote_decode": False, "do_remote_prefill": False}, HOLD)
+    first = list(conv.generated)
+    response = _persist(pair, handle)
+    assert response.status_code == 200, response.text
+    ref = PersistResult.from_wire(response.json()).ref
+    assert ref.n_tokens == conv.turn_tokens - 1
+    conv.add_user("And which shelf holds parcel 5?")
+    p_params, cached = _resume(conv, ref)
+    assert cached == ref.n_tokens
+    conv.decode(p_params, PersistHint(persist=False))
+
+    reference = Conversation(pair, "tier-cold")
+    old = reference.turn(None, HOLD)
+    assert reference.generated == first
+    reference.add_user("And which shelf holds parcel 5?")
+    reference.turn(old, PersistHint(persist=False))
+    assert conv.generated == reference.generated
+    assert pair.post(pair.d_url, TIER_DELETE_PATH, {"id": ref.id}).json() == {"deleted": True}

@@ -222,9 +222,9 @@ def test_the_sweep_enforces_the_budget(tmp_path: Path, clock: Clock) -> None:
 @pytest.mark.parametrize("bad", ["../etc/passwd", "A" * 32, "0" * 31, "/tmp/x", "0" * 32 + "/"])
 def test_only_well_formed_ids_name_files(tmp_path: Path, clock: Clock, bad: str) -> None:
     store = _store(tmp_path, clock)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tier ids"):
         store.data_path(bad, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tier ids"):
         store.delete(bad)
     with pytest.raises(HintError):
         TierDelete.from_wire({"id": bad})
