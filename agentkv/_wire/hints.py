@@ -93,6 +93,9 @@ LEASE_ERRORS: Mapping[str, tuple[int, str, str]] = {
         LEASES_UNAVAILABLE,
         "this server's KV connector is not AgentKVConnector; hints are ignored",
     ),
+    # The file tier (agentkv/_wire/tier.py; the codes are spelled out to keep this module first).
+    "tier_unavailable": (501, "tier_unavailable", "this server has no KV file tier configured"),
+    "tier_failed": (500, "tier_write_failed", "writing the KV to the tier failed; still pinned"),
 }
 
 
@@ -414,6 +417,8 @@ class ServerInfo:
     stream_handles: bool
     default_ttl_s: float | None = None
     max_ttl_s: float | None = None
+    # The file tier's usage (``tier.TierUsage.to_wire()``), or None: no tier on this server.
+    tier: Mapping[str, Any] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -422,6 +427,7 @@ class ServerInfo:
             "stream_handles": self.stream_handles,
             "default_ttl_s": self.default_ttl_s,
             "max_ttl_s": self.max_ttl_s,
+            "tier": None if self.tier is None else dict(self.tier),
         }
 
     @classmethod
@@ -432,9 +438,11 @@ class ServerInfo:
         if not isinstance(leases, bool) or not isinstance(streams, bool):
             raise HintError("the agentkv info answer lacks boolean 'leases'/'stream_handles'")
         default, cap = data.get("default_ttl_s"), data.get("max_ttl_s")
+        tier = data.get("tier")
         return cls(
             leases=leases,
             stream_handles=streams,
             default_ttl_s=None if default is None else _number(default, "default_ttl_s"),
             max_ttl_s=None if cap is None else _number(cap, "max_ttl_s"),
+            tier=None if tier is None else _object(tier, "the agentkv info answer's tier"),
         )

@@ -18,10 +18,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import structlog
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
+from agentkv._wire.hints import HintError, LeaseRef
+from agentkv._wire.tier import TierRef
 from agentkv.connector import _engine_rpc, _quiet
-from agentkv.connector._leases import LeaseBook, LeaseService, SchedulerPins, apply_pin_policy
+from agentkv.connector._leases import (
+    LeaseBook,
+    LeaseService,
+    Outcome,
+    SchedulerPins,
+    apply_pin_policy,
+)
+from agentkv.connector._tier import RunOnWorkers, TierScheduler, TierWorker, tier_config
+
+logger = structlog.get_logger("agentkv.connector")
 
 # Longest pin a hint or extend may ask for, unless kv_connector_extra_config sets
 # "agentkv_max_ttl_s": a runaway lease must not hold decode memory forever.
@@ -33,7 +45,8 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
 
     Extra config (``kv_connector_extra_config``) besides vLLM's: ``agentkv_max_ttl_s`` caps hinted
     and extended leases (default 3600 s). ``decoder_kv_blocks_ttl`` stays the TTL of requests
-    without a hint.
+    without a hint. ``agentkv_tier_dir`` turns on the file tier (``_tier``: persist on decode,
+    resume into prefill), ``agentkv_tier_budget_bytes`` bounds it (default 4 GiB).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -44,6 +57,14 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
         self._book: LeaseBook | None = None
         self._control: SchedulerPins | None = None
         self._service: LeaseService | None = None
+        self._tier_root, tier_budget = tier_config(self.kv_transfer_config)
+        self._tier: TierScheduler | None = None
+        self.agentkv_tier_worker: TierWorker | None = None
+        self._tier_lost: set[int] = set()  # planned blocks a worker without a tier cannot load
+        self._tier_lost_done: set[str] = set()
+        if self.connector_scheduler is not None and self._tier_root:
+            self._tier = TierScheduler(root=self._tier_root, budget_bytes=tier_budget,
+                                       vllm_config=self._vllm_config)
         if self.connector_scheduler is not None:
             # Scheduler role: this runs in the EngineCore process, where lease calls arrive.
             extra = self.kv_transfer_config
@@ -76,10 +97,89 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
             # then waits for that load forever. After a preemption the blocks on decode are
             # freed anyway. Recompute instead.
             return 0, False
+        if (
+            self._tier is not None
+            and params
+            and not params.get("remote_block_ids")
+            and not params.get("do_remote_prefill")
+        ):
+            ref = _tier_ref(params)
+            if ref is not None:
+                n = self._tier.lookup(request, ref, num_computed_tokens)
+                return (n, True) if n > 0 else (0, False)
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens
         )
         return result
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        if self._tier is not None and self._tier.after_alloc(request, blocks,
+                                                             num_external_tokens):
+            # A tier load: NIXL sees a P leg with nothing to pull (it still sends to decode).
+            super().update_state_after_alloc(request, blocks, 0)
+            if request.kv_transfer_params is not None:
+                # One load per request: a retry after a failed load recomputes.
+                request.kv_transfer_params["_remote_blocks_processed"] = True
+            return
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._tier is not None:
+            loads = self._tier.take_loads()
+            if loads:
+                meta.agentkv_tier_loads = loads
+        return meta
+
+    # --- worker side: the tier's loads ------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        super().register_kv_caches(kv_caches)
+        if self._tier_root and self.connector_worker is not None:
+            try:
+                self.agentkv_tier_worker = TierWorker(
+                    root=self._tier_root, kv_caches=kv_caches,
+                    num_blocks=int(self._kv_cache_config.num_blocks),
+                    rank=int(self.connector_worker.tp_rank),
+                )
+            except RuntimeError as exc:
+                logger.warning("tier_worker_unavailable", error=str(exc))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        loads = getattr(self._connector_metadata, "agentkv_tier_loads", None)
+        if not loads:
+            return
+        tier = self.agentkv_tier_worker
+        for request_id, load in loads.items():
+            if tier is not None:
+                tier.load(request_id, load)
+            else:  # cannot load: the scheduler recomputes every planned block
+                self._tier_lost.update(load.local_blocks)
+                self._tier_lost_done.add(request_id)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)
+        tier = self.agentkv_tier_worker
+        done = (tier.done if tier is not None else set()) | self._tier_lost_done
+        if done:
+            results.finished_recving = set(results.finished_recving) | done
+            if tier is not None:
+                tier.done = set()
+            self._tier_lost_done = set()
+        return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors: set[int] = set(super().get_block_ids_with_load_errors())
+        tier = self.agentkv_tier_worker
+        if tier is not None and tier.invalid:
+            errors |= tier.invalid
+            tier.invalid = set()
+        if self._tier_lost:
+            errors |= self._tier_lost
+            self._tier_lost = set()
+        return errors
 
     # --- scheduler side: the pin policy ----------------------------------------------------------
 
@@ -96,7 +196,7 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._book is None or self._control is None:
             return result
-        return apply_pin_policy(
+        answer = apply_pin_policy(
             self._book,
             self._control,
             request_id=request.request_id,
@@ -104,11 +204,16 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
             result=result,
             default_ttl_s=self._default_ttl_s,
         )
+        if self._tier is not None and answer[0] and request.request_id in self._book:
+            self._tier.record(request)
+        return answer
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         if self._book is not None:
             self._book.forget(connector_output.finished_sending or ())
+        if self._tier is not None:
+            self._tier.forget(connector_output.finished_sending or ())
 
     # --- scheduler side: lease calls (EngineCore utility, see _engine_rpc) -----------------------
 
@@ -116,4 +221,43 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
         """Serve one lease call; runs on the EngineCore thread, between engine steps."""
         if self._service is None:
             return {"status": "unavailable"}
-        return self._service.handle(op, payload)
+        answer = self._service.handle(op, payload)
+        if op == "info" and answer.get("status") == "ok":
+            answer["tier"] = None if self._tier is None else self._tier.store.usage().to_wire()
+        return answer
+
+    def agentkv_tier_op(self, op: str, payload: object,  # noqa: PLR0911 - one answer per case
+                        run_on_workers: RunOnWorkers) -> dict[str, object]:
+        """Serve a tier call (``persist``, ``tier_delete``); runs on the EngineCore thread.
+
+        ``run_on_workers`` is the executor's ``collective_rpc``: the write runs in the workers,
+        where the KV tensors are.
+        """
+        if self._service is None or self._book is None:
+            return {"status": "unavailable"}
+        if self._tier is None:
+            return {"status": "tier_unavailable"}
+        if op == "tier_delete":
+            return self._tier.delete(payload)
+        if op != "persist":
+            return {"status": "invalid", "message": f"unknown tier operation {op!r}"}
+        try:
+            ref = LeaseRef.from_wire(payload)
+        except HintError as exc:
+            return {"status": "invalid", "message": str(exc)}
+        outcome, lease = self._book.check(ref)
+        if outcome is not Outcome.OK or lease is None:
+            return {"status": outcome.value}
+        answer = self._tier.persist(ref, lease.block_ids, run_on_workers)
+        if answer.get("status") == "ok":
+            # Written and committed: now, and only now, free decode's blocks.
+            self._service.handle("release", ref.to_wire())
+        return answer
+
+
+def _tier_ref(params: dict[str, Any]) -> TierRef | None:
+    try:
+        return TierRef.from_params(params)
+    except HintError as exc:
+        logger.warning("tier_ref_ignored", error=str(exc))
+        return None

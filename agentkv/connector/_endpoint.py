@@ -4,8 +4,9 @@ Loaded by vLLM (entry point ``vllm.endpoint_plugins:agentkv``) only when ``VLLM_
 ``agentkv``; ``agentkv up`` sets it. Two jobs:
 
 * Routes (under ``/v1`` so ``--api-key`` guards them): ``GET /v1/agentkv/info``,
-  ``POST /v1/agentkv/leases/release``, ``POST /v1/agentkv/leases/extend`` and
-  ``POST /v1/agentkv/requests/release``. Each forwards to
+  ``POST /v1/agentkv/leases/release``, ``POST /v1/agentkv/leases/extend``,
+  ``POST /v1/agentkv/requests/release``, ``POST /v1/agentkv/leases/persist`` and
+  ``POST /v1/agentkv/tier/delete`` (the file tier, ``_tier``). Each forwards to
   the EngineCore's ``agentkv_leases`` utility (``_engine_rpc``), which asks the connector. One
   decode server serves any number of sessions: a call names its handle by the handle's own
   capability (``_leases``), never by a session id the server would have to trust.
@@ -34,6 +35,7 @@ from agentkv._wire.hints import (
     ServerInfo,
     lease_error,
 )
+from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH, TierDelete
 from agentkv.connector import _stream
 from agentkv.connector._engine_rpc import METHOD
 
@@ -74,7 +76,8 @@ class _EngineLink:
 
 
 def _merge(answers: list[Any]) -> dict[str, Any]:
-    ranked = ["ok", "expired", "invalid", "unknown", "unavailable"]
+    ranked = ["ok", "tier_failed", "expired", "invalid", "unknown", "tier_unavailable",
+              "unavailable"]
     good = [a for a in answers if isinstance(a, dict) and a.get("status") in ranked]
     if not good:
         return {"status": "unavailable"}
@@ -101,6 +104,7 @@ async def info(request: Request) -> JSONResponse:
     link = _link(request)
     answer = await link.call("info", {}) if link is not None else {"status": "unavailable"}
     ok = answer.get("status") == "ok"
+    tier = answer.get("tier")
     default, cap = answer.get("default_ttl_s"), answer.get("max_ttl_s")
     return JSONResponse(
         ServerInfo(
@@ -108,6 +112,7 @@ async def info(request: Request) -> JSONResponse:
             stream_handles=bool(getattr(request.app.state, "agentkv_stream_handles", False)),
             default_ttl_s=float(default) if ok and default is not None else None,
             max_ttl_s=float(cap) if ok and cap is not None else None,
+            tier=tier if ok and isinstance(tier, dict) else None,
         ).to_wire()
     )
 
@@ -160,6 +165,36 @@ async def extend(request: Request) -> JSONResponse:
     except HintError as exc:
         return _error("internal", f"the engine answered a malformed extend: {exc}")
     return JSONResponse(result.to_wire())
+
+
+@router.post(PERSIST_PATH)
+async def persist(request: Request) -> JSONResponse:
+    try:
+        ref = LeaseRef.from_wire(await _body(request))
+    except HintError as exc:
+        return _error("invalid", str(exc))
+    link = _link(request)
+    if link is None:
+        return _error("unavailable")
+    answer = await link.call("persist", ref.to_wire())
+    if answer.get("status") != "ok":
+        return _error(str(answer.get("status")), answer.get("message"))
+    return JSONResponse({"tier": answer.get("tier")})
+
+
+@router.post(TIER_DELETE_PATH)
+async def tier_delete(request: Request) -> JSONResponse:
+    try:
+        delete = TierDelete.from_wire(await _body(request))
+    except HintError as exc:
+        return _error("invalid", str(exc))
+    link = _link(request)
+    if link is None:
+        return _error("unavailable")
+    answer = await link.call("tier_delete", delete.to_wire())
+    if answer.get("status") != "ok":
+        return _error(str(answer.get("status")), answer.get("message"))
+    return JSONResponse({"deleted": bool(answer.get("deleted"))})
 
 
 class AgentKVEndpointPlugin:

@@ -14,11 +14,19 @@ from __future__ import annotations
 from typing import Any
 
 METHOD = "agentkv_leases"
+# Operations that run on the workers too (the tier's writes), through the executor.
+TIER_OPS = ("persist", "tier_delete")
 
 
 def agentkv_leases(engine: Any, op: str, payload: dict[str, Any]) -> dict[str, Any]:
     """Forward a lease call to the engine's KV connector, if it is agentkv's."""
     connector = engine.scheduler.get_kv_connector()
+    if op in TIER_OPS:
+        tier_handler = getattr(connector, "agentkv_tier_op", None)
+        if tier_handler is None:
+            return {"status": "unavailable"}
+        answer: dict[str, Any] = tier_handler(op, payload, engine.model_executor.collective_rpc)
+        return answer
     handler = getattr(connector, "agentkv_lease_op", None)
     if handler is None:  # stock NixlConnector (or none): hints are ignored there
         return {"status": "unavailable"}

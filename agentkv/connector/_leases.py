@@ -199,6 +199,10 @@ class LeaseBook:
             return Outcome.EXPIRED, lease
         return Outcome.OK, lease
 
+    def check(self, ref: LeaseRef) -> tuple[Outcome, Lease | None]:
+        """Whether ``ref`` is a live lease of its holder (``OK``), without changing it."""
+        return self._find(ref)
+
     def release(self, ref: LeaseRef) -> Outcome:
         """Forget the caller's lease now; the connector frees its blocks at the next step."""
         outcome, lease = self._find(ref)

@@ -56,6 +56,10 @@ class LocalClusterConfig:
     startup_timeout_s: float = 900.0
     # The agentkv connector (NixlConnector + agentkv policy hooks); False runs stock vLLM.
     agentkv_connector: bool = True
+    # The file tier for persisted turn-end KV, shared by prefill and decode (docs/connector.md);
+    # None: ``tier`` next to the cluster file. Only with the agentkv connector.
+    tier_dir: Path | None = None
+    tier_budget_bytes: int = 4 << 30
     # agentkv's vLLM plugin settings that let an idle server sleep (docs/idle.md).
     quiet: bool = True
     extra_args: tuple[str, ...] = ()
@@ -96,6 +100,13 @@ class LocalClusterConfig:
     @property
     def log_dir(self) -> Path:
         return self.cluster_file.parent.resolve() / "logs"
+
+    @property
+    def resolved_tier_dir(self) -> Path | None:
+        """Where the servers keep persisted KV: ``tier_dir``, or ``tier`` by the cluster file."""
+        if not self.agentkv_connector:
+            return None
+        return (self.tier_dir or self.cluster_file.parent / "tier").resolve()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +152,9 @@ class ClusterRecord:
     # The servers' kv_recompute_threshold: the SDK attaches handles down to it (None: not
     # recorded, the SDK assumes vLLM's default).
     kv_recompute_threshold: int | None = None
+    # The servers' shared KV file tier (None: no tier, or not recorded) and its byte budget.
+    tier_dir: str | None = None
+    tier_budget_bytes: int | None = None
 
     @property
     def servers(self) -> list[tuple[str, str, ServerRecord]]:
@@ -183,6 +197,11 @@ class ClusterRecord:
             **(
                 {"kv_recompute_threshold": self.kv_recompute_threshold}
                 if self.kv_recompute_threshold is not None
+                else {}
+            ),
+            **(
+                {"tier": {"dir": self.tier_dir, "budget_bytes": self.tier_budget_bytes}}
+                if self.tier_dir is not None
                 else {}
             ),
         }
@@ -253,6 +272,7 @@ class ClusterRecord:
                     dtype=None if dtype is None else str(dtype),
                     cpu_isa=None if cpu_isa is None else str(cpu_isa),
                     kv_recompute_threshold=None if threshold is None else int(threshold),
+                    **_tier_fields(data),
                 )
             pairs = tuple(
                 PairRecord(
@@ -276,6 +296,16 @@ class ClusterRecord:
                 dtype=None if dtype is None else str(dtype),
                 cpu_isa=None if cpu_isa is None else str(cpu_isa),
                 kv_recompute_threshold=None if threshold is None else int(threshold),
+                **_tier_fields(data),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"cluster file {path} is malformed: {exc!r}") from exc
+
+
+def _tier_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    tier = data.get("tier")
+    if not isinstance(tier, Mapping):
+        return {}
+    budget = tier.get("budget_bytes")
+    return {"tier_dir": str(tier["dir"]),
+            "tier_budget_bytes": None if budget is None else int(budget)}

@@ -69,6 +69,10 @@ def kv_transfer_config(*, role: str, config: LocalClusterConfig) -> dict[str, An
         "decoder_kv_blocks_ttl": config.decoder_kv_blocks_ttl,
         "kv_recompute_threshold": config.kv_recompute_threshold,
     }
+    tier_dir = config.resolved_tier_dir
+    if tier_dir is not None:
+        extra["agentkv_tier_dir"] = str(tier_dir)
+        extra["agentkv_tier_budget_bytes"] = config.tier_budget_bytes
     transfer: dict[str, Any] = {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
@@ -263,6 +267,7 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
             dtype=serving_dtype(config),
             cpu_isa=config.cpu_isa,
             kv_recompute_threshold=config.kv_recompute_threshold,
+            **_tier_record(config),
             pool=tuple(
                 PoolServerRecord(
                     name=plan.pair,
@@ -279,6 +284,7 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
         dtype=serving_dtype(config),
         cpu_isa=config.cpu_isa,
         kv_recompute_threshold=config.kv_recompute_threshold,
+        **_tier_record(config),
         pairs=tuple(
             PairRecord(
                 name=prefill.pair,
@@ -425,3 +431,10 @@ def _stop(pid: int) -> bool:
     if process is not None:
         process.wait()
     return ok
+
+
+def _tier_record(config: LocalClusterConfig) -> dict[str, Any]:
+    tier_dir = config.resolved_tier_dir
+    if tier_dir is None:
+        return {}
+    return {"tier_dir": str(tier_dir), "tier_budget_bytes": config.tier_budget_bytes}

@@ -49,6 +49,10 @@ class Engine:
     def get_kv_connector(self) -> object:
         return self.connector
 
+    @property
+    def model_executor(self) -> object:
+        return type("Executor", (), {"collective_rpc": staticmethod(lambda *a, **k: [])})()
+
     def pin(self, request_id: str) -> LeaseRef:
         _, ack = self.book.grant(request_id, BLOCKS, ttl_s=60)
         assert ack.lease is not None
@@ -185,3 +189,36 @@ async def test_a_stock_connector_answers_501_and_info_says_no_leases(clock: Cloc
             assert response.status_code == 501
             assert response.json()["error"]["code"] == "leases_unavailable"
             assert (await client.get(INFO_PATH)).json()["leases"] is False
+
+
+async def test_persist_without_a_tier_answers_501_tier_unavailable(
+    client: httpx.AsyncClient, engine: Engine
+) -> None:
+    """The fake connector has no ``agentkv_tier_op`` at all: a connector without a tier method
+    is not agentkv's (leases_unavailable); agentkv's without a tier dir says tier_unavailable."""
+    from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH
+
+    ref = engine.pin("req-p")
+    response = await client.post(PERSIST_PATH, json=ref.to_wire())
+    assert response.status_code == 501
+    assert response.json()["error"]["code"] == "leases_unavailable"
+    engine.connector.agentkv_tier_op = (  # type: ignore[attr-defined]
+        lambda op, payload, run: {"status": "tier_unavailable"})
+    response = await client.post(PERSIST_PATH, json=ref.to_wire())
+    assert response.status_code == 501
+    assert response.json()["error"]["code"] == "tier_unavailable"
+    response = await client.post(TIER_DELETE_PATH, json={"id": "../../etc/passwd"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_request"
+
+
+async def test_a_failed_persist_answers_500_and_names_the_cause(
+    client: httpx.AsyncClient, engine: Engine
+) -> None:
+    from agentkv._wire.tier import PERSIST_PATH
+
+    engine.connector.agentkv_tier_op = (  # type: ignore[attr-defined]
+        lambda op, payload, run: {"status": "tier_failed", "message": "disk full"})
+    response = await client.post(PERSIST_PATH, json=engine.pin("req-f").to_wire())
+    assert response.status_code == 500
+    assert response.json() == {"error": {"code": "tier_write_failed", "message": "disk full"}}

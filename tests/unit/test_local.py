@@ -361,3 +361,22 @@ def test_up_with_prefill_and_decode_flags_configures_a_pool(tmp_path: Path) -> N
     assert [role for _, role, _ in config.servers] == ["prefill", "prefill", "decode"]
     pairs = _local_config(build_parser().parse_args(["up", "--pairs", "2"]))
     assert not pairs.pool
+
+
+def test_both_servers_share_one_tier_dir_by_the_cluster_file(tmp_path: Path) -> None:
+    config = LocalClusterConfig(cluster_file=tmp_path / "c" / "cluster.json")
+    for role in ("prefill", "decode"):
+        extra = kv_transfer_config(role=role, config=config)["kv_connector_extra_config"]
+        assert extra["agentkv_tier_dir"] == str((tmp_path / "c" / "tier").resolve())
+        assert extra["agentkv_tier_budget_bytes"] == config.tier_budget_bytes
+    stock = LocalClusterConfig(cluster_file=tmp_path / "cluster.json", agentkv_connector=False)
+    assert "agentkv_tier_dir" not in kv_transfer_config(
+        role="decode", config=stock)["kv_connector_extra_config"]
+
+
+def test_the_cluster_file_records_the_tier(tmp_path: Path) -> None:
+    record = ClusterRecord(model="m", tier_dir="/t/tier", tier_budget_bytes=123)
+    record.write(tmp_path / "cluster.json")
+    assert json.loads((tmp_path / "cluster.json").read_text())["tier"] == {
+        "dir": "/t/tier", "budget_bytes": 123}
+    assert ClusterRecord.read(tmp_path / "cluster.json") == record
