@@ -22,6 +22,13 @@ alternating in rounds so that drifting machine load weighs on both alike. Column
   api.openai.com too): validating and transforming ``messages`` grows with the history;
 * agentkv added: added minus the floor: what the drop-in costs beyond the openai SDK itself
   (the transport, Starlette, the proxy's parsing and session mapping);
+* the second table splits each call at its transport, timed per call by the httpx client's own
+  event hooks (which run right before and after the transport): the transport side (its time
+  minus the turn in it: the in-process transport and the proxy app; for the floor, the canned
+  app) and the SDK side (the latency minus the transport's time: the openai SDK building the
+  request and parsing the answer). agentkv added is the sum of the two differences to the floor:
+  the same quantity as in the first table, from per-call medians of each side instead of the
+  difference of two whole-call medians, so one noisy side does not move the other;
 * in-app: the proxy app's own work per call (``Server-Timing: proxy``: parsing and validating the
   request, mapping it onto its session, building the answer), part of agentkv added;
 * CPU/call: this process's CPU seconds per call on each path; CPU added is drop-in minus direct
@@ -57,6 +64,23 @@ from agentkv._openai.transport import AsyncAppTransport
 from agentkv.proxy import ProxyConfig
 from agentkv.testing import FakeCluster
 
+TRANSPORT_S = "bench_transport_s"
+
+
+async def _sent(request: httpx2.Request) -> None:
+    request.extensions["bench_sent"] = time.perf_counter()
+
+
+async def _received(response: httpx2.Response) -> None:
+    # The hooks run right before and after the transport: the time between is the transport's.
+    sent = response.request.extensions["bench_sent"]
+    response.extensions[TRANSPORT_S] = time.perf_counter() - sent
+
+
+def _time_transport(client: openai.AsyncOpenAI) -> None:
+    """Time each call's transport with the httpx client's own event hooks."""
+    client._client.event_hooks = {"request": [_sent], "response": [_received]}
+
 
 def _system_prompt(fake: FakeCluster, tokens: int) -> str:
     sentence = "agents reuse the decode node's cache so every later turn starts warm "
@@ -75,6 +99,11 @@ class Samples:
     latency_s: list[float] = field(default_factory=list)
     added_s: list[float] = field(default_factory=list)
     in_app_s: list[float] = field(default_factory=list)
+    # Per call: the time inside the transport minus the turn in it (the app's side), and the
+    # latency minus the time inside the transport (the openai SDK's side: building the request,
+    # parsing the answer into its models).
+    app_side_s: list[float] = field(default_factory=list)
+    sdk_side_s: list[float] = field(default_factory=list)
     cpu_s: float = 0.0
     calls: int = 0
 
@@ -110,6 +139,9 @@ async def _drop_in(
         )
         out.added_s.append(elapsed - float(timing["turn"]) / 1e3)
         out.in_app_s.append(float(timing["proxy"]) / 1e3)
+        in_transport = raw.http_response.extensions[TRANSPORT_S]
+        out.app_side_s.append(in_transport - float(timing["turn"]) / 1e3)
+        out.sdk_side_s.append(elapsed - in_transport)
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
     await client.delete(f"/sessions/{session}", cast_to=object)
 
@@ -121,14 +153,22 @@ def _canned_app(model: str) -> Any:
             "object": "chat.completion",
             "created": 0,
             "model": model,
+            # The drop-in's answer shape (as vLLM's), so that the SDK parses the same models.
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "canned " * 24},
+                    "message": {"role": "assistant", "content": "canned " * 24, "refusal": None},
+                    "logprobs": None,
                     "finish_reason": "length",
                 }
             ],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 32, "total_tokens": 33},
+            "usage": {
+                "prompt_tokens": 1,
+                "completion_tokens": 32,
+                "total_tokens": 33,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+            "system_fingerprint": None,
         }
     )
     headers = [(b"content-type", b"application/json"), (b"server-timing", b"turn;dur=0")]
@@ -168,7 +208,11 @@ async def _floor(
         )
         reply = raw.parse()
         dict(part.strip().split(";dur=") for part in raw.headers["server-timing"].split(","))
-        out.latency_s.append(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        out.latency_s.append(elapsed)
+        in_transport = raw.http_response.extensions[TRANSPORT_S]
+        out.app_side_s.append(in_transport)
+        out.sdk_side_s.append(elapsed - in_transport)
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
 
 
@@ -192,6 +236,8 @@ async def _level(args: argparse.Namespace, concurrency: int) -> dict[str, float]
         ) as client,
         _floor_client(fake.model) as canned,
     ):
+        _time_transport(client)
+        _time_transport(canned)
         # Warm every path (templates, the app's lifespan, pydantic's validators).
         await _round(_direct, cluster, concurrency=2, turns=2, out=Samples(), system=system)
         await _round(_drop_in, client, concurrency=2, turns=2, out=Samples(), system=system)
@@ -226,6 +272,10 @@ async def _level(args: argparse.Namespace, concurrency: int) -> dict[str, float]
         "added_p90_ms": statistics.quantiles(drop_in.added_s, n=10)[-1] * 1e3,
         "floor_ms": statistics.median(floor.latency_s) * 1e3,
         "in_app_ms": statistics.median(drop_in.in_app_s) * 1e3,
+        "app_side_ms": statistics.median(drop_in.app_side_s) * 1e3,
+        "floor_app_side_ms": statistics.median(floor.app_side_s) * 1e3,
+        "sdk_side_ms": statistics.median(drop_in.sdk_side_s) * 1e3,
+        "floor_sdk_side_ms": statistics.median(floor.sdk_side_s) * 1e3,
         "cpu_direct_ms": direct.cpu_s / direct.calls * 1e3,
         "cpu_floor_ms": floor.cpu_s / floor.calls * 1e3,
         "cpu_drop_in_ms": drop_in.cpu_s / drop_in.calls * 1e3,
@@ -246,8 +296,10 @@ def main() -> None:
         "| agentkv CPU |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    results = []
     for level in (int(c) for c in args.concurrency.split(",")):
         r = asyncio.run(_level(args, level))
+        results.append((level, r))
         print(
             f"| {level} | {r['direct_ms']:.2f} ms | {r['drop_in_ms']:.2f} ms "
             f"| {r['added_ms']:.3f} ms ({r['added_p90_ms']:.3f}) | {r['floor_ms']:.3f} ms "
@@ -256,6 +308,20 @@ def main() -> None:
             f"| {r['cpu_drop_in_ms']:.3f} ms | {r['cpu_drop_in_ms'] - r['cpu_direct_ms']:.3f} ms "
             f"| {r['cpu_drop_in_ms'] - r['cpu_direct_ms'] - r['cpu_floor_ms']:.3f} ms |",
             flush=True,
+        )
+    print()
+    print(
+        "| sessions | transport side: drop-in (minus turn) | floor | difference "
+        "| SDK side: drop-in | floor | difference | agentkv added (sum of differences) |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for level, r in results:
+        app = r["app_side_ms"] - r["floor_app_side_ms"]
+        sdk = r["sdk_side_ms"] - r["floor_sdk_side_ms"]
+        print(
+            f"| {level} | {r['app_side_ms']:.3f} ms | {r['floor_app_side_ms']:.3f} ms "
+            f"| {app:.3f} ms | {r['sdk_side_ms']:.3f} ms | {r['floor_sdk_side_ms']:.3f} ms "
+            f"| {sdk:.3f} ms | {app + sdk:.3f} ms |"
         )
 
 
