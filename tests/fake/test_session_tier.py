@@ -73,7 +73,8 @@ def test_persist_frees_decode_and_the_next_turn_reuses_the_ideal_from_the_tier(c
         assert decode.leased_handles == 1
         ref = s.persist()
         assert isinstance(ref, TierRef)
-        assert s.tier == ref and s.handle is None
+        assert s.tier == ref
+        assert s.handle is None
         assert (decode.pinned_handles, decode.leased_handles) == (0, 0)
         assert decode.kv_cache_usage == idle
         assert fake.tier.ids == [ref.id]
@@ -98,14 +99,13 @@ async def test_an_async_persist_and_the_tier_turn_answer_as_a_never_interrupted_
     for name, cluster_fake in (("tier", fake), ("pinned", reference)):
         async with AsyncCluster.from_dict(
             cluster_fake.cluster_spec, transport=cluster_fake.transport, clock=clock
-        ) as cluster:
-            async with cluster.session(**LONG) as s:
-                s.append(SYSTEM)
-                await s.send(QUESTIONS[0])
-                if name == "tier":
-                    assert await s.persist() is not None
-                    cluster_fake.prefill(0).restart()
-                answers[name] = [(await s.send(q)).token_ids for q in QUESTIONS[1:]]
+        ) as cluster, cluster.session(**LONG) as s:
+            s.append(SYSTEM)
+            await s.send(QUESTIONS[0])
+            if name == "tier":
+                assert await s.persist() is not None
+                cluster_fake.prefill(0).restart()
+            answers[name] = [(await s.send(q)).token_ids for q in QUESTIONS[1:]]
     assert answers["tier"] == answers["pinned"]
     assert fake.wrong_reuse_events == 0
 
@@ -116,7 +116,8 @@ def test_turn_persist_disk_persists_right_after_the_turn(cluster, fake):
         s.append(SYSTEM)
         with capture_logs() as logs:
             s.send(QUESTIONS[0], persist="disk")
-        assert s.tier is not None and s.handle is None
+        assert s.tier is not None
+        assert s.handle is None
         assert decode.leased_handles == 0
         [event] = events(logs, "agentkv.persist")
         assert (event["reason"], event["outcome"]) == ("turn", "ok")
@@ -146,7 +147,8 @@ def test_persist_without_a_tier_keeps_the_pin_and_returns_none(clock):
         handle = s.handle
         with capture_logs() as logs:
             assert s.persist() is None
-        assert s.handle is handle and s.tier is None
+        assert s.handle is handle
+        assert s.tier is None
         assert fake.decode(0).leased_handles == 1
         [event] = events(logs, "agentkv.persist")
         assert (event["status"], event["detail"]) == (501, "tier_unavailable")
@@ -160,7 +162,8 @@ def test_a_failed_write_keeps_the_pin(clock):
         s.send(QUESTIONS[0])
         with capture_logs() as logs:
             assert s.persist() is None
-        assert fake.decode(0).leased_handles == 1 and s.handle is not None
+        assert fake.decode(0).leased_handles == 1
+        assert s.handle is not None
         [event] = events(logs, "agentkv.persist")
         assert (event["status"], event["detail"]) == (500, "tier_write_failed")
         assert s.send(QUESTIONS[1]).stats.handle_state is HandleState.ATTACHED
@@ -176,7 +179,8 @@ def test_the_routes_answer_as_the_connector_does(fake):
     assert (answer.status_code, answer.json()) == (200, {"deleted": False})
     assert client.post(url + TIER_DELETE_PATH, json={"id": "../etc"}).status_code == 400
     info = client.get(url + "/v1/agentkv/info").json()
-    assert info["tier"]["entries"] == 0 and info["tier"]["budget_bytes"] == 4 << 30
+    assert info["tier"]["entries"] == 0
+    assert info["tier"]["budget_bytes"] == 4 << 30
     no_tier = FakeCluster(pairs=1)
     answer = httpx.Client(transport=no_tier.transport).post(
         no_tier.decode(0).url + TIER_DELETE_PATH, json={"id": "f" * 32}
@@ -195,8 +199,11 @@ def test_a_long_tool_wait_persists_instead_of_holding_the_pin(cluster, fake, clo
         with s.tool_wait(expected_s=3600) as wait:
             assert decode.leased_handles == 0
             clock.advance(3600)
-        assert wait.persisted and wait.survived and not wait.extended
-        assert wait.tier_decision is not None and wait.tier_decision.action == "persist"
+        assert wait.persisted
+        assert wait.survived
+        assert not wait.extended
+        assert wait.tier_decision is not None
+        assert wait.tier_decision.action == "persist"
         prefill_cache_cold(fake)
         stats = s.send(QUESTIONS[1]).stats
         assert stats.handle_state is HandleState.TIER
@@ -211,7 +218,9 @@ def test_a_short_tool_wait_keeps_the_pin(cluster, fake):
         s.send(QUESTIONS[0])
         with s.tool_wait(expected_s=5) as wait:
             pass
-        assert not wait.persisted and s.tier is None and fake.decode(0).leased_handles == 1
+        assert not wait.persisted
+        assert s.tier is None
+        assert fake.decode(0).leased_handles == 1
         assert s.send(QUESTIONS[1]).stats.handle_state is HandleState.ATTACHED
 
 
@@ -221,10 +230,12 @@ def test_tool_wait_pin_extends_as_before_and_disk_persists_a_short_wait(cluster,
         s.send(QUESTIONS[0])
         with s.tool_wait(expected_s=3600, persist="pin") as wait:
             pass
-        assert wait.extended and not wait.persisted
+        assert wait.extended
+        assert not wait.persisted
         with s.tool_wait(expected_s=1, persist="disk") as wait:
             pass
-        assert wait.persisted and s.tier is not None
+        assert wait.persisted
+        assert s.tier is not None
 
 
 # --- divergence, damage, eviction ----------------------------------------------------------------
@@ -276,18 +287,20 @@ def test_an_entry_evicted_by_the_budget_is_survived_by_recomputing(clock):
             s.send(question)
         ref_a = a.persist()
         ref_b = b.persist()
-        assert ref_a is not None and ref_b is not None
+        assert ref_a is not None
+        assert ref_b is not None
         assert fake.tier.ids == [ref_b.id]  # a's entry was least recently used
         prefill_cache_cold(fake)
         stats = a.send(QUESTIONS[1]).stats
-        assert stats.handle_state is HandleState.TIER and stats.reused_tokens == 0
+        assert stats.handle_state is HandleState.TIER
+        assert stats.reused_tokens == 0
         assert b.send(QUESTIONS[1]).stats.reused_tokens == ref_b.n_tokens
         a.close()
         b.close()
     assert fake.wrong_reuse_events == 0
 
 
-# --- lifecycle: close, save/load, moves ------------------------------------------------------------
+# --- lifecycle: close, save/load, moves -------------------------------------------------------
 
 
 def test_closing_a_session_deletes_its_tier_entry(cluster, fake):
@@ -338,16 +351,15 @@ def test_a_snapshot_without_a_tier_key_still_loads(fake, clock, tmp_path):
 
 def test_a_session_moved_to_another_pair_drops_its_tier_ref(clock):
     fake = FakeCluster(pairs=2, clock=clock, tier=True)
-    with open_cluster(fake, clock, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0,
-                                                     jitter_s=0)) as cluster:
-        with cluster.session(**LONG) as s:
-            s.append(SYSTEM)
-            s.send(QUESTIONS[0])
-            assert s.persist() is not None
-            fake.server(s.pair.prefill).kill()
-            stats = s.send(QUESTIONS[1]).stats
-            assert stats.handle_state is HandleState.INVALIDATED
-            assert s.tier is None
-            moved_prefill = fake.server(s.pair.prefill)
-            assert tier_refs(moved_prefill) == [None]
+    retry = RetryPolicy(max_attempts=3, initial_backoff_s=0, jitter_s=0)
+    with open_cluster(fake, clock, retry=retry) as cluster, cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        assert s.persist() is not None
+        fake.server(s.pair.prefill).kill()
+        stats = s.send(QUESTIONS[1]).stats
+        assert stats.handle_state is HandleState.INVALIDATED
+        assert s.tier is None
+        moved_prefill = fake.server(s.pair.prefill)
+        assert tier_refs(moved_prefill) == [None]
     assert fake.wrong_reuse_events == 0

@@ -59,7 +59,8 @@ def test_a_cost_model_without_positive_rates_is_refused(bad):
 def test_a_policy_from_a_saved_dict_rebuilds_its_cost_model():
     policy = CachePolicy(tier_cost=TierCostModel(recompute_tokens_per_s=40.0))
     again = CachePolicy(**dataclasses.asdict(policy))
-    assert again == policy and isinstance(again.tier_cost, TierCostModel)
+    assert again == policy
+    assert isinstance(again.tier_cost, TierCostModel)
 
 
 @pytest.mark.parametrize("bad", [{"persist_after_s": -1.0}, {"persist_kv_usage": 0.0},
@@ -75,13 +76,15 @@ def test_bad_tier_thresholds_are_refused(bad):
 def test_no_handle_and_an_expired_handle_are_dropped_never_persisted():
     assert CachePolicy().decide_tier(None, now=0.0, tier_available=True).action == "drop"
     late = decide(h=handle(deadline=10.0), now=10.0, hint="disk")
-    assert late.action == "drop" and "deadline" in late.reason
+    assert late.action == "drop"
+    assert "deadline" in late.reason
 
 
 def test_a_handle_without_a_lease_or_a_decode_without_a_tier_keeps_its_pin():
     assert decide(h=handle(leased=False), hint="disk").action == "pin"
     no_tier = decide(hint="disk", tier_available=False)
-    assert no_tier.action == "pin" and "no file tier" in no_tier.reason
+    assert no_tier.action == "pin"
+    assert "no file tier" in no_tier.reason
 
 
 def test_explicit_hints_win_over_the_wait():
@@ -93,7 +96,8 @@ def test_a_wait_or_idle_time_past_the_threshold_persists_a_shorter_one_keeps_the
     policy = CachePolicy(persist_after_s=60.0)
     assert decide(policy, expected_wait_s=59.9).action == "pin"
     long_wait = decide(policy, expected_wait_s=60.0)
-    assert long_wait.action == "persist" and "a wait of 60.0s" in long_wait.reason
+    assert long_wait.action == "persist"
+    assert "a wait of 60.0s" in long_wait.reason
     assert decide(policy, idle_s=120.0).action == "persist"
     assert "idle" in decide(policy, idle_s=120.0).reason
 
@@ -102,13 +106,15 @@ def test_decode_memory_pressure_persists_before_any_wait():
     policy = CachePolicy(persist_kv_usage=0.8)
     assert decide(policy, decode_kv_usage=0.79).action == "pin"
     pressed = decide(policy, decode_kv_usage=0.8)
-    assert pressed.action == "persist" and "KV usage" in pressed.reason
+    assert pressed.action == "persist"
+    assert "KV usage" in pressed.reason
 
 
 def test_a_handle_that_recomputes_as_fast_as_it_loads_is_not_persisted():
     slow_disk = CachePolicy(tier_cost=TierCostModel(read_bytes_per_s=1_000.0))
     decision = decide(slow_disk, expected_wait_s=3600.0)
-    assert decision.action == "pin" and "recompute" in decision.reason
+    assert decision.action == "pin"
+    assert "recompute" in decision.reason
 
 
 def test_the_wait_must_also_cover_the_write():
@@ -123,7 +129,7 @@ def test_the_wait_must_also_cover_the_write():
 @pytest.mark.parametrize("bad", [{"expected_wait_s": -1.0}, {"idle_s": float("nan")},
                                  {"hint": "ssd"}])
 def test_bad_inputs_are_refused(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be"):
         decide(**bad)
 
 
@@ -145,7 +151,10 @@ def test_never_persists_past_the_deadline_without_a_lease_without_a_tier_or_agai
         tier_available=tier,
     )
     if decision.action == "persist":
-        assert now < h.deadline and leased and tier and hint != "pin"
+        assert now < h.deadline
+        assert leased
+        assert tier
+        assert hint != "pin"
     if hint == "disk" and now < h.deadline and leased and tier:
         assert decision.action == "persist"
 
