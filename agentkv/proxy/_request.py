@@ -25,7 +25,6 @@ from typing import Any
 import structlog
 
 from agentkv import InvalidMessageError, Message, PersistMode
-from agentkv._policy import check_persist_mode
 from agentkv._wire.fields import PASSED_FIELDS, refusal
 from agentkv.proxy._errors import ProxyError
 
@@ -223,7 +222,10 @@ def persist_from(header: str | None) -> PersistMode:
     """
     if header is None:
         return "auto"
-    value = header.strip().lower()
-    if value not in ("disk", "pin", "auto"):
+    mode = _PERSIST_MODES.get(header.strip().lower())
+    if mode is None:
         raise _bad("X-AgentKV-Persist is disk, pin or auto", "X-AgentKV-Persist")
-    return check_persist_mode(value)
+    return mode
+
+
+_PERSIST_MODES: Mapping[str, PersistMode] = {"disk": "disk", "pin": "pin", "auto": "auto"}
