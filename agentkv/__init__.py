@@ -68,7 +68,16 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
-from agentkv._policy import AttachDecision, CachePolicy, ExtendDecision, PrefillWeights, RetryPolicy
+from agentkv._policy import (
+    AttachDecision,
+    CachePolicy,
+    ExtendDecision,
+    PersistMode,
+    PrefillWeights,
+    RetryPolicy,
+    TierCostModel,
+    TierDecision,
+)
 from agentkv._prompt.transcript import Span, TranscriptView
 from agentkv._types import (
     HandleState,
@@ -83,6 +92,7 @@ from agentkv._types import (
     TurnResult,
     TurnStats,
 )
+from agentkv._wire.tier import TierRef
 
 if _typing.TYPE_CHECKING:
     from agentkv._openai.client import AsyncOpenAI, OpenAI
@@ -120,6 +130,7 @@ __all__ = [
     "NoHealthyPairError",
     "OpenAI",
     "Pair",
+    "PersistMode",
     "PrefillWeights",
     "PrefixDivergedError",
     "RequestTimeoutError",
@@ -138,6 +149,9 @@ __all__ = [
     "TemplateError",
     "TextDelta",
     "TextEvent",
+    "TierCostModel",
+    "TierDecision",
+    "TierRef",
     "Tool",
     "ToolArgumentsError",
     "ToolCall",

@@ -262,6 +262,9 @@ class HandleState(enum.StrEnum):
     """The session moved to another pair; the handle points at the old decode node."""
     DIVERGED = "diverged"
     """The handle covers tokens the prompt does not start with; sending it would load wrong KV."""
+    TIER = "tier"
+    """No live handle: the P leg carried the session's file-tier reference (a persisted turn),
+    and prefill loaded the matching prefix from the tier."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

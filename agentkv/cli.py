@@ -15,9 +15,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import structlog
 
 from agentkv import AgentKVError
+from agentkv._wire.hints import INFO_PATH, HintError, ServerInfo
+from agentkv._wire.tier import TierUsage
 from agentkv.local._config import ClusterRecord, LocalClusterConfig, default_cluster_file
 from agentkv.local._cpu import DTYPES, ISA_ENV
 from agentkv.local._launch import _healthy, serving_dtype, start_cluster, stop_cluster
@@ -72,19 +75,43 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def tier_usage(client: httpx.Client, url: str) -> TierUsage | None:
+    """A server's file tier usage from ``GET /v1/agentkv/info``; ``None`` without a tier (or
+    without agentkv's extension, or when it cannot be asked)."""
+    try:
+        response = client.get(url + INFO_PATH, timeout=2.0)
+        if response.status_code != 200:
+            return None
+        info = ServerInfo.from_wire(response.json())
+        return None if info.tier is None else TierUsage.from_wire(info.tier)
+    except (httpx.HTTPError, ValueError, HintError):
+        return None
+
+
+def _tier_text(tier: object) -> str:
+    if not isinstance(tier, dict):
+        return "tier -"
+    usage = TierUsage.from_wire(tier)
+    return (f"tier {usage.bytes / 1e6:.1f}/{usage.budget_bytes / 1e6:.0f} MB "
+            f"({usage.entries} entries)")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     record = ClusterRecord.read(_cluster_file(args))
     servers = record.servers
     alive = [s.pid for _, _, s in servers if pid_alive(s.pid)]
     cpu = group_cpu_percent(alive, window_s=args.window) if alive else {}
-    rows = [
-        {
-            "pair": name, "role": role, "url": server.url, "pid": server.pid,
-            "alive": pid_alive(server.pid), "healthy": _healthy(server.url),
-            "cpu_percent": round(cpu.get(server.pid, 0.0), 1), "log": server.log,
-        }
-        for name, role, server in servers
-    ]
+    rows: list[dict[str, object]] = []
+    with httpx.Client() as client:
+        for name, role, server in servers:
+            healthy = _healthy(server.url)
+            tier = tier_usage(client, server.url) if healthy else None
+            rows.append({
+                "pair": name, "role": role, "url": server.url, "pid": server.pid,
+                "alive": pid_alive(server.pid), "healthy": healthy,
+                "cpu_percent": round(cpu.get(server.pid, 0.0), 1), "log": server.log,
+                "tier": None if tier is None else tier.to_wire(),
+            })
     up = sum(1 for row in rows if row["healthy"])
     if args.json:
         print(json.dumps({"model": record.model, "servers": rows}, indent=2))
@@ -93,8 +120,9 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"(CPU over {args.window:.0f} s, % of one core)")
         for row in rows:
             state = "up" if row["healthy"] else ("starting?" if row["alive"] else "DOWN")
-            print(f"  {row['pair']:10} {row['role']:8} {row['url']:24} pid {row['pid']:<8} "
-                  f"{state:9} cpu {row['cpu_percent']:5.1f}%")
+            print(f"  {row['pair']!s:10} {row['role']!s:8} {row['url']!s:24} "
+                  f"pid {row['pid']!s:<8} {state:9} cpu {row['cpu_percent']:5.1f}% "
+                  f"{_tier_text(row['tier'])}")
     return 0 if up else 1
 
 

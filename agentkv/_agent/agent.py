@@ -42,6 +42,7 @@ from agentkv._agent.toolset import ToolResult, ToolSet
 from agentkv._client.cluster import AsyncCluster, Cluster
 from agentkv._client.portal import Portal
 from agentkv._client.session import AsyncSession, Session, TurnOverrides
+from agentkv._policy import PersistMode
 from agentkv._types import Message, MessageLike, TextDelta, TurnResult
 from agentkv._wire.fields import check_extra_body
 
@@ -105,6 +106,9 @@ class _AgentCore:
         self.parallel_tool_calls = parallel_tool_calls
         self.tool_timeout_s = tool_timeout_s
         self.expected_tool_s = expected_tool_s if expected_tool_s is not None else tool_timeout_s
+        # A timeout bounds a tool call, it does not predict it: only an expected duration the
+        # caller gave may send the pin to the file tier (CachePolicy.decide_tier).
+        self._persist: PersistMode = "auto" if expected_tool_s is not None else "pin"
         self.force_final_answer = force_final_answer
         self._extra_body = dict(extra_body or {})
         check_extra_body(self._extra_body)  # fail at construction, not on the first turn
@@ -192,7 +196,7 @@ class _AgentCore:
         async with AsyncExitStack() as waiting:
             if self.expected_tool_s is not None:
                 await waiting.enter_async_context(
-                    session.tool_wait(expected_s=self.expected_tool_s)
+                    session.tool_wait(expected_s=self.expected_tool_s, persist=self._persist)
                 )
             async for position, tool_result in self.tools.run_many(
                 reply.calls, parallel=self.parallel_tool_calls, timeout_s=self.tool_timeout_s

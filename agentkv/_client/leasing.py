@@ -1,9 +1,11 @@
-"""A session's pinned KV on decode between turns: release, extend, tool waits.
+"""A session's pinned KV on decode between turns: release, extend, persist, tool waits.
 
 A turn's KV stays pinned on its decode server for the next turn. Stock vLLM holds it for a fixed
 ``decoder_kv_blocks_ttl``; agentkv's vLLM extension (``agentkv.connector``, wire format in
 ``_hints``) leases the pin to the session, which then frees it as soon as it is no longer needed
-(``release``) or keeps it while a tool runs (``extend``).
+(``release``) or keeps it while a tool runs (``extend``). With a file tier on decode, a pin can
+also be **persisted** (``persist``): decode writes the KV to files on the host and frees its
+memory, and the next turn's prefill loads it from there (``CachePolicy.decide_tier`` says when).
 
 Everything here is best effort. A decode without the extension is detected once per server and
 gets no lease calls (one warning says so); a failed call leaves what stock vLLM does (the pin
@@ -28,17 +30,21 @@ import structlog
 
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
-from agentkv._policy import ExtendDecision
+from agentkv._policy import ExtendDecision, PersistMode, TierDecision
 from agentkv._types import HandleState, KVHandle
 from agentkv._wire.handoff import extended_handle
 from agentkv._wire.hints import request_tag
 from agentkv._wire.lease_calls import GONE, OK, CallResult
+from agentkv._wire.tier import TierRef
 
 __all__ = [
     "ToolWait",
     "begin_wait",
+    "delete_tier",
+    "delete_tier_soon",
     "end_wait",
     "extend_handle",
+    "persist_handle",
     "release_handle",
     "release_lost",
     "release_soon",
@@ -141,6 +147,76 @@ async def extend_handle(
     return deadline
 
 
+async def persist_handle(pool: PairPool, state: SessionState, *, reason: str) -> TierRef | None:
+    """Persist the session's handle to its decode's file tier; the reference or ``None``.
+
+    On success decode has freed the pin: the session holds the reference instead (the next
+    turn's P leg carries it). Never raises for the server's sake: on any failure (no tier, a
+    failed write, a lost answer) the handle stays as it was, pinned; a handle decode no longer
+    holds is dropped, as ``extend_handle`` does.
+    """
+    handle = state.handle
+    if handle is None or not handle.leased or pool.clock() >= handle.deadline:
+        return None
+    started = time.perf_counter()
+    result = await pool.leases.persist(pool.decode_url(handle.pair), handle)
+    ref: TierRef | None = None
+    if result.persisted is not None:
+        ref = result.persisted.ref
+        old = state.take_tier()
+        if state.handle is handle:
+            state.handle = None
+        state.set_tier(ref, pair=handle.pair)
+        if old is not None:
+            delete_tier_soon(pool, state, old[0], pair=old[1], reason="superseded")
+    elif result.outcome == GONE and state.handle is handle:
+        state.drop_handle(
+            HandleState.EXPIRED, f"decode no longer holds the handle ({result.detail or 'gone'})"
+        )
+    _log_lease_call(
+        "agentkv.persist",
+        state,
+        handle,
+        result,
+        reason=reason,
+        started=started,
+        tier_id=None if ref is None else ref.id,
+        n_tokens=None if ref is None else ref.n_tokens,
+        bytes=None if result.persisted is None else result.persisted.bytes,
+    )
+    return ref
+
+
+async def delete_tier(
+    pool: PairPool, state: SessionState, ref: TierRef, *, pair: str, reason: str
+) -> None:
+    """Delete a tier entry the session no longer needs; never raises for the server's sake."""
+    started = time.perf_counter()
+    result = await pool.leases.delete_tier(pool.decode_url(pair), ref)
+    log = logger.info if result.outcome in (OK, GONE) else logger.warning
+    log(
+        "agentkv.tier_delete",
+        session_id=state.session_id,
+        pair=pair,
+        tier_id=ref.id,
+        reason=reason,
+        outcome=result.outcome,
+        status=result.status,
+        detail=result.detail,
+        ms=_ms(started),
+    )
+
+
+def delete_tier_soon(
+    pool: PairPool, state: SessionState, ref: TierRef, *, pair: str, reason: str
+) -> asyncio.Task[None]:
+    """:func:`delete_tier` in the background (after a turn, like a release); ``aclose()`` of
+    the session waits for it."""
+    task = asyncio.ensure_future(delete_tier(pool, state, ref, pair=pair, reason=reason))
+    pool.leases.track(task)
+    return task
+
+
 def _log_lease_call(
     event: str,
     state: SessionState,
@@ -171,15 +247,20 @@ def _log_lease_call(
 class ToolWait:
     """What ``session.tool_wait()`` did around one tool call.
 
-    ``decision`` is the policy's at the start (extend or not, and why); ``extended`` says whether
-    decode granted the extension. At the end, ``survived`` says whether the handle is still good
-    for the next turn (that turn's ``TurnStats.handle_reason`` says so too).
+    ``tier_decision`` is the policy's first answer (``decide_tier``: keep the pin, persist it
+    to the file tier, or drop it); ``persisted`` says whether decode wrote it to the tier (the
+    pin is then gone and nothing is extended). ``decision`` is the extend decision for a kept
+    pin (extend or not, and why); ``extended`` says whether decode granted the extension. At
+    the end, ``survived`` says whether the handle (or its tier entry) is still good for the
+    next turn (that turn's ``TurnStats.handle_reason`` says so too).
     """
 
     expected_s: float
     started_at: float
     decision: ExtendDecision
     extended: bool = False
+    tier_decision: TierDecision | None = None
+    persisted: bool = False
     had_handle: bool = False
     ended_at: float | None = None
     survived: bool | None = None
@@ -190,11 +271,49 @@ class ToolWait:
         return None if self.ended_at is None else self.ended_at - self.started_at
 
 
-async def begin_wait(pool: PairPool, state: SessionState, *, expected_s: float) -> ToolWait:
-    """Start a tool wait: extend the handle if the policy says the wait would outlast it."""
+async def decide_tier(
+    pool: PairPool,
+    state: SessionState,
+    *,
+    hint: PersistMode,
+    expected_wait_s: float | None = None,
+    idle_s: float | None = None,
+    decode_kv_usage: float | None = None,
+) -> TierDecision:
+    """``CachePolicy.decide_tier`` for the session's handle, with what the pool knows of its
+    decode (whether it has a tier: asked once per server, with the lease support)."""
+    handle = state.handle
+    tier = False
+    if handle is not None and handle.leased:
+        decode = pool.decode_url(handle.pair)
+        tier = await pool.leases.supported(decode) is True and pool.leases.tier(decode)
+    return state.policy.decide_tier(
+        handle,
+        now=pool.clock(),
+        expected_wait_s=expected_wait_s,
+        idle_s=idle_s,
+        hint=hint,
+        decode_kv_usage=decode_kv_usage,
+        tier_available=tier,
+    )
+
+
+async def begin_wait(
+    pool: PairPool, state: SessionState, *, expected_s: float, persist: PersistMode = "auto"
+) -> ToolWait:
+    """Start a tool wait: persist the handle to the file tier if the policy says the wait is
+    worth it (``decide_tier``), else extend it if the wait would outlast it."""
     now = pool.clock()
     handle = state.handle
-    decision = state.policy.decide_extend(handle, now=now, expected_wait_s=expected_s)
+    tier = await decide_tier(pool, state, hint=persist, expected_wait_s=expected_s)
+    persisted = False
+    if tier.persist:
+        persisted = await persist_handle(pool, state, reason="tool_wait") is not None
+    decision = (
+        ExtendDecision(extend=False, ttl_s=None, reason="persisted to the file tier")
+        if persisted
+        else state.policy.decide_extend(state.handle, now=now, expected_wait_s=expected_s)
+    )
     extended = False
     if decision.extend and decision.ttl_s is not None:
         extended = await extend_handle(pool, state, decision.ttl_s, reason="tool_wait") is not None
@@ -203,6 +322,8 @@ async def begin_wait(pool: PairPool, state: SessionState, *, expected_s: float) 
         started_at=now,
         decision=decision,
         extended=extended,
+        tier_decision=tier,
+        persisted=persisted,
         had_handle=handle is not None,
     )
 
@@ -212,9 +333,17 @@ def end_wait(pool: PairPool, state: SessionState, wait: ToolWait) -> None:
     now = pool.clock()
     handle = state.handle
     wait.ended_at = now
-    wait.survived = handle is not None and now < handle.deadline
+    wait.survived = (handle is not None and now < handle.deadline) or (
+        wait.persisted and state.tier is not None
+    )
     if wait.had_handle:
-        how = "extended" if wait.extended else f"not extended: {wait.decision.reason}"
+        how = (
+            "persisted to the file tier"
+            if wait.persisted
+            else "extended"
+            if wait.extended
+            else f"not extended: {wait.decision.reason}"
+        )
         kept = "kept" if wait.survived else "lost"
         state.wait_note = f"handle {kept} over a {now - wait.started_at:.1f}s tool wait ({how})"
     logger.info(
@@ -223,6 +352,7 @@ def end_wait(pool: PairPool, state: SessionState, wait: ToolWait) -> None:
         expected_s=wait.expected_s,
         waited_s=round(now - wait.started_at, 3),
         extended=wait.extended,
+        persisted=wait.persisted,
         survived=wait.survived,
         reason=wait.decision.reason,
     )

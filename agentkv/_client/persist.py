@@ -4,7 +4,11 @@ The file (``"format": "agentkv.session"``, ``"version": 2``) holds everything th
 to stay token-exact: the transcript's messages, token ids and spans, the pending messages, the
 session id, pair, policy, options and turn stats, the model and a fingerprint of the tokenizer
 and chat template the token ids come from, and the stored decode handle with the params decode
-sent.
+sent, or the reference of the session's turn-end KV persisted to the file tier (``"tier"``: its
+id, token count, the pair whose decode persisted it and a digest of its tokens; files written
+before the tier have none and load as without one). A loaded tier reference is not trusted on
+its word either: prefill checks the entry token by token and block by block, and an entry
+deleted or evicted since is recomputed.
 
 A handle from a file is never trusted on its word: the pin may have been released (the session
 was closed after the save), consumed (a later turn ran, or the file was loaded before) or have
@@ -45,6 +49,8 @@ from agentkv._exceptions import AgentKVError, SessionLoadError
 from agentkv._policy import CachePolicy
 from agentkv._prompt.transcript import Span, Transcript
 from agentkv._types import HandleState, KVHandle, Message, SessionOptions, TurnStats
+from agentkv._wire.hints import HintError
+from agentkv._wire.tier import TierRef
 
 __all__ = ["FORMAT", "VERSION", "load_state", "restore", "save_state", "snapshot", "write_atomic"]
 
@@ -118,6 +124,9 @@ def snapshot(state: SessionState, *, model: str, now: float, wall: float) -> dic
             "version": transcript.version,
         },
         "handle": None if state.handle is None else _handle_json(state.handle, now=now, wall=wall),
+        "tier": None
+        if state.tier is None
+        else {**state.tier.to_wire(), "pair": state.tier_pair, "digest": state.tier_digest},
         "lost": None if state.lost is None else [state.lost[0].value, state.lost[1]],
         "turns": [
             {**_flat(t), "handle_state": t.handle_state.value} for t in state.turns
@@ -250,6 +259,12 @@ def _handle(data: Mapping[str, Any], *, now: float, wall: float) -> KVHandle:
     )
 
 
+def _tier(data: Mapping[str, Any] | None) -> tuple[TierRef, str, str] | None:
+    if data is None:
+        return None
+    return TierRef.from_wire(data), _field(data, "pair", str), _field(data, "digest", str)
+
+
 def _options(data: Mapping[str, Any]) -> SessionOptions:
     tools = _optional(data, "tools", list)
     return SessionOptions(
@@ -308,9 +323,10 @@ def restore(
         wait_note = _optional(data, "wait_note", str)
         model = _optional(data, "model", str)
         fingerprint = _optional(data, "tokenizer", str)
+        tier = _tier(_optional(data, "tier", dict))
     except SessionLoadError:
         raise
-    except (AgentKVError, KeyError, IndexError, TypeError, ValueError) as exc:
+    except (AgentKVError, HintError, KeyError, IndexError, TypeError, ValueError) as exc:
         raise SessionLoadError(f"saved session {source} is corrupt: {exc}") from exc
     if model is not None and model != pool.model:
         raise SessionLoadError(
@@ -333,6 +349,8 @@ def restore(
     state.tools_key = tools_key
     state.wait_note = wait_note
     state.handle = handle
+    if tier is not None:
+        state.tier, state.tier_pair, state.tier_digest = tier
     state.last_prefill = last_prefill
     # Decode may have freed the blocks since the save: the first turn asks it (see _turn).
     state.unconfirmed = handle

@@ -28,7 +28,15 @@ from typing import Any, Protocol, Unpack
 
 import structlog
 
-from agentkv._client.leasing import ToolWait, begin_wait, end_wait, extend_handle, release_handle
+from agentkv._client.leasing import (
+    ToolWait,
+    begin_wait,
+    delete_tier,
+    end_wait,
+    extend_handle,
+    persist_handle,
+    release_handle,
+)
 from agentkv._client.persist import load_state, restore, save_state
 from agentkv._client.persist import snapshot as snapshot_state
 from agentkv._client.pool import PairPool
@@ -40,7 +48,7 @@ from agentkv._exceptions import (
     SessionBusyError,
     SessionClosedError,
 )
-from agentkv._policy import CachePolicy
+from agentkv._policy import CachePolicy, PersistMode, check_persist_mode
 from agentkv._prompt.transcript import Transcript, TranscriptView
 from agentkv._types import (
     KVHandle,
@@ -55,6 +63,7 @@ from agentkv._types import (
     TurnStats,
 )
 from agentkv._wire.fields import check_extra_body
+from agentkv._wire.tier import TierRef
 
 __all__ = [
     "AsyncSession",
@@ -129,6 +138,15 @@ class _SessionBase:
     def handle(self) -> KVHandle | None:
         """The decode node's turn-end handle the next turn may pull from, if any."""
         return self._state.handle
+
+    @property
+    def tier(self) -> TierRef | None:
+        """The session's turn-end KV persisted to decode's file tier (``persist()``), if any.
+
+        The next turn's prefill loads it from there when its prompt starts with the persisted
+        tokens; that turn makes it obsolete (it is then deleted), and so does closing the session.
+        """
+        return self._state.tier
 
     @property
     def policy(self) -> CachePolicy:
@@ -285,7 +303,13 @@ class AsyncSession(_SessionBase):
         """
         return cluster.load_session(path)
 
-    async def turn(self, *, final: bool = False, **overrides: Unpack[TurnOverrides]) -> TurnResult:
+    async def turn(
+        self,
+        *,
+        final: bool = False,
+        persist: PersistMode = "auto",
+        **overrides: Unpack[TurnOverrides],
+    ) -> TurnResult:
         """Send the pending messages and return the assistant's answer.
 
         Keyword arguments override the session's defaults for this turn: ``max_tokens``,
@@ -294,13 +318,20 @@ class AsyncSession(_SessionBase):
 
         ``final=True`` says no turn follows: decode (with agentkv's extension) pins nothing for a
         next one. The session stays open; a further turn just recomputes.
+
+        ``persist="disk"`` says the next turn is far off: right after this one, the turn-end KV
+        is persisted to decode's file tier and decode's pin freed (``persist()``); ``"auto"``
+        and ``"pin"`` keep the pin.
         """
         options = _merge(self._state.options, overrides)
+        check_persist_mode(persist)
         await self._close_abandoned()
         self._check_turnable()
         self._state.begin_turn()
         try:
-            runner = TurnRunner(self._pool, self._state, options, stream=False, final=final)
+            runner = TurnRunner(
+                self._pool, self._state, options, stream=False, final=final, persist=persist
+            )
             async with contextlib.aclosing(runner.events()) as events:
                 async for event in events:
                     if isinstance(event, TurnResult):
@@ -315,21 +346,27 @@ class AsyncSession(_SessionBase):
         /,
         *,
         final: bool = False,
+        persist: PersistMode = "auto",
         **overrides: Unpack[TurnOverrides],
     ) -> TurnResult:
         """Append ``message`` (text is a user message) and run a turn; on failure, un-append it."""
         self._check_open()
+        check_persist_mode(persist)
         keep = len(self._state.transcript.pending)
         self.append(Message.user(message) if isinstance(message, str) else message)
         try:
-            return await self.turn(final=final, **overrides)
+            return await self.turn(final=final, persist=persist, **overrides)
         except BaseException:
             # Only this message: others appended while the turn ran stay queued.
             self._state.transcript.drop_pending(keep, count=1)
             raise
 
     def stream(
-        self, *, final: bool = False, **overrides: Unpack[TurnOverrides]
+        self,
+        *,
+        final: bool = False,
+        persist: PersistMode = "auto",
+        **overrides: Unpack[TurnOverrides],
     ) -> AsyncIterator[TextDelta | TurnResult]:
         """Run a turn: ``TextDelta`` pieces as decode produces them, then the ``TurnResult``.
 
@@ -340,9 +377,10 @@ class AsyncSession(_SessionBase):
         yielded.
         """
         options = _merge(self._state.options, overrides)
+        check_persist_mode(persist)
         self._check_turnable(abandoned_ok=True)
         holder: list[AsyncGenerator[TextDelta | TurnResult, None]] = []
-        stream = self._stream(options, final=final, holder=holder)
+        stream = self._stream(options, final=final, persist=persist, holder=holder)
         holder.append(stream)
         return stream
 
@@ -356,6 +394,7 @@ class AsyncSession(_SessionBase):
         options: SessionOptions,
         *,
         final: bool,
+        persist: PersistMode,
         holder: list[AsyncGenerator[TextDelta | TurnResult, None]],
     ) -> AsyncGenerator[TextDelta | TurnResult, None]:
         await self._close_abandoned()
@@ -364,7 +403,9 @@ class AsyncSession(_SessionBase):
         state.begin_turn()
         state.stream = holder[0]
         try:
-            runner = TurnRunner(self._pool, state, options, stream=True, final=final)
+            runner = TurnRunner(
+                self._pool, state, options, stream=True, final=final, persist=persist
+            )
             async with contextlib.aclosing(runner.events()) as events:
                 async for event in events:
                     yield event
@@ -386,22 +427,44 @@ class AsyncSession(_SessionBase):
             raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s}")
         return await extend_handle(self._pool, self._state, ttl_s, reason="explicit")
 
+    async def persist(self) -> TierRef | None:
+        """Persist the stored handle to decode's file tier now, and free decode's pin.
+
+        Returns the tier reference (also ``session.tier``), or ``None`` when nothing was
+        persisted: no handle, a decode without agentkv's extension or without a tier, a failed
+        write or call (the pin then stays as it was). Never raises for the server's sake. The
+        next turn's prefill loads the persisted KV from the tier.
+
+        >>> ref = await session.persist()  # the user went for lunch  # doctest: +SKIP
+        """
+        self._check_open()
+        if self._state.busy:
+            raise SessionBusyError(f"session {self._state.session_id} is running a turn")
+        return await persist_handle(self._pool, self._state, reason="explicit")
+
     @contextlib.asynccontextmanager
-    async def tool_wait(self, *, expected_s: float) -> AsyncIterator[ToolWait]:
+    async def tool_wait(
+        self, *, expected_s: float, persist: PersistMode = "auto"
+    ) -> AsyncIterator[ToolWait]:
         """Wrap a tool call (or any pause between turns) of about ``expected_s`` seconds.
 
-        On entry the policy (``CachePolicy.decide_extend``) extends the handle when the wait
-        would outlast its deadline; on exit the yielded ``ToolWait`` says whether the handle
-        survived, and so does the next turn's ``handle_reason``. Never raises for the server's
-        sake.
+        On entry the policy decides what the handle does during the wait
+        (``CachePolicy.decide_tier``): with ``persist="auto"``, a wait of at least
+        ``policy.persist_after_s`` on a decode with a file tier persists it there (decode's
+        memory is freed; the next turn loads it back in milliseconds); ``"disk"`` always
+        persists where a tier exists, ``"pin"`` never does. A kept pin is extended when the
+        wait would outlast its deadline (``decide_extend``). On exit the yielded ``ToolWait``
+        says whether the handle (or its tier entry) survived, and so does the next turn's
+        ``handle_reason``. Never raises for the server's sake.
 
         >>> async with session.tool_wait(expected_s=300) as wait:  # doctest: +SKIP
         ...     output = await run_tool(call)
-        >>> wait.survived  # doctest: +SKIP
-        True
+        >>> wait.survived, wait.persisted  # doctest: +SKIP
+        (True, True)
         """
         self._check_open()
-        wait = await begin_wait(self._pool, self._state, expected_s=expected_s)
+        check_persist_mode(persist)
+        wait = await begin_wait(self._pool, self._state, expected_s=expected_s, persist=persist)
         try:
             yield wait
         finally:
@@ -451,6 +514,7 @@ class AsyncSession(_SessionBase):
         pool = self._pool
         await pool.leases.settle()
         handle, state.handle = state.handle, None
+        tier = state.take_tier()
         pool.release(state.pair)
         if (
             handle is not None
@@ -458,18 +522,21 @@ class AsyncSession(_SessionBase):
             and state.policy.decide_release(handle, now=pool.clock())
         ):
             await release_handle(pool, state, handle, reason="close")
+        if tier is not None and not pool.closed:
+            await delete_tier(pool, state, tier[0], pair=tier[1], reason="close")
 
     def detach(self) -> None:
         """Close this copy of the session without releasing its handle on decode.
 
         For a session that lives on elsewhere: another process (a proxy replica sharing
-        sessions) holds its snapshot and will send or release the handle. Frees this copy's
-        place on its pair; idempotent.
+        sessions) holds its snapshot and will send or release the handle (or delete its tier
+        entry). Frees this copy's place on its pair; idempotent.
         """
         state = self._state
         if not state.closed:
             state.close()
             state.handle = None
+            state.take_tier()
             self._pool.release(state.pair)
 
     async def __aenter__(self) -> AsyncSession:
@@ -505,10 +572,16 @@ class Session(_SessionBase):
         """
         return cluster.load_session(path)
 
-    def turn(self, *, final: bool = False, **overrides: Unpack[TurnOverrides]) -> TurnResult:
+    def turn(
+        self,
+        *,
+        final: bool = False,
+        persist: PersistMode = "auto",
+        **overrides: Unpack[TurnOverrides],
+    ) -> TurnResult:
         """Send the pending messages and return the answer (see ``AsyncSession.turn``)."""
         self._check_open()
-        return self._portal.call(self._inner.turn(final=final, **overrides))
+        return self._portal.call(self._inner.turn(final=final, persist=persist, **overrides))
 
     def send(
         self,
@@ -516,34 +589,53 @@ class Session(_SessionBase):
         /,
         *,
         final: bool = False,
+        persist: PersistMode = "auto",
         **overrides: Unpack[TurnOverrides],
     ) -> TurnResult:
         """Append ``message`` and run a turn (see ``AsyncSession.send``)."""
         self._check_open()
-        return self._portal.call(self._inner.send(message, final=final, **overrides))
+        return self._portal.call(
+            self._inner.send(message, final=final, persist=persist, **overrides)
+        )
 
     def stream(
-        self, *, final: bool = False, **overrides: Unpack[TurnOverrides]
+        self,
+        *,
+        final: bool = False,
+        persist: PersistMode = "auto",
+        **overrides: Unpack[TurnOverrides],
     ) -> Iterator[TextDelta | TurnResult]:
         """Run a turn: text deltas, then the ``TurnResult`` (see ``AsyncSession.stream``)."""
-        return self._portal.iterate(self._inner.stream(final=final, **overrides))
+        return self._portal.iterate(
+            self._inner.stream(final=final, persist=persist, **overrides)
+        )
 
     def extend_handle(self, ttl_s: float) -> float | None:
         """Keep the stored handle ``ttl_s`` more seconds (see ``AsyncSession.extend_handle``)."""
         self._check_open()
         return self._portal.call(self._inner.extend_handle(ttl_s))
 
+    def persist(self) -> TierRef | None:
+        """Persist the stored handle to decode's file tier now (see ``AsyncSession.persist``)."""
+        self._check_open()
+        return self._portal.call(self._inner.persist())
+
     @contextlib.contextmanager
-    def tool_wait(self, *, expected_s: float) -> Iterator[ToolWait]:
+    def tool_wait(
+        self, *, expected_s: float, persist: PersistMode = "auto"
+    ) -> Iterator[ToolWait]:
         """Wrap a tool call of about ``expected_s`` seconds (see ``AsyncSession.tool_wait``).
 
         >>> with session.tool_wait(expected_s=300) as wait:  # doctest: +SKIP
         ...     output = run_tool(call)
         """
         self._check_open()
+        check_persist_mode(persist)
         state = self._state
         pool = self._pool
-        wait = self._portal.call(begin_wait(pool, state, expected_s=expected_s))
+        wait = self._portal.call(
+            begin_wait(pool, state, expected_s=expected_s, persist=persist)
+        )
 
         async def _end() -> None:
             end_wait(pool, state, wait)
@@ -574,6 +666,7 @@ class Session(_SessionBase):
         if self._pool.closed:
             self._state.close()  # the loop thread is gone; so is everything it held
             self._state.handle = None
+            self._state.take_tier()
         elif not self._state.closed:
             self._portal.call(self._inner.aclose())
 

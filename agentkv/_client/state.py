@@ -9,7 +9,9 @@ as arguments. It is mutated only on the event loop its pool runs on.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncGenerator, Mapping, Sequence
+import hashlib
+from array import array
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +24,14 @@ from agentkv._prompt.transcript import Transcript, TurnPrompt
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TurnStats
 from agentkv._wire.handoff import DecodeResult, PrefillResult, TurnRequest, no_handle_cause
 from agentkv._wire.json import fragment
+from agentkv._wire.tier import TierRef
 
-__all__ = ["SessionState", "TurnOutcome", "pulled_estimate"]
+__all__ = ["SessionState", "TurnOutcome", "pulled_estimate", "tokens_digest"]
+
+
+def tokens_digest(tokens: Iterable[int]) -> str:
+    """A digest of exact token ids: what a tier entry holds, checked against the next prompt."""
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest()
 
 logger = structlog.get_logger("agentkv")
 
@@ -54,6 +62,8 @@ class TurnOutcome:
     extends: int
     final: bool
     tools: Sequence[Mapping[str, Any]] | None
+    # The tier reference the P leg carried instead of a handle (``HandleState.TIER``).
+    tier: TierRef | None = None
 
 
 class Lifecycle(enum.Enum):
@@ -86,6 +96,9 @@ class SessionState:
         "prefilled",
         "session_id",
         "stream",
+        "tier",
+        "tier_digest",
+        "tier_pair",
         "tools_key",
         "transcript",
         "turns",
@@ -135,6 +148,13 @@ class SessionState:
         # stopped iterating, it is closed by the next call rather than by garbage collection.
         self.stream: AsyncGenerator[Any, None] | None = None
         self.phase = Lifecycle.IDLE
+        # The session's persisted turn-end KV on the file tier, in place of a released handle:
+        # the reference, the pair whose decode persisted it (the delete goes there), and a
+        # digest of the exact tokens it holds (a prompt that does not start with them never
+        # carries it).
+        self.tier: TierRef | None = None
+        self.tier_pair: str | None = None
+        self.tier_digest: str | None = None
 
     # --- the lifecycle -----------------------------------------------------------------------
 
@@ -167,6 +187,31 @@ class SessionState:
         self.pair = pair
         self.prefilled = 0
         self.drop_handle(HandleState.INVALIDATED, f"the session moved to pair {pair.name}")
+        if self.tier is not None and self.tier_pair != pair.name:
+            # Another host's tier cannot be read here.
+            self.take_tier()
+            self.lost = (HandleState.INVALIDATED, f"the session moved to pair {pair.name}")
+
+    def set_tier(self, ref: TierRef, *, pair: str) -> None:
+        """The handle was persisted as ``ref`` by ``pair``'s decode (and its pin freed)."""
+        self.tier, self.tier_pair = ref, pair
+        self.tier_digest = tokens_digest(self.transcript.token_ids[: ref.n_tokens])
+        self.lost = None
+
+    def take_tier(self) -> tuple[TierRef, str] | None:
+        """Forget the tier entry; the reference and its pair, for the delete."""
+        ref, pair = self.tier, self.tier_pair
+        self.tier = self.tier_pair = self.tier_digest = None
+        return None if ref is None or pair is None else (ref, pair)
+
+    def tier_matches(self, prompt: Sequence[int]) -> bool:
+        """Whether ``prompt`` starts with exactly the tokens the tier entry holds."""
+        ref = self.tier
+        return (
+            ref is not None
+            and len(prompt) >= ref.n_tokens
+            and tokens_digest(prompt[: ref.n_tokens]) == self.tier_digest
+        )
 
     def drop_handle(self, state: HandleState, reason: str) -> None:
         """Forget the handle (if any), remembering why for the next turn's stats."""
@@ -244,10 +289,14 @@ class SessionState:
                 attached=outcome.attached,
                 prefilled_before=self.prefilled,
                 block_size=block_size,
+                tier=outcome.tier,
             ),
             computed_tokens=prompt_len - reused,
             generated_tokens=len(result.token_ids),
-            ideal_reused_tokens=min(self.ideal_base, prompt_len - 1),
+            ideal_reused_tokens=min(
+                self.ideal_base if outcome.tier is None else outcome.tier.n_tokens,
+                prompt_len - 1,
+            ),
             ttft_s=outcome.ttft_s,
             server_ttft_s=outcome.server_ttft_s,
             prefill_s=outcome.prefill_s,
@@ -299,16 +348,23 @@ class SessionState:
 
 
 def pulled_estimate(
-    *, reused: int, attached: KVHandle | None, prefilled_before: int, block_size: int | None
+    *,
+    reused: int,
+    attached: KVHandle | None,
+    prefilled_before: int,
+    block_size: int | None,
+    tier: TierRef | None = None,
 ) -> int:
-    """Tokens of ``reused`` that came from decode rather than prefill's own prefix cache.
+    """Tokens of ``reused`` that came from decode (or the file tier, for a ``tier`` turn) rather
+    than prefill's own prefix cache.
 
     Prefill's local cache holds at most the whole blocks of the longest prompt this session
     prefilled there before; the rest of what it reused was pulled. Without a block size the local
     part is taken as that whole prompt, which makes the estimate a lower bound.
     """
-    if attached is None:
+    if attached is None and tier is None:
         return 0
+    covered = attached.num_tokens if attached is not None else tier.n_tokens if tier else 0
     block = block_size or 1
     local = (prefilled_before // block) * block
-    return max(0, min(reused, attached.num_tokens) - local)
+    return max(0, min(reused, covered) - local)

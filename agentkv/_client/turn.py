@@ -36,7 +36,14 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from tenacity.wait import wait_exponential, wait_random
 
 from agentkv import _constants as defaults
-from agentkv._client.leasing import extend_handle, release_handle, release_lost, release_soon
+from agentkv._client.leasing import (
+    delete_tier_soon,
+    extend_handle,
+    persist_handle,
+    release_handle,
+    release_lost,
+    release_soon,
+)
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState, TurnOutcome
 from agentkv._exceptions import (
@@ -47,6 +54,7 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
+from agentkv._policy import PersistMode
 from agentkv._prompt.transcript import TurnPrompt
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TextDelta, TurnResult
 from agentkv._wire.handoff import (
@@ -63,6 +71,7 @@ from agentkv._wire.handoff import (
 from agentkv._wire.hints import new_request_secret, request_tag
 from agentkv._wire.http import post_json, stream_events
 from agentkv._wire.json import fragment
+from agentkv._wire.tier import TierRef
 
 __all__ = ["TurnRunner"]
 
@@ -96,12 +105,14 @@ class TurnRunner:
         *,
         stream: bool,
         final: bool = False,
+        persist: PersistMode = "auto",
     ) -> None:
         self._pool = pool
         self._state = state
         self._options = options
         self._stream = stream
         self._final = final
+        self._persist = persist
         self._started = time.perf_counter()
         self._attempts = 0
         self._yielded = False
@@ -166,10 +177,12 @@ class TurnRunner:
         self._attempts += 1
         pair = await pool.pair_for(state.session_id, state.pair)
         if pair is not state.pair:
-            handle = state.handle
+            handle, tier, tier_pair = state.handle, state.tier, state.tier_pair
             state.move_to(pair)
             # The old pair's decode may be alive (its prefill was the one that failed).
             await self._release_unsent(handle, reason="moved")
+            if tier is not None and tier_pair is not None and state.tier is None:
+                delete_tier_soon(pool, state, tier, pair=tier_pair, reason="moved")
         try:
             async with contextlib.aclosing(self._legs(pair)) as events:
                 async for event in events:
@@ -199,15 +212,23 @@ class TurnRunner:
             self._prefill_name = None  # a retry chooses again, by the load it then sees
 
     async def _p_leg(
-        self, pair: Pair, request: TurnRequest, ids: object, sent: KVHandle | None, length: int
+        self,
+        pair: Pair,
+        request: TurnRequest,
+        ids: object,
+        sent: KVHandle | None,
+        length: int,
+        *,
+        tier: TierRef | None = None,
     ) -> tuple[PrefillResult, str]:
         """The P leg on a prefill chosen by load, and that prefill's name; a handle the leg
         carried and no prefill will read is released on decode."""
         # Outstanding tokens: what the prefill computes (the handle's tokens are pulled).
-        cost = max(1, length - (sent.num_tokens if sent is not None else 0))
+        covered = sent.num_tokens if sent is not None else tier.n_tokens if tier else 0
+        cost = max(1, length - covered)
         try:
             prefill = await self._on_prefill(
-                pair, lambda url: self._prefill(url, request, ids, sent), cost=cost
+                pair, lambda url: self._prefill(url, request, ids, sent, tier=tier), cost=cost
             )
         except ConnectError:
             # No prefill got the P leg, so none read the handle: free it on decode.
@@ -277,13 +298,13 @@ class TurnRunner:
         # Asked once per decode server, then cached: whether to send hints at all.
         supported = await pool.leases.supported(pair.decode)
         await self._confirm_loaded(supported, len(prompt))
-        sent, handle_state, reason, extends, unsent = self._take_handle(len(prompt))
+        sent, handle_state, reason, extends, unsent, tier = self._take_handle(prompt)
         if unsent is not None:
             await release_handle(pool, state, unsent, reason=handle_state.value)
         ids = fragment(prompt.tolist())
 
         t_prefill = self._t_prefill = time.perf_counter()
-        prefill, prefill_name = await self._p_leg(pair, request, ids, sent, len(prompt))
+        prefill, prefill_name = await self._p_leg(pair, request, ids, sent, len(prompt), tier=tier)
         t_decode = time.perf_counter()
 
         issued_at = pool.clock()
@@ -333,13 +354,21 @@ class TurnRunner:
             extends=extends,
             final=self._final,
             tools=self._options.tools,
+            tier=tier,
         )
         stats = state.commit(outcome, block_size=pool.block_size)
+        # The turn's own KV supersedes a persisted one: its entry is obsolete.
+        obsolete = state.take_tier()
+        if obsolete is not None:
+            delete_tier_soon(pool, state, obsolete[0], pair=obsolete[1], reason="used")
         if state.closed and state.handle is not None:
             # Closed while this turn ran: nobody will send the new handle.
             handle, state.handle = state.handle, None
             if state.policy.decide_release(handle, now=pool.clock()):
                 await release_handle(pool, state, handle, reason="closed_during_turn")
+        elif self._persist == "disk" and state.handle is not None:
+            # Asked for: the next turn is far off. The pin stays if the write fails.
+            await persist_handle(pool, state, reason="turn")
         yield TurnResult(
             message=result.message,
             token_ids=result.token_ids,
@@ -451,20 +480,33 @@ class TurnRunner:
         return dataclasses.replace(result, handle=dataclasses.replace(handle, deadline=deadline))
 
     def _take_handle(
-        self, prompt_len: int
-    ) -> tuple[KVHandle | None, HandleState, str, int, KVHandle | None]:
+        self, prompt: TurnPrompt
+    ) -> tuple[KVHandle | None, HandleState, str, int, KVHandle | None, TierRef | None]:
         """Take the stored handle off the session.
 
         Returns the handle if it is to be sent, the handle state and reason for the stats, how
-        often it was extended, and a handle to release because it is dropped unsent.
+        often it was extended, a handle to release because it is dropped unsent, and the tier
+        reference to send instead of a handle (a persisted turn whose tokens the prompt starts
+        with). The reference stays on the session until the turn commits (a prefill only reads
+        the tier, so a retry may send it again).
         """
         state = self._state
         handle = state.handle
         now = self._pool.clock()
+        prompt_len = len(prompt)
         decision = state.policy.decide_attach(handle, prompt_len=prompt_len, now=now)
         handle_state, reason = decision.state, decision.reason
         unsent: KVHandle | None = None
-        if handle is None and state.lost is not None:
+        tier: TierRef | None = None
+        if handle is None and state.tier is not None:
+            tier_decision = state.policy.decide_tier_attach(
+                state.tier,
+                prompt_len=prompt_len,
+                prefix_matches=state.tier_matches(prompt.token_ids),
+            )
+            handle_state, reason = tier_decision.state, tier_decision.reason
+            tier = state.tier if tier_decision.attach else None
+        elif handle is None and state.lost is not None:
             handle_state, reason = state.lost
         elif decision.attach:
             # Single use: once a prefill may have read it, it is gone whatever happens next.
@@ -477,16 +519,23 @@ class TurnRunner:
         if note:
             reason = f"{reason}; {note}" if reason else note
         extends = handle.extends if handle is not None else 0
-        return (handle if decision.attach else None), handle_state, reason, extends, unsent
+        sent = handle if decision.attach else None
+        return sent, handle_state, reason, extends, unsent, tier
 
     async def _prefill(
-        self, base: str, request: TurnRequest, ids: object, sent: KVHandle | None
+        self,
+        base: str,
+        request: TurnRequest,
+        ids: object,
+        sent: KVHandle | None,
+        *,
+        tier: TierRef | None = None,
     ) -> PrefillResult:
         url = base + _CHAT_PATH
         data = await post_json(
             self._pool.http_client,
             url,
-            prefill_body(request, prompt_ids=ids, handle=sent),
+            prefill_body(request, prompt_ids=ids, handle=sent, tier=tier),
             summary=request.summary("prefill"),
         )
         return parse_prefill(data, url=url)

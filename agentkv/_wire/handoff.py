@@ -38,6 +38,7 @@ from agentkv._wire.hints import (
     with_hint,
 )
 from agentkv._wire.json import dumps
+from agentkv._wire.tier import TierRef, with_tier
 
 _logger = structlog.get_logger("agentkv")
 
@@ -117,13 +118,19 @@ class DecodeResult:
     stop_reason: str | int | None = None
 
 
-def prefill_body(request: TurnRequest, *, prompt_ids: Any, handle: KVHandle | None) -> bytes:
+def prefill_body(
+    request: TurnRequest, *, prompt_ids: Any, handle: KVHandle | None, tier: TierRef | None = None
+) -> bytes:
     """The P leg: prefill only (one discarded token), and pull ``handle``'s KV if given.
 
-    ``prompt_ids`` is the prompt's token list, or a pre-serialized fragment of it.
+    ``prompt_ids`` is the prompt's token list, or a pre-serialized fragment of it. Without a
+    handle, ``tier`` (a persisted turn's reference) lets prefill load the prompt's prefix from
+    the file tier instead.
     """
     # The lease secret is for decode's lease routes only: prefill need not see it.
     params = for_prefill(handle._params) if handle is not None else dict(_NO_HANDLE)
+    if handle is None and tier is not None:
+        params = with_tier(params, tier)
     # A decode handle comes back with do_remote_decode already true; make the intent explicit.
     params["do_remote_decode"] = True
     params["do_remote_prefill"] = False

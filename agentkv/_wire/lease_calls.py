@@ -1,4 +1,5 @@
-"""The lease routes of the decode servers, as calls: info, release, release-request, extend.
+"""The lease routes of the decode servers, as calls: info, release, release-request, extend,
+persist (to the file tier) and tier delete.
 
 The HTTP side of a session's pinned KV (``_leasing`` decides when to call; ``_hints`` is the wire
 form). No session state here: a call takes a decode URL and a handle, and answers a
@@ -33,6 +34,7 @@ from agentkv._wire.hints import (
 )
 from agentkv._wire.http import exchange
 from agentkv._wire.json import dumps
+from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH, PersistResult, TierDelete, TierRef
 
 __all__ = [
     "FAILED",
@@ -62,6 +64,7 @@ class CallResult:
     status: int | None
     detail: str = ""
     extended: ExtendResult | None = None
+    persisted: PersistResult | None = None
 
 
 def _error_code(data: Any) -> str:
@@ -93,6 +96,8 @@ class LeaseCalls:
         self._client = client
         self._clock = clock
         self._support: dict[str, bool] = {}
+        # Whether a decode with leases has a file tier (``ServerInfo.tier``), from the same ask.
+        self._tier: dict[str, bool] = {}
         self._unsupported_at: dict[str, float] = {}
         self._warned: set[str] = set()
         self._asking: dict[str, asyncio.Task[bool | None]] = {}
@@ -130,6 +135,7 @@ class LeaseCalls:
             else:
                 if info.leases:
                     self._support[decode] = True
+                    self._tier[decode] = info.tier is not None
                     self._warned.discard(decode)
                     logger.debug(
                         "agentkv.leases_available",
@@ -161,6 +167,11 @@ class LeaseCalls:
     def forget(self, decode: str) -> None:
         """``decode`` went down: ask again once it is back (a restart may change the answer)."""
         self._support.pop(decode, None)
+        self._tier.pop(decode, None)
+
+    def tier(self, decode: str) -> bool:
+        """Whether ``decode`` has a file tier, as its info answer said (False until asked)."""
+        return self._support.get(decode) is True and self._tier.get(decode, False)
 
     async def _call(self, url: str, body: dict[str, Any]) -> tuple[int, Any] | CallResult:
         try:
@@ -214,3 +225,31 @@ class LeaseCalls:
         except HintError as exc:
             return CallResult(outcome=FAILED, status=status, detail=str(exc))
         return CallResult(outcome=OK, status=status, extended=result)
+
+    async def persist(self, decode: str, handle: KVHandle) -> CallResult:
+        """Persist a leased handle to decode's file tier (decode frees the pin on success)."""
+        answer = await self._call(decode + PERSIST_PATH, lease_ref(handle).to_wire())
+        if isinstance(answer, CallResult):
+            return answer
+        status, data = answer
+        if status != 200:
+            code = _error_code(data)
+            if status == 501 and code == "tier_unavailable":
+                self._tier[decode] = False
+            return CallResult(outcome=_outcome(status), status=status, detail=code)
+        try:
+            result = PersistResult.from_wire(data)
+        except HintError as exc:
+            return CallResult(outcome=FAILED, status=status, detail=str(exc))
+        return CallResult(outcome=OK, status=status, persisted=result)
+
+    async def delete_tier(self, decode: str, ref: TierRef) -> CallResult:
+        """Delete a tier entry (its session moved on); ``detail`` says whether it existed."""
+        answer = await self._call(decode + TIER_DELETE_PATH, TierDelete(id=ref.id).to_wire())
+        if isinstance(answer, CallResult):
+            return answer
+        status, data = answer
+        if status == 200:
+            deleted = data.get("deleted") if isinstance(data, dict) else None
+            return CallResult(outcome=OK, status=status, detail=f"deleted {deleted}")
+        return CallResult(outcome=_outcome(status), status=status, detail=_error_code(data))

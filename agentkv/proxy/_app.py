@@ -33,6 +33,7 @@ from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._open_store import open_store
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
+from agentkv.proxy._request import persist_from
 from agentkv.proxy._responses import ResponsesService
 from agentkv.proxy._shape import turn_stats_json
 from agentkv.proxy._store import SessionStore
@@ -118,6 +119,7 @@ class _Proxy:
             metrics=self.metrics,
             clock=clock,
             store=self.store,
+            persist_idle_s=config.persist_idle_s,
         )
         self.metrics.bind(
             sessions=lambda: len(self.registry),
@@ -171,6 +173,7 @@ class _Proxy:
             principal=principal,
             session_header=request.headers.get("x-session-id"),
             started=started,
+            persist=persist_from(request.headers.get("x-agentkv-persist")),
         )
 
     async def create_response(self, request: Request) -> Response:
@@ -291,11 +294,17 @@ class _Proxy:
             await asyncio.sleep(self.config.sweep_interval_s)
             try:
                 closed = await self.registry.sweep()
+                persisted = await self.registry.persist_idle()
             except Exception:  # never let one bad close stop the sweeper
                 logger.exception("agentkv.proxy.sweep_failed")
                 continue
-            if closed:
-                logger.info("agentkv.proxy.swept", closed=closed, open=len(self.registry))
+            if closed or persisted:
+                logger.info(
+                    "agentkv.proxy.swept",
+                    closed=closed,
+                    persisted=persisted,
+                    open=len(self.registry),
+                )
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:

@@ -27,6 +27,7 @@ from agentkv import (
     AsyncSession,
     HandleState,
     Message,
+    PersistMode,
     TextDelta,
     TurnOverrides,
     TurnResult,
@@ -258,13 +259,16 @@ class ChatService:
         session_header: str | None,
         started: float,
         shape: AnswerShape | None = None,
+        persist: PersistMode = "auto",
     ) -> Response:
         """Answer one chat completion request (``ProxyError`` or agentkv errors on failure).
 
         ``started`` is when the request arrived (``time.perf_counter()``): a plain answer says in
         ``Server-Timing`` how long the SDK's turn took and how long the proxy added around it.
         ``shape`` writes the answer (default: a chat completion; ``/v1/responses`` passes its
-        own after translating its request into a chat completion request).
+        own after translating its request into a chat completion request). ``persist`` is the
+        turn's persist option (``X-AgentKV-Persist``: ``disk`` persists the turn-end KV to
+        decode's file tier right after the answer).
         """
         request = parse_chat_request(
             body, model=self._cluster.model, default_max_tokens=self._config.default_max_tokens
@@ -306,12 +310,21 @@ class ChatService:
         }
         if request.stream:
             return await self._stream(
-                lease, request, tools, overrides, started=started, principal=principal, shape=shape
+                lease,
+                request,
+                tools,
+                overrides,
+                started=started,
+                principal=principal,
+                shape=shape,
+                persist=persist,
             )
         turn_started = time.perf_counter()
         try:
             # A one-shot request (no session id) has no next turn: decode pins nothing.
-            result = await lease.session.turn(final=lease.entry is None, **overrides)
+            result = await lease.session.turn(
+                final=lease.entry is None, persist=persist, **overrides
+            )
         except BaseException:
             await lease.release(failed=True)
             raise
@@ -428,11 +441,12 @@ class ChatService:
         started: float,
         principal: str,
         shape: AnswerShape,
+        persist: PersistMode = "auto",
     ) -> Response:
         session = lease.session
         handle = self._predicted_handle(session)
         try:
-            events = session.stream(final=lease.entry is None, **overrides)
+            events = session.stream(final=lease.entry is None, persist=persist, **overrides)
         except BaseException:
             await lease.release(failed=True)
             raise

@@ -48,6 +48,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"close sessions unused this long (default {_DEFAULTS.session_idle_timeout_s:g})",
     )
     parser.add_argument(
+        "--persist-idle",
+        type=float,
+        default=_DEFAULTS.persist_idle_s,
+        metavar="SECONDS",
+        help="persist a session's pinned KV to decode's file tier once it is unused this long "
+        f"(default {_DEFAULTS.persist_idle_s:g}; 0: never)",
+    )
+    parser.add_argument(
         "--max-sessions",
         type=int,
         default=_DEFAULTS.max_sessions,
@@ -107,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         port=args.port,
         api_keys=ApiKeys.from_file(args.api_keys) if args.api_keys else None,
         session_idle_timeout_s=args.session_idle_timeout,
+        persist_idle_s=args.persist_idle or None,
         max_sessions=args.max_sessions,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,

@@ -12,6 +12,7 @@ The CLI maps its flags onto ``ProxyConfig``; nothing below the CLI reads the env
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,11 @@ class ProxyConfig:
             cache set the same secret.
         metrics_need_key: ``GET /metrics`` asks for an API key like the API routes (only with
             ``api_keys``).
+        persist_idle_s: a session unused this long has its pinned turn-end KV persisted to
+            decode's file tier (where decode has one), freeing decode's memory while it waits;
+            the next turn loads it back from the tier. ``None`` keeps the pin until it expires.
+            Two minutes: past any think time a pin is meant for, far below the pin's 480 s TTL.
+            In-memory sessions only (a shared store's sessions keep their pins).
     """
 
     host: str = "127.0.0.1"
@@ -124,8 +130,13 @@ class ProxyConfig:
     isolate_prefix_caches: bool = True
     cache_salt_secret: str | None = field(default=None, repr=False)
     metrics_need_key: bool = False
+    persist_idle_s: float | None = 120.0
 
     def __post_init__(self) -> None:
+        if self.persist_idle_s is not None and not (
+            math.isfinite(self.persist_idle_s) and self.persist_idle_s > 0
+        ):
+            raise ConfigError("persist_idle_s must be positive (or None: never)")
         if self.state is not None and not self.state.startswith(
             ("redis://", "rediss://", "unix://")
         ):

@@ -79,6 +79,7 @@ class SessionEntry:
         "key",
         "last_used",
         "lock",
+        "persist_tried",
         "renewer",
         "session",
         "store_s",
@@ -103,6 +104,8 @@ class SessionEntry:
         self.created_at = time.time()
         self.forks = 0
         self.closed = False
+        # The idle sweep tried to persist this session's pin (reset when a request uses it).
+        self.persist_tried = False
         # With a shared store: the stored version this copy is, the claim held while checked out.
         self.version = 0
         self.claim: Claim | None = None
@@ -169,7 +172,9 @@ class SessionRegistry:
         store: SessionStore | None = None,
         claim_wait_s: float = 600.0,
         wall_clock: Callable[[], float] = time.time,
+        persist_idle_s: float | None = None,
     ) -> None:
+        self._persist_idle_s = persist_idle_s
         self._cluster = cluster
         self._store = store
         self._claim_wait_s = claim_wait_s
@@ -420,6 +425,7 @@ class SessionRegistry:
         entry.lock.release()
         entry.users -= 1
         entry.last_used = self._clock()
+        entry.persist_tried = False
         if entry.closed and entry.users == 0:
             await entry.session.aclose()
 
@@ -496,6 +502,39 @@ class SessionRegistry:
         for entry in expired:
             await self._close(entry, "idle")
         return len(expired)
+
+    async def persist_idle(self) -> int:
+        """Persist the pinned KV of sessions idle past ``persist_idle_s`` to decode's file tier;
+        return how many were persisted.
+
+        Each is checked out as a request would be (its lock held), so no turn can carry the
+        handle while decode writes it; a session is tried once per idle period (a decode
+        without a tier answers once, not every sweep). In-memory sessions only.
+        """
+        if self._store is not None or self._persist_idle_s is None:
+            return 0
+        persisted = 0
+        now = self._clock()
+        for entry in list(self._entries.values()):
+            session = entry.session
+            if (
+                entry.users
+                or entry.closed
+                or entry.persist_tried
+                or now - entry.last_used < self._persist_idle_s
+                or session.handle is None
+                or session.tier is not None
+            ):
+                continue
+            entry.persist_tried = True
+            entry.users += 1
+            try:
+                async with entry.lock:
+                    if not entry.closed and await session.persist() is not None:
+                        persisted += 1
+            finally:
+                entry.users -= 1
+        return persisted
 
     async def _sweep_shared(self) -> int:
         assert self._store is not None

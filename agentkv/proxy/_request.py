@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from agentkv import InvalidMessageError, Message
+from agentkv import InvalidMessageError, Message, PersistMode
 from agentkv._wire.fields import PASSED_FIELDS, refusal
 from agentkv.proxy._errors import ProxyError
 
@@ -212,3 +212,20 @@ def session_id_from(header: str | None, request: ChatRequest) -> str | None:
             code="invalid_session_id",
         )
     return session_id
+
+
+def persist_from(header: str | None) -> PersistMode:
+    """The turn's persist option from ``X-AgentKV-Persist: disk | pin`` (absent: ``auto``).
+
+    ``disk``: the client knows the next turn is far off, so the turn-end KV goes to decode's
+    file tier right after the answer; ``pin``: keep it pinned in decode's memory.
+    """
+    if header is None:
+        return "auto"
+    mode = _PERSIST_MODES.get(header.strip().lower())
+    if mode is None:
+        raise _bad("X-AgentKV-Persist is disk, pin or auto", "X-AgentKV-Persist")
+    return mode
+
+
+_PERSIST_MODES: Mapping[str, PersistMode] = {"disk": "disk", "pin": "pin", "auto": "auto"}

@@ -16,6 +16,9 @@ What is faithful (each module cites the vLLM code it follows):
 * agentkv's extension (on by default, as ``agentkv up`` runs vLLM): persist hints, lease
   acknowledgements, ``/v1/agentkv/info`` and the release/extend routes, decided by the
   connector's own ``LeaseBook``; ``leases=False, stream_handles=False`` is stock vLLM.
+* The file tier (``tier=True``, ``_fake_tier``): persist and delete routes, tier usage in
+  ``/v1/agentkv/info``, prefill's token-exact, checksum-checked load of at most ``prompt - 1``
+  tokens, a byte budget with LRU eviction.
 * Wrong KV: the model's output is a function of the KV it holds, so a handle sent with a
   history that is not its prefix changes the answer; ``wrong_reuse_events`` counts such pulls.
 * Stop strings (``stop``, ``include_stop_str_in_output``) as vLLM's front end checks them: the
@@ -43,6 +46,7 @@ from agentkv.testing._fake_http import ServedCluster
 from agentkv.testing._fake_reply import FaultKind
 from agentkv.testing._fake_server import FakeServer
 from agentkv.testing._fake_template import ChatTemplate, render_chat
+from agentkv.testing._fake_tier import FakeTier
 from agentkv.testing._fake_tokenizer import FakeTokenizer
 from agentkv.testing._fake_transport import FakeTransport
 
@@ -51,6 +55,7 @@ __all__ = [
     "DriftReport",
     "FakeCluster",
     "FakeServer",
+    "FakeTier",
     "FakeTokenizer",
     "FakeTransport",
     "FaultKind",

@@ -11,11 +11,17 @@ from urllib.parse import urlsplit
 
 from agentkv.testing._fake_clock import ManualClock
 from agentkv.testing._fake_context import ServerContext
-from agentkv.testing._fake_engine import EngineConfig, FakeEngine, KVLoadFailurePolicy
+from agentkv.testing._fake_engine import (
+    BYTES_PER_TOKEN,
+    EngineConfig,
+    FakeEngine,
+    KVLoadFailurePolicy,
+)
 from agentkv.testing._fake_http import ServedCluster, serve_cluster
 from agentkv.testing._fake_model import FakeModel
 from agentkv.testing._fake_server import FakeServer, Role
 from agentkv.testing._fake_template import CHAT_TEMPLATES, ChatTemplate
+from agentkv.testing._fake_tier import DEFAULT_BUDGET_BYTES, FakeTier
 from agentkv.testing._fake_tokenizer import FakeTokenizer
 from agentkv.testing._fake_transport import FakeTransport
 
@@ -55,6 +61,11 @@ class FakeCluster:
     ``agentkv_max_ttl_s``). ``leases=False, stream_handles=False`` is stock vLLM: no
     ``/v1/agentkv/*`` routes, no lease acknowledgement; ``leases=False`` alone is the plugin with
     vLLM's own connector (``/v1/agentkv/info`` says ``leases: false``).
+
+    ``tier=True`` gives the servers a shared file tier (``agentkv_tier_dir``, as ``agentkv up``
+    configures; ``fake.tier`` is the :class:`FakeTier`, bounded by ``tier_budget_bytes``):
+    decode persists leased handles there, prefill resumes from it. Without it the persist route
+    answers 501 ``tier_unavailable``.
 
     Example:
         >>> import httpx
@@ -97,6 +108,8 @@ class FakeCluster:
         agentkv_max_ttl_s: float = 3600.0,
         prefills: int | None = None,
         decodes: int | None = None,
+        tier: bool = False,
+        tier_budget_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         if pairs < 1:
             raise ValueError("a cluster needs at least one pair")
@@ -123,6 +136,16 @@ class FakeCluster:
             leases=leases,
             agentkv_max_ttl_s=agentkv_max_ttl_s,
         )
+        self.tier: FakeTier | None = (
+            FakeTier(
+                block_size=block_size,
+                bytes_per_token=BYTES_PER_TOKEN,
+                budget_bytes=tier_budget_bytes,
+            )
+            if tier
+            else None
+        )
+        """The servers' shared file tier (``tier=True``), else ``None``."""
         context = ServerContext(
             model=model,
             max_model_len=max_model_len,
@@ -136,6 +159,7 @@ class FakeCluster:
             clock=clock,
             fabric=self._fabric,
             lock=threading.RLock(),
+            tier=self.tier,
         )
         self._prefill = [self._server(context, "prefill", i) for i in range(num_prefill)]
         self._decode = [self._server(context, "decode", i) for i in range(num_decode)]

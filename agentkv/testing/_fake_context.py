@@ -11,6 +11,7 @@ from agentkv.testing._fake_engine import EngineConfig, Fabric
 from agentkv.testing._fake_model import FakeModel
 from agentkv.testing._fake_protocol import ApiError
 from agentkv.testing._fake_template import ChatTemplate, TemplateError, render_chat
+from agentkv.testing._fake_tier import FakeTier
 from agentkv.testing._fake_tokenizer import FakeTokenizer
 
 
@@ -30,6 +31,8 @@ class ServerContext:
     clock: Callable[[], float]
     fabric: Fabric
     lock: threading.RLock
+    # The file tier every server mounts (``None``: no ``agentkv_tier_dir``).
+    tier: FakeTier | None = None
 
     def check_model(self, model: Any) -> None:
         """``_check_model``: an unknown model name is a 404."""

@@ -28,7 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
-from agentkv.connector._leases import LeaseBook, LeaseService, apply_pin_policy
+from agentkv._wire.hints import HintError, LeaseRef
+from agentkv._wire.tier import TierRef, valid_tier_id
+from agentkv.connector._leases import LeaseBook, LeaseService, Outcome, apply_pin_policy
 from agentkv.testing._fake_kv import (
     ROOT_HASH,
     BlockContent,
@@ -42,6 +44,7 @@ from agentkv.testing._fake_kv import (
 from agentkv.testing._fake_metrics import EngineStats
 from agentkv.testing._fake_model import FakeModel, Generation, ToolSpec
 from agentkv.testing._fake_stop import find_stop
+from agentkv.testing._fake_tier import FakeTier, TierFullError
 from agentkv.testing._fake_tokenizer import FakeTokenizer
 
 # pull_worker.py: slack subtracted from D's exported deadline on the turn-2 readback.
@@ -114,6 +117,9 @@ class _Pin:
     block_ids: list[int]
     deadline: float
     turn_end: bool
+    # The tokens whose KV the blocks hold and the request's salt (what a tier persist records).
+    tokens: tuple[int, ...] = ()
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -139,8 +145,10 @@ class FakeEngine:
         fabric: Fabric,
         side_channel: tuple[str, int],
         model_name: str,
+        tier: FakeTier | None = None,
     ) -> None:
         self.config = config
+        self._tier = tier
         self.engine_id = str(uuid.uuid4())
         self.side_channel_host, self.side_channel_port = side_channel
         self.stats = EngineStats(model_name=model_name, kv_cache_usage=lambda: self.kv_cache_usage)
@@ -206,9 +214,45 @@ class FakeEngine:
         """
         if self._leases is None:
             return {"status": "unavailable"}
+        if op in ("persist", "tier_delete"):
+            return self._tier_op(op, payload)
         answer = self._leases.handle(op, payload)
+        if op == "info" and answer.get("status") == "ok":
+            answer["tier"] = None if self._tier is None else self._tier.usage().to_wire()
         self.expire()
         return answer
+
+    def _tier_op(self, op: str, payload: object) -> dict[str, object]:  # noqa: PLR0911 - per status
+        """``AgentKVConnector.agentkv_tier_op``: persist a leased pin, or delete an entry."""
+        if self._tier is None or self._book is None or self._leases is None:
+            return {"status": "tier_unavailable"}
+        try:
+            if op == "tier_delete":
+                entry = valid_tier_id(payload.get("id") if isinstance(payload, dict) else None)
+                return {"status": "ok", "deleted": self._tier.delete(entry)}
+            ref = LeaseRef.from_wire(payload)
+        except HintError as exc:
+            return {"status": "invalid", "message": str(exc)}
+        self.expire()
+        outcome, lease = self._book.check(ref)
+        if outcome is not Outcome.OK or lease is None:
+            return {"status": outcome.value}
+        pin = self._pins.get(ref.request_id)
+        if pin is None or not pin.tokens:
+            return {"status": "tier_failed", "message": "no token record for this handle"}
+        n_blocks = -(-len(pin.tokens) // self.config.block_size)
+        try:
+            result = self._tier.write(
+                token_ids=pin.tokens,
+                cache_salt=pin.cache_salt,
+                blocks=[self._pool.read(b) for b in pin.block_ids[:n_blocks]],
+            )
+        except TierFullError as exc:
+            return {"status": "tier_failed", "message": f"tier write failed: {exc}"}
+        # Written and committed: now, and only now, free decode's blocks.
+        self._leases.handle("release", ref.to_wire())
+        self.expire()
+        return {"status": "ok", **result.to_wire()}
 
     def _set_deadline(self, request_id: str, deadline: float) -> None:
         # The worker keeps the latest deadline of a pin; a past one frees it at the next step.
@@ -250,7 +294,7 @@ class FakeEngine:
         local = len(local_ids) * bs
         params = dict(request.kv_transfer_params) if request.kv_transfer_params else None
 
-        load = self._connector_load(params, prompt, hashes, local)
+        load = self._connector_load(params, prompt, hashes, local, salt=request.cache_salt)
         blocks = [self._pool.read(b) for b in local_ids] + load.blocks
         start = local + load.num_tokens
         write_tokens(blocks, prompt, min(start, n_prompt - 1), n_prompt, bs)
@@ -289,7 +333,7 @@ class FakeEngine:
             self._pool.free(block_ids)
             kv_params = None
         else:
-            kv_params = self._finish(request, params, block_ids, len(seq), num_cached)
+            kv_params = self._finish(request, params, block_ids, seq, num_cached)
         return EngineResult(
             token_ids=generation.token_ids,
             finish_reason=generation.finish_reason,
@@ -301,7 +345,13 @@ class FakeEngine:
         )
 
     def _connector_load(
-        self, params: dict[str, Any] | None, prompt: list[int], hashes: list[int], local: int
+        self,
+        params: dict[str, Any] | None,
+        prompt: list[int],
+        hashes: list[int],
+        local: int,
+        *,
+        salt: str | None = None,
     ) -> _Load:
         """``get_num_new_matched_tokens`` + ``update_state_after_alloc`` + the worker's read."""
         if not params:
@@ -313,6 +363,13 @@ class FakeEngine:
             if count > 0 and not has_handle:
                 # vLLM asserts here and the engine core dies; the fake only fails the request.
                 raise EngineError("do_remote_prefill without a complete remote handle")
+        elif (
+            params.get("do_remote_decode")
+            and not params.get("remote_block_ids")
+            and self._tier is not None
+            and self._book is not None
+        ):
+            return self._tier_load(params, prompt, hashes, local, salt)
         elif params.get("do_remote_decode") and has_handle:
             remote_num_tokens = params.get("remote_num_tokens") or 0
             count = min(int(remote_num_tokens), n_prompt) - local
@@ -330,6 +387,37 @@ class FakeEngine:
             if self.config.kv_load_failure_policy == "fail":
                 raise EngineError("Internal server error") from exc
             return _Load()
+
+    def _tier_load(
+        self,
+        params: dict[str, Any],
+        prompt: list[int],
+        hashes: list[int],
+        local: int,
+        salt: str | None,
+    ) -> _Load:
+        """``TierScheduler.lookup`` + the worker's checked read: the prompt's prefix that the
+        tier entry holds token for token, beyond the local prefix cache."""
+        try:
+            ref = TierRef.from_params(params)
+        except HintError:
+            return _Load()  # the connector logs tier_ref_ignored
+        if ref is None or self._tier is None:
+            return _Load()
+        bs = self.config.block_size
+        n, contents = self._tier.match(
+            ref, prompt=prompt, cache_salt=salt, first_block=local // bs
+        )
+        if n <= local:
+            return _Load()
+        first = local // bs
+        loaded = contents[first:]
+        for i, content in enumerate(loaded):
+            need = min(bs, n - (first + i) * bs)
+            del content.tokens[need:]
+        if not all(is_true_content(c, prompt, first + i, hashes, bs) for i, c in enumerate(loaded)):
+            self._fabric.record_wrong_reuse(self)
+        return _Load(blocks=loaded, num_tokens=n - local)
 
     def _notify_only(self, params: dict[str, Any]) -> None:
         """A full local hit (or a pull below threshold) still tells the producer to free."""
@@ -431,10 +519,11 @@ class FakeEngine:
         request: EngineRequest,
         params: dict[str, Any] | None,
         block_ids: list[int],
-        num_computed: int,
+        seq_tokens: list[int],
         num_cached: int,
     ) -> dict[str, Any] | None:
         """``request_finished``: keep the blocks for a remote reader and describe them."""
+        num_computed = len(seq_tokens)
         is_producer = bool(params and params.get("do_remote_decode"))
         if not params or (not is_producer and not self.config.bidirectional_kv_xfer):
             self._pool.free(block_ids)
@@ -442,7 +531,13 @@ class FakeEngine:
         ttl = self.config.kv_lease_duration if is_producer else self.config.decoder_kv_blocks_ttl
         deadline = self._clock() + ttl
         # NixlPullConnector.request_finished: keep the blocks until the deadline, describe them.
-        self._pins[request.request_id] = _Pin(block_ids, deadline, turn_end=not is_producer)
+        self._pins[request.request_id] = _Pin(
+            block_ids,
+            deadline,
+            turn_end=not is_producer,
+            tokens=() if is_producer else tuple(seq_tokens),
+            cache_salt=request.cache_salt,
+        )
         heapq.heappush(self._deadlines, (deadline, request.request_id))
         out = self._handle_params(
             request,

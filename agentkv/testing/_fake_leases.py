@@ -1,7 +1,7 @@
 """agentkv's lease routes on a fake server, as ``agentkv/connector/_endpoint.py`` serves them.
 
-``GET /v1/agentkv/info``, ``POST /v1/agentkv/leases/release``, ``/extend`` and
-``/v1/agentkv/requests/release``: bodies, statuses
+``GET /v1/agentkv/info``, ``POST /v1/agentkv/leases/release``, ``/extend``, ``/persist``,
+``/v1/agentkv/requests/release`` and ``/v1/agentkv/tier/delete``: bodies, statuses
 and error codes as the endpoint plugin answers them; the decisions are the real connector's
 (``LeaseService`` on the engine's ``LeaseBook``, see ``FakeEngine.lease_op``). A server with the
 plugin but a stock connector (``FakeCluster(leases=False)`` with ``stream_handles``) answers
@@ -22,6 +22,7 @@ from agentkv._wire.hints import (
     ServerInfo,
     lease_error,
 )
+from agentkv._wire.tier import PersistResult, TierDelete
 from agentkv.testing._fake_engine import FakeEngine
 from agentkv.testing._fake_reply import Reply
 
@@ -43,12 +44,14 @@ def info(engine: FakeEngine, *, stream_handles: bool) -> Reply:
     answer = engine.lease_op("info", {})
     ok = answer.get("status") == "ok"
     default, cap = answer.get("default_ttl_s"), answer.get("max_ttl_s")
+    tier = answer.get("tier")
     return Reply(
         json=ServerInfo(
             leases=ok,
             stream_handles=stream_handles,
             default_ttl_s=float(default) if ok and isinstance(default, int | float) else None,
             max_ttl_s=float(cap) if ok and isinstance(cap, int | float) else None,
+            tier=tier if ok and isinstance(tier, dict) else None,
         ).to_wire()
     )
 
@@ -85,3 +88,25 @@ def extend(engine: FakeEngine, body: bytes) -> Reply:
     if answer.get("status") != "ok":
         return _error(str(answer.get("status")), answer.get("message"))
     return Reply(json=ExtendResult.from_wire(answer).to_wire())
+
+
+def persist(engine: FakeEngine, body: bytes) -> Reply:
+    try:
+        ref = LeaseRef.from_wire(_body(body))
+    except HintError as exc:
+        return _error("invalid", str(exc))
+    answer = engine.lease_op("persist", ref.to_wire())
+    if answer.get("status") != "ok":
+        return _error(str(answer.get("status")), answer.get("message"))
+    return Reply(json={"tier": PersistResult.from_wire(answer).to_wire()["tier"]})
+
+
+def tier_delete(engine: FakeEngine, body: bytes) -> Reply:
+    try:
+        delete = TierDelete.from_wire(_body(body))
+    except HintError as exc:
+        return _error("invalid", str(exc))
+    answer = engine.lease_op("tier_delete", delete.to_wire())
+    if answer.get("status") != "ok":
+        return _error(str(answer.get("status")), answer.get("message"))
+    return Reply(json={"deleted": bool(answer.get("deleted"))})

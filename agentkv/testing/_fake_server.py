@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from agentkv._wire.hints import EXTEND_PATH, INFO_PATH, RELEASE_PATH, RELEASE_REQUEST_PATH
+from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH
 from agentkv.testing import _fake_endpoints as endpoints
 from agentkv.testing import _fake_leases as leases
 from agentkv.testing._fake_chat import serve_chat
@@ -180,6 +181,8 @@ class FakeServer:
             routes[RELEASE_PATH] = ("POST", lambda: leases.release(engine, body))
             routes[EXTEND_PATH] = ("POST", lambda: leases.extend(engine, body))
             routes[RELEASE_REQUEST_PATH] = ("POST", lambda: leases.release_request(engine, body))
+            routes[PERSIST_PATH] = ("POST", lambda: leases.persist(engine, body))
+            routes[TIER_DELETE_PATH] = ("POST", lambda: leases.tier_delete(engine, body))
         route = routes.get(path)
         if route is None:
             return endpoints.http_error(404, "Not Found")
@@ -213,4 +216,5 @@ class FakeServer:
             fabric=ctx.fabric,
             side_channel=self.side_channel,
             model_name=ctx.model,
+            tier=ctx.tier,
         )

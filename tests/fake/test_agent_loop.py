@@ -419,3 +419,29 @@ def test_worked_examples_follow_the_system_prompt_once_per_session(cluster):
     assert messages[1 : 1 + len(example)] == example
     assert [m.content for m in messages if m.role == "user"] == ["Find x.", "Find y.", "Find z."]
     assert [c.name for c in example[-1].tool_calls] == ["final_answer"]
+
+
+@pytest.mark.parametrize(
+    ("expected_tool_s", "state"), [(None, HandleState.ATTACHED), (600.0, HandleState.TIER)]
+)
+def test_with_a_tier_only_an_expected_tool_duration_sends_the_pin_to_the_tier(
+    clock, expected_tool_s, state
+):
+    """The tool timeout (60 s by default) bounds a call, it does not predict it: the pin stays.
+    An expected duration past ``persist_after_s`` persists it; the next turn loads it."""
+    fake = FakeCluster(pairs=1, clock=clock, block_size=BLOCK, kv_recompute_threshold=0, tier=True)
+    with Cluster.from_dict(
+        fake.cluster_spec, transport=fake.transport, clock=clock, block_size=BLOCK
+    ) as cluster:
+        agent = Agent(
+            cluster,
+            tools=[lookup],
+            max_steps=2,
+            tool_calling=forced("lookup"),
+            system="Look it up. " * 20,
+            expected_tool_s=expected_tool_s,
+        )
+        run = agent.run("Go.")
+    assert run.turns[1].handle_state is state, run.turns[1].handle_reason
+    assert run.turns[1].reused_tokens == run.turns[1].ideal_reused_tokens
+    assert fake.wrong_reuse_events == 0

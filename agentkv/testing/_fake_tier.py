@@ -1,0 +1,179 @@
+"""The file tier of a fake cluster: persisted turn-end KV, kept as ``connector/_tier*.py`` do.
+
+Both servers of the local pair mount one tier directory; here one :class:`FakeTier` is shared by
+every server of a :class:`FakeCluster` (``FakeCluster(tier=True)``) and survives their restarts,
+as files do. What is faithful to the real store (``_tier_store.TierStore``):
+
+* an entry holds the exact token ids decode computed for the pinned request (prompt + generated
+  - 1), its ``cache_salt`` and its KV blocks, under a 128-bit random id;
+* a load takes the longest common prefix of the entry's tokens and the prompt, at most
+  ``prompt - 1`` tokens, for the same salt only, and stops at the first block that is missing
+  (a truncated file) or whose content no longer matches its checksum (a damaged file): such a
+  block is recomputed, never served;
+* a byte budget with least-recently-used eviction (by last write or read); an entry larger than
+  the budget fails the write (500 ``tier_write_failed``, the pin is kept);
+* usage (bytes, entries, budget, dir) for ``GET /v1/agentkv/info``.
+
+Tests damage entries with :meth:`FakeTier.corrupt` (a flipped byte), :meth:`FakeTier.truncate`
+and :meth:`FakeTier.drop` (files removed behind the servers' backs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from agentkv._wire.tier import PersistResult, TierRef, TierUsage
+from agentkv.testing._fake_kv import BlockContent
+
+__all__ = ["FakeTier", "TierEntry", "TierFullError"]
+
+DEFAULT_BUDGET_BYTES = 4 << 30
+
+
+class TierFullError(RuntimeError):
+    """The entry alone exceeds the tier's budget (the real store's ``TierError``)."""
+
+
+def _checksum(block: BlockContent) -> int:
+    return hash((block.ctx, tuple(block.tokens)))
+
+
+@dataclass(slots=True)
+class TierEntry:
+    """One persisted handle: its tokens, salt, KV blocks and a checksum per block."""
+
+    id: str
+    token_ids: tuple[int, ...]
+    cache_salt: str | None
+    blocks: list[BlockContent]
+    checksums: list[int]
+    bytes: int
+    used: int = 0
+    loads: int = field(default=0)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class FakeTier:
+    """An in-memory file tier shared by a fake cluster's servers.
+
+    Example:
+        >>> from agentkv.testing import FakeCluster
+        >>> fake = FakeCluster(pairs=1, tier=True)
+        >>> fake.tier.usage().entries
+        0
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        bytes_per_token: int,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        directory: str = "/fake/agentkv/tier",
+    ) -> None:
+        if budget_bytes <= 0:
+            raise ValueError("the tier budget must be a positive number of bytes")
+        self.block_size = block_size
+        self.bytes_per_token = bytes_per_token
+        self.budget_bytes = budget_bytes
+        self.dir = directory
+        self.entries: dict[str, TierEntry] = {}
+        self.evicted: list[str] = []
+        self._tick = itertools.count(1)
+
+    # --- what tests look at and do -------------------------------------------------------------
+
+    @property
+    def ids(self) -> list[str]:
+        """The ids of the committed entries, oldest use first."""
+        return [e.id for e in sorted(self.entries.values(), key=lambda e: e.used)]
+
+    def usage(self) -> TierUsage:
+        return TierUsage(
+            bytes=sum(e.bytes for e in self.entries.values()),
+            entries=len(self.entries),
+            budget_bytes=self.budget_bytes,
+            dir=self.dir,
+        )
+
+    def corrupt(self, entry: str, *, block: int = 0) -> None:
+        """Flip a byte of ``block``'s data: its checksum no longer matches."""
+        content = self.entries[entry].blocks[block]
+        content.tokens[0] = content.tokens[0] ^ 1 if content.tokens else 1
+
+    def truncate(self, entry: str, *, blocks: int) -> None:
+        """Cut the data file after ``blocks`` blocks (a crash mid-copy, a full disk)."""
+        del self.entries[entry].blocks[blocks:]
+
+    def drop(self, entry: str) -> None:
+        """Remove the entry's files behind the servers' backs."""
+        del self.entries[entry]
+
+    # --- what the engines do -------------------------------------------------------------------
+
+    def write(
+        self, *, token_ids: Sequence[int], cache_salt: str | None, blocks: Sequence[BlockContent]
+    ) -> PersistResult:
+        """Commit a new entry, then evict least recently used others beyond the budget."""
+        n_blocks = -(-len(token_ids) // self.block_size)
+        nbytes = n_blocks * self.block_size * self.bytes_per_token
+        if nbytes > self.budget_bytes:
+            raise TierFullError(f"{nbytes} bytes exceed the tier budget of {self.budget_bytes}")
+        copies = [b.copy() for b in blocks[:n_blocks]]
+        entry = TierEntry(
+            id=secrets.token_hex(16),
+            token_ids=tuple(token_ids),
+            cache_salt=cache_salt,
+            blocks=copies,
+            checksums=[_checksum(b) for b in copies],
+            bytes=nbytes,
+            used=next(self._tick),
+        )
+        self.entries[entry.id] = entry
+        total = sum(e.bytes for e in self.entries.values())
+        for old in sorted(self.entries.values(), key=lambda e: e.used):
+            if total <= self.budget_bytes:
+                break
+            if old.id == entry.id:
+                continue
+            del self.entries[old.id]
+            self.evicted.append(old.id)
+            total -= old.bytes
+        return PersistResult(ref=TierRef(id=entry.id, n_tokens=entry.n_tokens), bytes=nbytes)
+
+    def delete(self, entry: str) -> bool:
+        return self.entries.pop(entry, None) is not None
+
+    def match(
+        self, ref: TierRef, *, prompt: Sequence[int], cache_salt: str | None, first_block: int
+    ) -> tuple[int, list[BlockContent]]:
+        """The tokens a prompt may load from ``ref`` and the entry's blocks (copies).
+
+        The longest common prefix of the entry's tokens and the prompt, at most ``prompt - 1``,
+        cut at the first missing or damaged block from ``first_block`` on.
+        """
+        entry = self.entries.get(ref.id)
+        if entry is None or entry.cache_salt != cache_salt:
+            return 0, []
+        n = 0
+        stop = min(entry.n_tokens, len(prompt))
+        while n < stop and entry.token_ids[n] == prompt[n]:
+            n += 1
+        n = min(n, max(0, len(prompt) - 1))
+        bs = self.block_size
+        needed = -(-n // bs)
+        for index in range(first_block, needed):
+            if index >= len(entry.blocks) or _checksum(entry.blocks[index]) != entry.checksums[
+                index
+            ]:
+                n = min(n, index * bs)
+                break
+        entry.used = next(self._tick)
+        entry.loads += 1
+        return n, [b.copy() for b in entry.blocks[: -(-n // bs)]]

@@ -1,0 +1,365 @@
+"""Sessions and decode's file tier, on the fake pair: persist frees decode, resume reuses.
+
+Facts come from the fake servers (pins, leases, KV usage, the tier's entries, the P legs'
+``kv_transfer_params``) and from ``fake.wrong_reuse_events``, not from the SDK's bookkeeping.
+The fake tier keeps entries as ``agentkv/connector/_tier_store.py`` does (token-exact prefix,
+at most prompt - 1 tokens, a checksum per block, a byte budget with LRU eviction).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from structlog.testing import capture_logs
+
+from agentkv import AsyncCluster, Cluster, HandleState, Message, RetryPolicy, TierRef
+from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH
+from agentkv.testing import FakeCluster
+
+SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
+QUESTIONS = [
+    "What is the capital of France? Explain the history of the city in detail please.",
+    "And what about Spain?",
+    "Which of the two is bigger?",
+]
+LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
+
+
+@pytest.fixture
+def fake(clock):
+    return FakeCluster(pairs=1, clock=clock, tier=True)
+
+
+def open_cluster(fake, clock, **kwargs):
+    kwargs.setdefault("retry", RetryPolicy(max_attempts=1))
+    return Cluster.from_dict(
+        fake.cluster_spec, transport=fake.transport, clock=clock, block_size=16, **kwargs
+    )
+
+
+@pytest.fixture
+def cluster(fake, clock):
+    with open_cluster(fake, clock) as cluster:
+        yield cluster
+
+
+def events(logs, name):
+    return [entry for entry in logs if entry["event"] == name]
+
+
+def tier_refs(server):
+    """The tier reference each chat request to ``server`` carried (None: none)."""
+    return [
+        (body["kv_transfer_params"].get("agentkv") or {}).get("tier") for body in server.requests
+    ]
+
+
+def prefill_cache_cold(fake):
+    """Forget prefill's prefix cache, so that reuse can only come from decode or the tier."""
+    fake.prefill(0).restart()
+
+
+# --- persist ---------------------------------------------------------------------------------
+
+
+def test_persist_frees_decode_and_the_next_turn_reuses_the_ideal_from_the_tier(cluster, fake):
+    decode, prefill = fake.decode(0), fake.prefill(0)
+    idle = decode.kv_cache_usage
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        assert decode.leased_handles == 1
+        ref = s.persist()
+        assert isinstance(ref, TierRef)
+        assert s.tier == ref
+        assert s.handle is None
+        assert (decode.pinned_handles, decode.leased_handles) == (0, 0)
+        assert decode.kv_cache_usage == idle
+        assert fake.tier.ids == [ref.id]
+        prefill_cache_cold(fake)
+        result = s.send(QUESTIONS[1])
+        stats = result.stats
+        assert stats.handle_state is HandleState.TIER
+        assert stats.ideal_reused_tokens == ref.n_tokens
+        assert stats.reused_tokens == ref.n_tokens  # prefill's own count (cached_tokens)
+        assert tier_refs(prefill)[-1] == ref.to_wire()
+        # The turn superseded the entry: it is deleted in the background.
+        assert s.tier is None
+    assert fake.tier.ids == []
+    assert fake.wrong_reuse_events == 0
+
+
+async def test_an_async_persist_and_the_tier_turn_answer_as_a_never_interrupted_session(
+    fake, clock
+):
+    reference = FakeCluster(pairs=1, clock=clock, tier=True)
+    answers = {}
+    for name, cluster_fake in (("tier", fake), ("pinned", reference)):
+        async with AsyncCluster.from_dict(
+            cluster_fake.cluster_spec, transport=cluster_fake.transport, clock=clock
+        ) as cluster, cluster.session(**LONG) as s:
+            s.append(SYSTEM)
+            await s.send(QUESTIONS[0])
+            if name == "tier":
+                assert await s.persist() is not None
+                cluster_fake.prefill(0).restart()
+            answers[name] = [(await s.send(q)).token_ids for q in QUESTIONS[1:]]
+    assert answers["tier"] == answers["pinned"]
+    assert fake.wrong_reuse_events == 0
+
+
+def test_turn_persist_disk_persists_right_after_the_turn(cluster, fake):
+    decode = fake.decode(0)
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        with capture_logs() as logs:
+            s.send(QUESTIONS[0], persist="disk")
+        assert s.tier is not None
+        assert s.handle is None
+        assert decode.leased_handles == 0
+        [event] = events(logs, "agentkv.persist")
+        assert (event["reason"], event["outcome"]) == ("turn", "ok")
+        assert s.send(QUESTIONS[1]).stats.handle_state is HandleState.TIER
+
+
+def test_a_stream_with_persist_disk_persists_after_its_result(cluster, fake):
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM, Message.user(QUESTIONS[0]))
+        list(s.stream(persist="disk"))
+        assert s.tier is not None
+        assert fake.decode(0).leased_handles == 0
+
+
+def test_a_persist_mode_that_does_not_exist_is_refused_before_anything_is_sent(cluster, fake):
+    with cluster.session() as s:
+        with pytest.raises(ValueError, match="persist must be one of"):
+            s.send(QUESTIONS[0], persist="ssd")  # type: ignore[arg-type]
+        assert fake.prefill(0).requests == []
+
+
+def test_persist_without_a_tier_keeps_the_pin_and_returns_none(clock):
+    fake = FakeCluster(pairs=1, clock=clock)  # no agentkv_tier_dir
+    with open_cluster(fake, clock) as cluster, cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        handle = s.handle
+        with capture_logs() as logs:
+            assert s.persist() is None
+        assert s.handle is handle
+        assert s.tier is None
+        assert fake.decode(0).leased_handles == 1
+        [event] = events(logs, "agentkv.persist")
+        assert (event["status"], event["detail"]) == (501, "tier_unavailable")
+        assert s.send(QUESTIONS[1]).stats.handle_state is HandleState.ATTACHED
+
+
+def test_a_failed_write_keeps_the_pin(clock):
+    fake = FakeCluster(pairs=1, clock=clock, tier=True, tier_budget_bytes=1)
+    with open_cluster(fake, clock) as cluster, cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        with capture_logs() as logs:
+            assert s.persist() is None
+        assert fake.decode(0).leased_handles == 1
+        assert s.handle is not None
+        [event] = events(logs, "agentkv.persist")
+        assert (event["status"], event["detail"]) == (500, "tier_write_failed")
+        assert s.send(QUESTIONS[1]).stats.handle_state is HandleState.ATTACHED
+
+
+def test_the_routes_answer_as_the_connector_does(fake):
+    client = httpx.Client(transport=fake.transport)
+    url = fake.decode(0).url
+    unknown = {"remote_request_id": "x", "remote_block_ids": [[1]], "lease": "0" * 32}
+    assert client.post(url + PERSIST_PATH, json=unknown).status_code == 404
+    assert client.post(url + PERSIST_PATH, json={}).status_code == 400
+    answer = client.post(url + TIER_DELETE_PATH, json={"id": "f" * 32})
+    assert (answer.status_code, answer.json()) == (200, {"deleted": False})
+    assert client.post(url + TIER_DELETE_PATH, json={"id": "../etc"}).status_code == 400
+    info = client.get(url + "/v1/agentkv/info").json()
+    assert info["tier"]["entries"] == 0
+    assert info["tier"]["budget_bytes"] == 4 << 30
+    no_tier = FakeCluster(pairs=1)
+    answer = httpx.Client(transport=no_tier.transport).post(
+        no_tier.decode(0).url + TIER_DELETE_PATH, json={"id": "f" * 32}
+    )
+    assert (answer.status_code, answer.json()["error"]["code"]) == (501, "tier_unavailable")
+
+
+# --- tool_wait ---------------------------------------------------------------------------------
+
+
+def test_a_long_tool_wait_persists_instead_of_holding_the_pin(cluster, fake, clock):
+    decode = fake.decode(0)
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        with s.tool_wait(expected_s=3600) as wait:
+            assert decode.leased_handles == 0
+            clock.advance(3600)
+        assert wait.persisted
+        assert wait.survived
+        assert not wait.extended
+        assert wait.tier_decision is not None
+        assert wait.tier_decision.action == "persist"
+        prefill_cache_cold(fake)
+        stats = s.send(QUESTIONS[1]).stats
+        assert stats.handle_state is HandleState.TIER
+        assert stats.reused_tokens == stats.ideal_reused_tokens
+        assert "persisted to the file tier" in stats.handle_reason
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_short_tool_wait_keeps_the_pin(cluster, fake):
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        with s.tool_wait(expected_s=5) as wait:
+            pass
+        assert not wait.persisted
+        assert s.tier is None
+        assert fake.decode(0).leased_handles == 1
+        assert s.send(QUESTIONS[1]).stats.handle_state is HandleState.ATTACHED
+
+
+def test_tool_wait_pin_extends_as_before_and_disk_persists_a_short_wait(cluster, fake):
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        with s.tool_wait(expected_s=3600, persist="pin") as wait:
+            pass
+        assert wait.extended
+        assert not wait.persisted
+        with s.tool_wait(expected_s=1, persist="disk") as wait:
+            pass
+        assert wait.persisted
+        assert s.tier is not None
+
+
+# --- divergence, damage, eviction ----------------------------------------------------------------
+
+
+def test_a_diverged_history_never_sends_the_tier_ref(cluster, fake):
+    prefill = fake.prefill(0)
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        first = s.send(QUESTIONS[0])
+        assert s.persist() is not None
+        # An edited history: another session's state with this one's tier entry.
+        s._state.tier_digest = "0" * 32
+        result = s.send(QUESTIONS[1])
+        assert result.stats.handle_state is HandleState.DIVERGED
+        assert tier_refs(prefill)[-1] is None
+        assert first.stats.turn == 1
+    assert fake.tier.ids == []  # the obsolete entry went anyway
+    assert fake.wrong_reuse_events == 0
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "drop"])
+def test_a_damaged_tier_entry_is_recomputed_never_served(cluster, fake, damage):
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        ref = s.persist()
+        assert ref is not None
+        if damage == "corrupt":
+            fake.tier.corrupt(ref.id, block=1)
+        elif damage == "truncate":
+            fake.tier.truncate(ref.id, blocks=1)
+        else:
+            fake.tier.drop(ref.id)
+        prefill_cache_cold(fake)
+        stats = s.send(QUESTIONS[1]).stats
+        assert stats.handle_state is HandleState.TIER  # sent; prefill cut what it could not verify
+        assert stats.reused_tokens == (0 if damage == "drop" else 16)
+        assert stats.reused_tokens < stats.ideal_reused_tokens
+    assert fake.wrong_reuse_events == 0
+
+
+def test_an_entry_evicted_by_the_budget_is_survived_by_recomputing(clock):
+    fake = FakeCluster(pairs=1, clock=clock, tier=True, tier_budget_bytes=300 * 23_040)
+    with open_cluster(fake, clock) as cluster:
+        a, b = cluster.session(**LONG), cluster.session(**LONG)
+        for s, question in ((a, QUESTIONS[0]), (b, QUESTIONS[2])):
+            s.append(SYSTEM)
+            s.send(question)
+        ref_a = a.persist()
+        ref_b = b.persist()
+        assert ref_a is not None
+        assert ref_b is not None
+        assert fake.tier.ids == [ref_b.id]  # a's entry was least recently used
+        prefill_cache_cold(fake)
+        stats = a.send(QUESTIONS[1]).stats
+        assert stats.handle_state is HandleState.TIER
+        assert stats.reused_tokens == 0
+        assert b.send(QUESTIONS[1]).stats.reused_tokens == ref_b.n_tokens
+        a.close()
+        b.close()
+    assert fake.wrong_reuse_events == 0
+
+
+# --- lifecycle: close, save/load, moves -------------------------------------------------------
+
+
+def test_closing_a_session_deletes_its_tier_entry(cluster, fake):
+    with capture_logs() as logs, cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        assert s.persist() is not None
+        assert len(fake.tier.ids) == 1
+    assert fake.tier.ids == []
+    [event] = events(logs, "agentkv.tier_delete")
+    assert (event["reason"], event["detail"]) == ("close", "deleted True")
+
+
+def test_save_and_load_resume_from_the_tier(fake, clock, tmp_path):
+    path = tmp_path / "run.json"
+    with open_cluster(fake, clock) as cluster:
+        s = cluster.session(**LONG)
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        ref = s.persist()
+        s.save(path)
+        s.detach()  # the process "exits": the entry is the file's
+    assert fake.tier.ids == [ref.id]
+    saved = json.loads(path.read_text())
+    assert saved["tier"]["id"] == ref.id
+    prefill_cache_cold(fake)
+    with open_cluster(fake, clock) as cluster, cluster.load_session(path) as s:
+        assert s.tier == ref
+        stats = s.send(QUESTIONS[1]).stats
+        assert stats.handle_state is HandleState.TIER
+        assert stats.reused_tokens == ref.n_tokens
+    assert fake.tier.ids == []
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_snapshot_without_a_tier_key_still_loads(fake, clock, tmp_path):
+    path = tmp_path / "old.json"
+    with open_cluster(fake, clock) as cluster, cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        data = s.snapshot()
+    del data["tier"]
+    path.write_text(json.dumps(data))
+    with open_cluster(fake, clock) as cluster, cluster.load_session(path) as s:
+        assert s.tier is None
+        s.send(QUESTIONS[1])
+
+
+def test_a_session_moved_to_another_pair_drops_its_tier_ref(clock):
+    fake = FakeCluster(pairs=2, clock=clock, tier=True)
+    retry = RetryPolicy(max_attempts=3, initial_backoff_s=0, jitter_s=0)
+    with open_cluster(fake, clock, retry=retry) as cluster, cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        assert s.persist() is not None
+        fake.server(s.pair.prefill).kill()
+        stats = s.send(QUESTIONS[1]).stats
+        assert stats.handle_state is HandleState.INVALIDATED
+        assert s.tier is None
+        moved_prefill = fake.server(s.pair.prefill)
+        assert tier_refs(moved_prefill) == [None]
+    assert fake.wrong_reuse_events == 0
