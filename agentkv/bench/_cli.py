@@ -41,7 +41,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--cluster-file", help="cluster file (default $AGENTKV_CLUSTER or "
                    ".agentkv/cluster.json)")
     p.add_argument("--modes", default=",".join(m.value for m in DEFAULT_MODES),
-                   help="comma-separated: disagg, affinity, agentkv, aggregated "
+                   help="comma-separated: disagg, affinity, agentkv, tier, oracle, aggregated "
                    "(default %(default)s)")
     p.add_argument("--sessions", type=int, default=_DEFAULTS.sessions,
                    help="sessions per mode (default %(default)s)")
@@ -55,6 +55,9 @@ def add_parser(subparsers: Any) -> None:
                    help="median model output per turn, in tokens (default %(default)s)")
     p.add_argument("--think-time", type=float, default=_DEFAULTS.think_time_s,
                    help="mean pause between a session's turns, seconds (default %(default)s)")
+    p.add_argument("--time-scale", type=float, default=_DEFAULTS.time_scale,
+                   help="pauses last think time x this in real time; the SDK is told the full "
+                   "pause (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=_DEFAULTS.concurrency,
                    help="turns in flight at once (default %(default)s)")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed,
@@ -80,6 +83,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         tool_tokens=args.tool_tokens,
         output_tokens=args.output_tokens,
         think_time_s=args.think_time,
+        time_scale=args.time_scale,
         concurrency=args.concurrency,
         seed=args.seed,
         stream=not args.no_stream,
@@ -115,6 +119,7 @@ def command_line(config: BenchConfig, *, cluster_file: Path, json_out: str,
         "--sessions", str(config.sessions), "--turns", str(config.turns),
         "--context-tokens", str(config.context_tokens), "--tool-tokens", str(config.tool_tokens),
         "--output-tokens", str(config.output_tokens), "--think-time", f"{config.think_time_s:g}",
+        "--time-scale", f"{config.time_scale:g}",
         "--concurrency", str(config.concurrency), "--seed", str(config.seed), "--json", json_out,
     ]
     if plot:
@@ -150,6 +155,13 @@ def summary_table(report: Mapping[str, Any]) -> str:
             f"{_fmt(s['throughput_tokens_per_s']):>8}  "
             f"{_fmt(ratio.get(mode), 'x'):>9}"
         )
+    for mode, block in report["modes"].items():
+        s = block["summary"]
+        if "paused_decode_tokens_mean" in s:
+            lines.append(
+                f"{mode} through a pause: {_fmt(s['paused_decode_tokens_mean'])} tokens pinned "
+                f"on decode, {_fmt(s['paused_tier_tokens_mean'])} in the file tier (mean)"
+            )
     for name, block in report.get("ratios", {}).items():
         turns = ", ".join("-" if r is None else f"{r:.2f}" for r in block["by_turn"])
         overall = block["ttft_p50_after_first_turn"]

@@ -32,6 +32,9 @@ class Mode(enum.StrEnum):
     """The limit of reuse: before each turn, off the clock, prefill's cache is filled with the
     previous turn's prompt and output, so the timed turn pulls nothing and computes only what
     follows the last whole cached block (the new tokens, and at most one block's tail)."""
+    TIER = "tier"
+    """The agentkv SDK, and in every pause between turns the turn-end KV moves to decode's file
+    tier (decode's pin freed): the next turn's prefill loads it from the tier."""
     AGGREGATED = "aggregated"
     """Reference: one server (the prefill server) prefills and decodes, with its prefix cache."""
 
@@ -75,7 +78,10 @@ class BenchConfig:
         tool_tokens: size of the tool result each turn after the first carries.
         output_tokens: median model output per turn; each turn generates exactly its planned
             length (``min_tokens = max_tokens``), so every mode's prompts have the same lengths.
-        think_time_s: mean pause between a session's turns (the tool running), 0 for none.
+        think_time_s: mean pause between a session's turns (the tool running), 0 for none. The
+            SDK modes are told each pause's length, as ``tool_wait(expected_s=...)`` is.
+        time_scale: pauses last ``time_scale`` times their length in real time (the SDK is still
+            told the full length): minutes of think time in seconds of benchmark.
         concurrency: turns in flight at once, across all sessions and modes.
         seed: the workload's seed; the same seed and tokenizer give the same workload.
         stream: stream decode and time the first token (true TTFT); ``False`` times whole
@@ -90,6 +96,7 @@ class BenchConfig:
     tool_tokens: int = 256
     output_tokens: int = 64
     think_time_s: float = 0.0
+    time_scale: float = 1.0
     concurrency: int = 1
     seed: int = 0
     stream: bool = True
@@ -108,6 +115,8 @@ class BenchConfig:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0.0 <= self.think_time_s <= 3600.0:
             raise ConfigError(f"think_time_s must be in [0, 3600], got {self.think_time_s}")
+        if not 0.0 < self.time_scale <= 1.0:
+            raise ConfigError(f"time_scale must be in (0, 1], got {self.time_scale}")
         if not self.run_id.isalnum() or len(self.run_id) > 32:
             # It goes into vLLM cache salts, which refuse '/', '@', '\\' and long values.
             raise ConfigError(f"run_id must be 1-32 letters or digits, got {self.run_id!r}")

@@ -3,16 +3,19 @@
 ``disagg``, ``affinity`` and ``agentkv`` all run on the SDK (the same transcript, template and
 request code), so they differ only in what the benchmark means to compare:
 
-=========  ==========================  ==================  =====================
+=========  ==========================  ==================  =============================
 mode       handle sent to prefill      prefill cache_salt  decode keeps turn KV
-=========  ==========================  ==================  =====================
+=========  ==========================  ==================  =============================
 disagg     never                       fresh every turn    no
 affinity   never                       one per session     no
-agentkv    when the policy says so     one per session     yes (pinned handle)
+agentkv    when the policy says so     one per session     yes (pinned, extended to
+                                                           cover each pause)
+tier       the tier reference after    one per session     pinned until the pause, then
+           a pause, else the handle                        in its file tier, pin freed
 oracle     never; the previous turn's  one per session     no
            tokens prefilled off the
            clock before each turn
-=========  ==========================  ==================  =====================
+=========  ==========================  ==================  =============================
 
 ``aggregated`` sends ordinary streamed chat completions (the server renders the messages) to the
 prefill server alone, with one salt per session.
@@ -40,6 +43,7 @@ __all__ = [
     "NEVER_ATTACH",
     "AggregatedRunner",
     "ClusterTarget",
+    "Held",
     "NotOwned",
     "SdkRunner",
     "SessionRunner",
@@ -55,10 +59,26 @@ _NO_STREAMED_HANDLE = (
 NEVER_ATTACH = CachePolicy(min_reuse_tokens=2**62)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Held:
+    """Where a session's turn-end KV stays through a pause: tokens pinned on decode, in its tier."""
+
+    decode_tokens: int = 0
+    tier_tokens: int = 0
+
+
+# A pin kept through a pause outlasts it by this much (the SDK's own extend slack).
+_PIN_SLACK_S = 30.0
+
+
 class SessionRunner(Protocol):
     """Runs one session's turns in one mode."""
 
     async def turn(self, script: TurnScript) -> TurnSample: ...
+
+    async def pause(self, expected_s: float) -> Held:
+        """A pause of ``expected_s`` seconds starts (the agent runs a tool)."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -129,7 +149,7 @@ class SdkRunner:
         assert result is not None  # a stream that ends without a result raises instead
         stats = result.stats
         error = None
-        if self._mode is Mode.AGENTKV and session.handle is None:
+        if self._mode in (Mode.AGENTKV, Mode.TIER) and session.handle is None:
             # Without a handle the next turn cannot pull: the lane would measure affinity, not
             # agentkv. Stock vLLM puts no handle on streamed answers (vllm#40186).
             error = _NO_STREAMED_HANDLE if self._stream else _NO_HANDLE
@@ -147,6 +167,19 @@ class SdkRunner:
             prefill_s=stats.prefill_s,
             handle_state=stats.handle_state.value,
             error=error,
+        )
+
+    async def pause(self, expected_s: float) -> Held:
+        session = self._session
+        if self._mode is Mode.TIER:
+            await session.persist()
+        elif self._mode is Mode.AGENTKV and session.handle is not None:
+            # The reference "unlimited pin": decode keeps the KV however long the pause.
+            await session.extend_handle(expected_s + _PIN_SLACK_S)
+        handle, tier = session.handle, session.tier
+        return Held(
+            decode_tokens=0 if handle is None else handle.num_tokens,
+            tier_tokens=0 if tier is None else tier.n_tokens,
         )
 
     async def aclose(self) -> None:
@@ -214,6 +247,9 @@ class AggregatedRunner:
             generated_tokens=generated,
         )
 
+    async def pause(self, expected_s: float) -> Held:
+        return Held()  # the server keeps what its prefix cache keeps
+
     async def aclose(self) -> None:
         await self._client.aclose()
 
@@ -260,9 +296,9 @@ def open_runner(
         prefill=target.urls("prefill"),
         decode=target.urls("decode"),
         prefill_salt=prefill_salt,
-        pin_on_decode=mode is Mode.AGENTKV,
+        pin_on_decode=mode in (Mode.AGENTKV, Mode.TIER),
     )
-    policy = CachePolicy() if mode is Mode.AGENTKV else NEVER_ATTACH
+    policy = CachePolicy() if mode in (Mode.AGENTKV, Mode.TIER) else NEVER_ATTACH
     cluster = AsyncCluster.from_dict(target.spec, transport=transport, policy=policy)
     session = cluster.session(session_id=f"{mode.value}-s{index}")  # see _run.session_id
     return SdkRunner(

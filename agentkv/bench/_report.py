@@ -13,7 +13,9 @@ Shape (``null`` marks a turn that failed or never ran)::
 Summary definitions: TTFT percentiles over every session's turns 2 and later (linear
 interpolation); ``reuse_vs_ideal`` is the sum of prefill's reused tokens over the sum of the ideal
 on those turns; ``throughput_tokens_per_s`` is the mode's generated tokens over the summed
-wall-clock time of its turns (request to last token), i.e. what one agent sees.
+wall-clock time of its turns (request to last token), i.e. what one agent sees. With think time,
+``paused_decode_tokens_mean`` and ``paused_tier_tokens_mean`` are the tokens of a session's KV
+held pinned in decode's memory, and in decode's file tier, through a pause (mean over pauses).
 """
 
 from __future__ import annotations
@@ -74,12 +76,21 @@ def summarize(samples: Iterable[TurnSample]) -> dict[str, float | None]:
     def rounded(value: float | None, digits: int) -> float | None:
         return None if value is None else round(value, digits)
 
-    return {
+    summary = {
         "ttft_p50_ms_after_first_turn": rounded(percentile(ttfts, 0.5) if ttfts else None, 3),
         "ttft_p90_ms_after_first_turn": rounded(percentile(ttfts, 0.9) if ttfts else None, 3),
         "reuse_vs_ideal": rounded(reused / ideal if ideal else None, 5),
         "throughput_tokens_per_s": rounded(generated / seconds if seconds > 0 else None, 3),
     }
+    paused = [s for s in ok if s.paused_decode_tokens is not None]
+    if paused:
+        summary["paused_decode_tokens_mean"] = rounded(
+            statistics.fmean(s.paused_decode_tokens or 0 for s in paused), 1
+        )
+        summary["paused_tier_tokens_mean"] = rounded(
+            statistics.fmean(s.paused_tier_tokens or 0 for s in paused), 1
+        )
+    return summary
 
 
 def _mode_block(config: BenchConfig, samples: Sequence[TurnSample]) -> dict[str, Any]:

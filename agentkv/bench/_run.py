@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -36,7 +37,12 @@ METHOD = {
     "session); decode does not pin turn-end KV (agentkv persist hint false)",
     "affinity": "no handle; one cache_salt per session on both legs (prefill keeps the "
     "session's own prefix cache); decode does not pin turn-end KV",
-    "agentkv": "agentkv SDK with the default CachePolicy; one cache_salt per session on both legs",
+    "agentkv": "agentkv SDK with the default CachePolicy; one cache_salt per session on both "
+    "legs; the pin extended to cover each pause",
+    "tier": "as agentkv, but at each pause the turn-end KV is persisted to decode's file tier "
+    "(session.persist(): decode's pin freed) and the next turn's prefill loads it from there",
+    "pauses": "think time after every turn but the last, times time_scale in real time; the SDK "
+    "is told the full length",
     "aggregated": "streamed chat completions to the prefill server alone; one cache_salt per "
     "session; the server renders the messages",
     "isolation": "each (mode, session) has its own cache_salt prefix, so no mode or session hits "
@@ -103,6 +109,13 @@ class _Lanes:
                                     total_s=0.0, prompt_tokens=0, reused_tokens=0,
                                     ideal_reused_tokens=0, generated_tokens=0,
                                     error=f"{type(exc).__name__}: {exc}")
+            if sample.ok and script.turn < self.config.turns and script.think_time_s > 0:
+                held = await runner.pause(script.think_time_s)
+                sample = dataclasses.replace(
+                    sample,
+                    paused_decode_tokens=held.decode_tokens,
+                    paused_tier_tokens=held.tier_tokens,
+                )
             sid = session_id(mode, session)
             if not sample.ok:
                 logger.warning("agentkv.bench.turn_failed", mode=mode.value, session_id=sid,
@@ -163,7 +176,9 @@ async def run_bench(
     )
     lanes = _Lanes(config, target, workload, on_turn)
     try:
-        await run_lanes(lanes.build(), concurrency=config.concurrency)
+        await run_lanes(
+            lanes.build(), concurrency=config.concurrency, time_scale=config.time_scale
+        )
     finally:
         await lanes.aclose()
     method = dict(METHOD)

@@ -32,6 +32,11 @@ class TurnSample:
     prefill_s: float | None = None
     """The P leg alone (SDK modes): prefill, and the pull from decode when there is one."""
     handle_state: str = ""
+    paused_decode_tokens: int | None = None
+    """Tokens of this session's KV left pinned on decode through the pause after this turn
+    (``None``: no pause followed)."""
+    paused_tier_tokens: int | None = None
+    """Tokens of this session's KV in decode's file tier through that pause."""
     error: str | None = None
 
     @property

@@ -44,8 +44,11 @@ class Lane:
     done: bool = field(default=False)
 
 
-async def run_lanes(lanes: Sequence[Lane], *, concurrency: int) -> None:
-    """Run every lane's turns, interleaved, at most ``concurrency`` turns at a time."""
+async def run_lanes(
+    lanes: Sequence[Lane], *, concurrency: int, time_scale: float = 1.0
+) -> None:
+    """Run every lane's turns, interleaved, at most ``concurrency`` turns at a time; a lane's
+    pause after a turn lasts its think time times ``time_scale``."""
     if not lanes:
         return
     queue: asyncio.Queue[Lane] = asyncio.Queue()
@@ -67,7 +70,7 @@ async def run_lanes(lanes: Sequence[Lane], *, concurrency: int) -> None:
                 if remaining == 0:
                     finished.set()
             elif script.think_time_s > 0:
-                loop.call_later(script.think_time_s, queue.put_nowait, lane)
+                loop.call_later(script.think_time_s * time_scale, queue.put_nowait, lane)
             else:
                 queue.put_nowait(lane)
 

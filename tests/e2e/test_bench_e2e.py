@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentkv.bench import BenchConfig, ClusterTarget, run_bench
+from agentkv.bench import BenchConfig, ClusterTarget, Mode, run_bench
 
 pytestmark = pytest.mark.e2e
 
@@ -23,8 +23,10 @@ BLOCK = 128  # vLLM's CPU backend block size
 @pytest.fixture(scope="module")
 def report(cluster_file: Path):
     spec = json.loads(cluster_file.read_text())
-    config = BenchConfig(sessions=2, turns=3, context_tokens=256, tool_tokens=64,
-                         output_tokens=48)
+    # Five-minute pauses, run in a fraction of a second: the SDK is told the full pause.
+    config = BenchConfig(modes=(Mode.DISAGG, Mode.AFFINITY, Mode.AGENTKV, Mode.TIER),
+                         sessions=2, turns=3, context_tokens=256, tool_tokens=64,
+                         output_tokens=48, think_time_s=300.0, time_scale=0.001)
 
     async def run():
         transport = httpx.AsyncHTTPTransport()
@@ -42,7 +44,7 @@ def column(report, mode, field):
 
 def test_the_report_has_the_issue_shape(report):
     assert "errors" not in report, report.get("errors")
-    assert list(report["modes"]) == ["disagg", "affinity", "agentkv"]
+    assert list(report["modes"]) == ["disagg", "affinity", "agentkv", "tier"]
     for block in report["modes"].values():
         assert [row["turn"] for row in block["turns"]] == [1, 2, 3]
         for row in block["turns"]:
@@ -72,4 +74,16 @@ def test_agentkv_reuses_more_than_disagg_and_affinity_at_the_ideal(report):
 
 def test_every_mode_ran_the_same_prompts(report):
     prompts = {mode: column(report, mode, "prompt_tokens") for mode in report["modes"]}
-    assert prompts["disagg"] == prompts["affinity"] == prompts["agentkv"]
+    assert prompts["disagg"] == prompts["affinity"] == prompts["agentkv"] == prompts["tier"]
+
+
+def test_through_a_pause_the_tier_holds_the_kv_and_decode_holds_nothing(report):
+    """The tier lane's KV sits in decode's file tier through each pause (decode's pin freed),
+    and its next turn loads the whole ideal from there; the agentkv lane keeps its pin."""
+    tier = report["modes"]["tier"]["summary"]
+    assert tier["paused_decode_tokens_mean"] == 0
+    assert tier["paused_tier_tokens_mean"] > 0
+    assert report["modes"]["agentkv"]["summary"]["paused_decode_tokens_mean"] > 0
+    got = column(report, "tier", "reused_tokens")[1:]
+    ideal = column(report, "tier", "ideal_reused_tokens")[1:]
+    assert got == ideal

@@ -29,8 +29,8 @@ def fake_pair(**options):
     return FakeCluster(pairs=1, kv_recompute_threshold=16, **options)
 
 
-def bench(modes="disagg,affinity,agentkv", **settings):
-    fake = fake_pair()
+def bench(modes="disagg,affinity,agentkv", *, tier=False, **settings):
+    fake = fake_pair(tier=tier)
     config = BenchConfig(modes=parse_modes(modes), **{**SHORT, **settings})
     target = ClusterTarget(spec=fake.cluster_spec, transport=fake.transport)
     return fake, asyncio.run(run_bench(config, target=target))
@@ -178,3 +178,25 @@ def test_concurrent_lanes_with_think_time_give_the_same_workload_and_reuse():
                for mode, block in report["modes"].items()}
     assert prompts["disagg"] == prompts["agentkv"]
     assert report["modes"]["agentkv"]["summary"]["reuse_vs_ideal"] >= 0.99
+
+
+def test_in_long_pauses_tier_frees_decode_and_resumes_at_the_ideal_while_agentkv_keeps_its_pin():
+    """Ten-minute pauses, scaled to milliseconds: the SDK is told the full pause. The tier lane
+    holds nothing on decode through a pause and its next turn loads the ideal from the tier; the
+    agentkv lane keeps (and extends) its pin; disagg recomputes."""
+    fake, report = bench(
+        "disagg,agentkv,tier", tier=True, think_time_s=600.0, time_scale=1e-5, sessions=2
+    )
+    assert "errors" not in report, report.get("errors")
+    assert fake.wrong_reuse_events == 0
+    tier, pinned = report["modes"]["tier"]["summary"], report["modes"]["agentkv"]["summary"]
+    assert tier["paused_decode_tokens_mean"] == 0
+    assert tier["paused_tier_tokens_mean"] > 0
+    assert pinned["paused_decode_tokens_mean"] > 0
+    assert pinned["paused_tier_tokens_mean"] == 0
+    assert tier["reuse_vs_ideal"] == pinned["reuse_vs_ideal"] == 1.0
+    assert later_turns(report, "tier", "reused_tokens") == later_turns(
+        report, "tier", "ideal_reused_tokens"
+    )
+    assert report["modes"]["disagg"]["summary"]["reuse_vs_ideal"] == 0.0
+    assert not fake.tier.ids  # every session closed: nothing left in the tier

@@ -75,13 +75,15 @@ def parse(argv):
 def test_the_flags_map_onto_the_config_and_back_to_the_same_command():
     argv = ["bench", "--cluster-file", "c.json", "--modes", "agentkv,disagg", "--sessions", "3",
             "--turns", "5", "--context-tokens", "1024", "--tool-tokens", "128",
-            "--output-tokens", "32", "--think-time", "1.5", "--concurrency", "2", "--seed", "7",
+            "--output-tokens", "32", "--think-time", "1.5", "--time-scale", "0.25",
+            "--concurrency", "2", "--seed", "7",
             "--json", "out.json", "--plot", "out.png", "--no-stream"]
     args = parse(argv)
     config = _config(args)
     assert config == BenchConfig(modes=(Mode.DISAGG, Mode.AGENTKV), sessions=3, turns=5,
                                  context_tokens=1024, tool_tokens=128, output_tokens=32,
-                                 think_time_s=1.5, concurrency=2, seed=7, stream=False,
+                                 think_time_s=1.5, time_scale=0.25, concurrency=2, seed=7,
+                                 stream=False,
                                  run_id=config.run_id)
     line = command_line(config, cluster_file=args.cluster_file, json_out="out.json",
                         plot="out.png")

@@ -30,6 +30,9 @@ LOCAL_ONLY_FLAGS = {"--structured-outputs-config"}
 LOCAL_ONLY_ENV = {"VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "HF_HUB_OFFLINE"}
 # NIXL stages KV through host memory on the CPU build only; on GPUs it moves device memory.
 LOCAL_ONLY_TRANSFER = {"kv_buffer_device"}
+# Where the file tier lives and how big it may grow belong to a deployment: checked below to be
+# one volume every prefill and decode server mounts at that path.
+DEPLOYMENT_TIER = ("agentkv_tier_dir", "agentkv_tier_budget_bytes")
 # A GPU recomputes a missing tail in well under the round trip of a pull, so deployments keep vLLM's
 # default threshold; a CPU pair pulls whatever it lacks (docs/operations.md, "Recompute threshold").
 GPU_RECOMPUTE_THRESHOLD = 64
@@ -94,11 +97,33 @@ def test_kv_transfer_config_matches_agentkv_up(role):
     local = kv_transfer_config(role=role, config=LocalClusterConfig())
     for key in LOCAL_ONLY_TRANSFER:
         local.pop(key, None)
+    extra = deployed["kv_connector_extra_config"]
+    for key in DEPLOYMENT_TIER:
+        assert key in local["kv_connector_extra_config"], key
+        local["kv_connector_extra_config"][key] = extra[key]
     assert local["kv_connector_extra_config"]["kv_recompute_threshold"] == 1
     local["kv_connector_extra_config"]["kv_recompute_threshold"] = GPU_RECOMPUTE_THRESHOLD
     assert deployed == local
     assert deployed["kv_role"] == ("kv_producer" if role == "prefill" else "kv_consumer")
     assert deployed["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+
+
+def test_every_vllm_server_mounts_the_one_shared_tier_volume_at_its_tier_dir():
+    """A prefill loads what any decode persisted: the same ReadWriteMany claim, at the path the
+    connector is told, in both pools."""
+    (claim,) = [d for d in _documents() if d["kind"] == "PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for role in ("prefill", "decode"):
+        workload = _workload("StatefulSet", role)
+        container = _container(workload)
+        config = json.loads(_flags(container["args"])["--kv-transfer-config"])
+        tier_dir = config["kv_connector_extra_config"]["agentkv_tier_dir"]
+        (volume,) = [
+            v for v in workload["spec"]["template"]["spec"]["volumes"]
+            if v.get("persistentVolumeClaim", {}).get("claimName") == claim["metadata"]["name"]
+        ]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts[volume["name"]] == tier_dir
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
