@@ -281,21 +281,34 @@ async def decide_tier(
     decode_kv_usage: float | None = None,
 ) -> TierDecision:
     """``CachePolicy.decide_tier`` for the session's handle, with what the pool knows of its
-    decode (whether it has a tier: asked once per server, with the lease support)."""
+    decode: whether it has a tier (asked once per server, with the lease support) and, when the
+    policy would otherwise keep the pin, how full decode's KV memory is now (its ``/metrics``)."""
     handle = state.handle
     tier = False
+    decode = None
     if handle is not None and handle.leased:
         decode = pool.decode_url(handle.pair)
         tier = await pool.leases.supported(decode) is True and pool.leases.tier(decode)
-    return state.policy.decide_tier(
-        handle,
-        now=pool.clock(),
-        expected_wait_s=expected_wait_s,
-        idle_s=idle_s,
-        hint=hint,
-        decode_kv_usage=decode_kv_usage,
-        tier_available=tier,
-    )
+
+    def decide(usage: float | None) -> TierDecision:
+        return state.policy.decide_tier(
+            handle,
+            now=pool.clock(),
+            expected_wait_s=expected_wait_s,
+            idle_s=idle_s,
+            hint=hint,
+            decode_kv_usage=usage,
+            tier_available=tier,
+        )
+
+    decision = decide(decode_kv_usage)
+    if decision.action == "pin" and tier and hint == "auto" and decode_kv_usage is None:
+        # Only memory pressure could still move it to the tier: ask decode how full it is.
+        assert decode is not None
+        usage = await pool.leases.kv_usage(decode)
+        if usage is not None:
+            decision = decide(usage)
+    return decision
 
 
 async def begin_wait(

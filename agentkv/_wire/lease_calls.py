@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import structlog
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentkv import _constants as defaults
 from agentkv._exceptions import TransportError
@@ -49,6 +50,8 @@ __all__ = [
 logger = structlog.get_logger("agentkv")
 
 RECHECK_UNSUPPORTED_S = defaults.RECHECK_UNSUPPORTED_S
+METRICS_PATH = "/metrics"
+KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
 _CALL_TIMEOUT_S = defaults.LEASE_CALL_TIMEOUT_S
 
 # Outcomes of a lease call, as logged (``outcome``).
@@ -172,6 +175,31 @@ class LeaseCalls:
     def tier(self, decode: str) -> bool:
         """Whether ``decode`` has a file tier, as its info answer said (False until asked)."""
         return self._support.get(decode) is True and self._tier.get(decode, False)
+
+    async def kv_usage(self, decode: str) -> float | None:
+        """Decode's KV memory in use (0-1, vLLM's ``kv_cache_usage_perc``, the fullest engine),
+        read from its ``/metrics``; ``None`` when it cannot be read. For the tier policy's
+        memory-pressure rule: one small request, asked only when a decision depends on it."""
+        url = decode + METRICS_PATH
+        try:
+            response = await self._client.get(url, timeout=_CALL_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            logger.debug("agentkv.kv_usage_unknown", decode=decode, detail=str(exc))
+            return None
+        if response.status_code != 200:
+            return None
+        try:
+            families = list(text_string_to_metric_families(response.text))
+        except ValueError:
+            return None
+        usage = [
+            sample.value
+            for family in families
+            if family.name == KV_USAGE_METRIC
+            for sample in family.samples
+            if sample.name == KV_USAGE_METRIC
+        ]
+        return max(usage) if usage else None
 
     async def _call(self, url: str, body: dict[str, Any]) -> tuple[int, Any] | CallResult:
         try:

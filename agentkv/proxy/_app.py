@@ -126,7 +126,9 @@ class _Proxy:
             pair_sessions=cluster.loads,
             prefill_tokens=cluster.prefill_loads,
         )
-        self.chat = ChatService(cluster, self.registry, config=config, metrics=self.metrics)
+        self.chat = ChatService(
+            cluster, self.registry, config=config, metrics=self.metrics, store=self.store
+        )
         # A stored response holds references to its session's messages, not copies: a few
         # per session cost little.
         self.responses = ResponsesService(

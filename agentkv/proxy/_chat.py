@@ -35,6 +35,7 @@ from agentkv import (
 from agentkv._wire.json import dumps, tools_key
 from agentkv.proxy._affinity import HistoryIndex
 from agentkv.proxy._config import ProxyConfig
+from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._mapping import HistoryPlan, plan_history
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
@@ -47,6 +48,7 @@ from agentkv.proxy._shape import (
     HEADER_SESSION,
     Completion,
 )
+from agentkv.proxy._store import SessionStore, StoreUnavailableError
 from agentkv.proxy._tools import HEADER_TOOL_CALLING, ToolModes, ToolPlan, plan_tools
 
 __all__ = ["AnswerShape", "ChatService", "json_response"]
@@ -236,19 +238,36 @@ class ChatService:
         *,
         config: ProxyConfig,
         metrics: ProxyMetrics,
+        store: SessionStore | None = None,
     ) -> None:
         self._cluster = cluster
         self._registry = registry
         self._config = config
         self._metrics = metrics
-        self._salts = CacheSalts(config.cache_salt_secret)
+        # Replicas sharing sessions must salt alike, or a prefill would not share one principal's
+        # prefix cache across them and a tier entry one wrote would not load through another
+        # (entries keep the salt they were written with). Without a configured secret they
+        # share one kept in the store (``SessionStore.shared_secret``), fetched on first use.
+        self._salt_store = store if config.cache_salt_secret is None else None
+        self._salts: CacheSalts | None = (
+            None if self._salt_store is not None else CacheSalts(config.cache_salt_secret)
+        )
         self.tool_modes = ToolModes(cluster, configured=config.tool_calling)
         self._histories = HistoryIndex(max_entries=config.max_sessions)
 
-    def _salted(self, extra: Mapping[str, Any], principal: str) -> Mapping[str, Any]:
+    async def _salted(self, extra: Mapping[str, Any], principal: str) -> Mapping[str, Any]:
         """``extra`` with the principal's ``cache_salt`` (``isolate_prefix_caches``)."""
         if not self._config.isolate_prefix_caches:
             return extra
+        if self._salts is None:
+            assert self._salt_store is not None
+            try:
+                secret = await self._salt_store.shared_secret()
+            except StoreUnavailableError as exc:
+                raise ProxyError(
+                    503, str(exc), code="state_unavailable", headers={"Retry-After": "1"}
+                ) from exc
+            self._salts = CacheSalts(secret)
         return {**extra, "cache_salt": self._salts.salt(principal)}
 
     async def complete(
@@ -306,7 +325,7 @@ class ChatService:
             "temperature": request.temperature,
             "tools": tools.tools,
             "tool_choice": tools.tool_choice,
-            "extra_body": self._salted(tools.extra, principal),
+            "extra_body": await self._salted(tools.extra, principal),
         }
         if request.stream:
             return await self._stream(

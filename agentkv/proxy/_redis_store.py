@@ -6,6 +6,8 @@ Keys (``prefix`` defaults to ``agentkv:``):
 * ``{prefix}l:{key}``: the lock, holding the fencing token, with a ``PX`` lease.
 * ``{prefix}fence``: the fencing counter (``INCR``), shared by every session.
 * ``{prefix}idle``: a sorted set, session key -> last use (wall-clock milliseconds).
+* ``{prefix}pinned``: the same, for the sessions whose turn-end KV is pinned on decode (a
+  candidate for the file tier once idle).
 
 Every operation is one Lua script, so one round trip and atomic: claiming (lock, fence, and the
 snapshot when the caller's copy is stale), committing (fence check, write, unlock, idle index),
@@ -21,9 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -49,6 +52,11 @@ if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'snap', ARGV[2], 'ver', ARGV[1])
 redis.call('DEL', KEYS[2])
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[4])
+if ARGV[5] == '1' then
+  redis.call('ZADD', KEYS[4], ARGV[3], ARGV[4])
+else
+  redis.call('ZREM', KEYS[4], ARGV[4])
+end
 return tonumber(ARGV[1])
 """
 
@@ -80,6 +88,7 @@ end
 local existed = redis.call('DEL', KEYS[1])
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('ZREM', KEYS[4], ARGV[2])
 return existed
 """
 
@@ -134,6 +143,10 @@ class RedisSessions:
     def _idle_key(self) -> str:
         return f"{self._prefix}idle"
 
+    @property
+    def _pinned_key(self) -> str:
+        return f"{self._prefix}pinned"
+
     async def claim(self, key: str, *, known_version: int, wait_s: float) -> Claim:
         session, lock = self._keys(key)
         deadline = time.monotonic() + wait_s
@@ -162,13 +175,15 @@ class RedisSessions:
         _, lock = self._keys(claim.key)
         return bool(await self._renew(keys=[lock], args=[claim.fence, self._lease_ms]))
 
-    async def commit(self, claim: Claim, data: bytes, *, used_at: float) -> int:
+    async def commit(
+        self, claim: Claim, data: bytes, *, used_at: float, pinned: bool = False
+    ) -> int:
         session, lock = self._keys(claim.key)
         with _reachable():
             version = int(
                 await self._commit(
-                    keys=[session, lock, self._idle_key],
-                    args=[claim.fence, data, int(used_at * 1000), claim.key],
+                    keys=[session, lock, self._idle_key, self._pinned_key],
+                    args=[claim.fence, data, int(used_at * 1000), claim.key, int(pinned)],
                 )
             )
         if not version:
@@ -183,7 +198,8 @@ class RedisSessions:
         session, lock = self._keys(claim.key)
         cutoff = -1 if idle_before is None else int(idle_before * 1000)
         removed = await self._remove(
-            keys=[session, lock, self._idle_key], args=[claim.fence, claim.key, cutoff]
+            keys=[session, lock, self._idle_key, self._pinned_key],
+            args=[claim.fence, claim.key, cutoff],
         )
         return bool(removed)
 
@@ -200,6 +216,30 @@ class RedisSessions:
             self._idle_key, "-inf", f"({int(before * 1000)}", start=0, num=limit
         )
         return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+
+    async def pinned_idle(self, *, before: float, limit: int) -> list[tuple[str, float]]:
+        members = await self._redis.zrangebyscore(
+            self._pinned_key,
+            "-inf",
+            f"({int(before * 1000)}",
+            start=0,
+            num=limit,
+            withscores=True,
+        )
+        pairs = cast(list[tuple[bytes | str, float]], members)  # withscores: (member, score)
+        return [
+            (m.decode() if isinstance(m, bytes) else str(m), float(score) / 1000.0)
+            for m, score in pairs
+        ]
+
+    async def shared_secret(self) -> str:
+        key = f"{self._prefix}salt-secret"
+        with _reachable():
+            await self._redis.set(key, secrets.token_hex(32), nx=True)
+            value = await self._redis.get(key)
+        if value is None:  # deleted between the two calls: ask again
+            return await self.shared_secret()
+        return value.decode() if isinstance(value, bytes) else str(value)
 
     async def ping(self) -> bool:
         return bool(await self._redis.ping())

@@ -360,8 +360,14 @@ class SessionRegistry:
                 )
                 return
 
-    async def _settle(self, entry: SessionEntry) -> None:
-        """Commit the entry to the store and release its claim (checkin, shared mode)."""
+    async def _settle(
+        self, entry: SessionEntry, *, used_at: float | None = None, pinned: bool | None = None
+    ) -> None:
+        """Commit the entry to the store and release its claim (checkin, shared mode).
+
+        ``used_at`` is the session's last use (now: a request just used it); ``pinned`` whether
+        its KV is pinned on decode, a candidate for the idle persist (by default: it holds a
+        leased handle and no tier entry)."""
         store, claim = self._store, entry.claim
         if store is None or claim is None:
             return
@@ -373,10 +379,16 @@ class SessionRegistry:
                 await renewer
         if entry.closed:
             return
+        if pinned is None:
+            handle, session = entry.session.handle, entry.session
+            pinned = handle is not None and handle.leased and session.tier is None
         started = time.perf_counter()
         try:
             entry.version = await store.commit(
-                claim, entry.to_bytes(wall=self._wall()), used_at=self._wall()
+                claim,
+                entry.to_bytes(wall=self._wall()),
+                used_at=self._wall() if used_at is None else used_at,
+                pinned=pinned,
             )
             self._metrics.commit_seconds.observe(time.perf_counter() - started)
         except ClaimLostError:
@@ -509,10 +521,13 @@ class SessionRegistry:
 
         Each is checked out as a request would be (its lock held), so no turn can carry the
         handle while decode writes it; a session is tried once per idle period (a decode
-        without a tier answers once, not every sweep). In-memory sessions only.
+        without a tier answers once, not every sweep). With a shared store, the store lists the
+        candidates (``pinned_idle``) and any one replica persists each.
         """
-        if self._store is not None or self._persist_idle_s is None:
+        if self._persist_idle_s is None:
             return 0
+        if self._store is not None:
+            return await self._persist_idle_shared(self._persist_idle_s)
         persisted = 0
         now = self._clock()
         for entry in list(self._entries.values()):
@@ -535,6 +550,55 @@ class SessionRegistry:
             finally:
                 entry.users -= 1
         return persisted
+
+    async def _persist_idle_shared(self, idle_s: float) -> int:
+        assert self._store is not None
+        persisted = 0
+        for key, used_at in await self._store.pinned_idle(before=self._wall() - idle_s, limit=1000):
+            if await self._persist_stored(_split_key(key), used_at=used_at):
+                persisted += 1
+        return persisted
+
+    async def _persist_stored(self, key: Key, *, used_at: float) -> bool:
+        """Persist one stored session's pinned KV under a claim (skipped when in use anywhere),
+        and commit it as no longer pinned whatever decode answered (a decode without a tier is
+        not asked again until a turn pins anew). Its last use stays ``used_at``: persisting is
+        no use, idle expiry still comes on time."""
+        store = self._store
+        assert store is not None
+        cached = self._entries.get(key)
+        if cached is not None and cached.users:
+            return False
+        entry = cached or self._new_entry(key, placement_key=None)
+        entry.users += 1
+        await entry.lock.acquire()
+        try:
+            try:
+                claim = await store.claim(store_key(*key), known_version=entry.version, wait_s=0.0)
+            except TimeoutError:
+                return False  # a turn runs on it somewhere: not idle
+            if claim.data is not None:
+                entry.load_bytes(claim.data, self._cluster)
+            if claim.version == 0:  # removed meanwhile
+                await store.release(claim)
+                entry.version = 0
+                return False
+            entry.version = claim.version
+            entry.claim = claim
+            session = entry.session
+            done = (
+                not session.closed
+                and session.handle is not None
+                and session.tier is None
+                and await session.persist() is not None
+            )
+            await self._settle(entry, used_at=used_at, pinned=False)
+            return done
+        finally:
+            entry.lock.release()
+            entry.users -= 1
+            if cached is None and entry.users == 0 and self._entries.get(key) is entry:
+                self._forget(entry)  # a copy made for this only: the store keeps the session
 
     async def _sweep_shared(self) -> int:
         assert self._store is not None

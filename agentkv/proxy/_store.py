@@ -73,8 +73,12 @@ class SessionStore(Protocol):
         """Extend the claim's lease; ``False`` when it was lost."""
         ...
 
-    async def commit(self, claim: Claim, data: bytes, *, used_at: float) -> int:
-        """Store ``data`` and release the claim; returns the new version.
+    async def commit(
+        self, claim: Claim, data: bytes, *, used_at: float, pinned: bool = False
+    ) -> int:
+        """Store ``data`` and release the claim; returns the new version. ``used_at`` is the
+        session's last use (wall-clock seconds); ``pinned`` says it holds turn-end KV pinned on
+        decode (listed by ``pinned_idle`` until a commit says otherwise).
 
         Raises ``ClaimLostError`` (and stores nothing) when the claim was lost.
         """
@@ -96,6 +100,15 @@ class SessionStore(Protocol):
 
     async def idle(self, *, before: float, limit: int) -> list[str]:
         """Keys of sessions last used before ``before`` (wall-clock seconds)."""
+        ...
+
+    async def pinned_idle(self, *, before: float, limit: int) -> list[tuple[str, float]]:
+        """Keys and last use of sessions with pinned KV, last used before ``before``."""
+        ...
+
+    async def shared_secret(self) -> str:
+        """A random secret every replica of this store gets alike (made by the first to ask):
+        the proxy's cache-salt key when none is configured."""
         ...
 
     async def ping(self) -> bool: ...

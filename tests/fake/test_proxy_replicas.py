@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import httpx
 import pytest
@@ -17,7 +18,7 @@ from agentkv import AsyncCluster
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._redis_store import RedisSessions
 from agentkv.proxy._store import ClaimLostError
-from agentkv.testing import FakeCluster
+from agentkv.testing import FakeCluster, ManualClock
 
 SYSTEM = "You answer briefly. " + " ".join(f"Rule {i}: be kind to robot {i}." for i in range(30))
 QUESTIONS = ("Hello?", "Who is robot 4?", "And robot 9?", "Thanks, bye.", "One more?", "Bye!")
@@ -113,6 +114,16 @@ async def test_an_openai_client_alternating_replicas_every_turn_keeps_the_ideal_
     for replica in replicas:
         assert replica.app.state.metrics.value("agentkv_proxy_forks_total") == 0
     assert fake.wrong_reuse_events == 0
+    # No salt secret configured: the replicas share one from Redis, so one principal's prefix
+    # cache (and its tier entries) serve it whichever replica it reaches.
+    salts = {
+        body.get("cache_salt")
+        for i in range(2)
+        for server in (fake.prefill(i), fake.decode(i))
+        for body in server.requests
+    }
+    assert len(salts) == 1
+    assert None not in salts
 
 
 async def test_a_replica_gone_mid_conversation_loses_nothing(fake, clock, redis_url, replicas):
@@ -150,11 +161,11 @@ class HeldCommits:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    async def commit(self, claim, data, *, used_at):
+    async def commit(self, claim, data, *, used_at, pinned=False):
         self.held += 1
         await self.go.wait()
         try:
-            return await self._inner.commit(claim, data, used_at=used_at)
+            return await self._inner.commit(claim, data, used_at=used_at, pinned=pinned)
         except ClaimLostError:
             self.refused += 1
             raise
@@ -351,3 +362,39 @@ async def test_server_timing_says_what_the_shared_store_took(replicas, fake, clo
         await app.state.registry.close_all()
     await cluster.aclose()
     assert set(_timing(alone)) == {"turn", "proxy"}
+
+
+async def test_an_idle_shared_session_is_persisted_once_by_one_replica_and_resumes_anywhere(
+    clock, redis_url
+):
+    """With ``--state``, the store lists sessions whose KV is pinned; once idle past
+    ``persist_idle_s`` one replica (whichever gets the claim) persists it to decode's tier, and
+    the next turn, on the other replica, loads it from there. Persisting is no use: the session
+    still expires on time."""
+    fake = FakeCluster(pairs=1, clock=ManualClock(), tier=True)
+    a = Replica(fake, clock, redis_url, persist_idle_s=60.0)
+    b = Replica(fake, clock, redis_url, persist_idle_s=60.0)
+    messages = [{"role": "system", "content": SYSTEM}]
+    await _ask(a, "nap", messages, QUESTIONS[0])
+    await a.app.state.registry.written()
+    assert fake.decode(0).pinned_handles == 1
+    now = time.time()
+    for replica in (a, b):
+        replica.app.state.registry._wall = lambda: now + 30.0  # not idle long enough yet
+    assert [await r.app.state.registry.persist_idle() for r in (a, b)] == [0, 0]
+    for replica in (a, b):
+        replica.app.state.registry._wall = lambda: now + 120.0
+    done = await asyncio.gather(*(r.app.state.registry.persist_idle() for r in (a, b)))
+    assert sorted(done) == [0, 1]
+    assert fake.decode(0).pinned_handles == 0
+    assert len(fake.tier.ids) == 1
+    assert [await r.app.state.registry.persist_idle() for r in (a, b)] == [0, 0]  # once
+    # Still idle since the answer, not since the persist.
+    assert await a.store.idle(before=now + 1.0, limit=10)
+    await _ask(b, "nap", messages, QUESTIONS[1])
+    turns = await b.turns("nap")
+    assert [t["handle_state"] for t in turns] == ["none", "tier"]
+    assert turns[1]["reused_tokens"] == turns[1]["ideal_reused_tokens"]
+    assert fake.wrong_reuse_events == 0
+    await a.aclose()
+    await b.aclose()

@@ -224,6 +224,31 @@ def test_a_short_tool_wait_keeps_the_pin(cluster, fake):
         assert s.send(QUESTIONS[1]).stats.handle_state is HandleState.ATTACHED
 
 
+@pytest.mark.parametrize(("pressure", "persisted"), [(0.0001, True), (1.0, False)])
+def test_a_short_tool_wait_persists_when_decode_memory_is_past_the_policy_s_pressure(
+    fake, clock, pressure, persisted
+):
+    """The wait alone keeps the pin; decode's own kv_cache_usage_perc (its /metrics) at or past
+    ``persist_kv_usage`` moves the KV to the tier anyway."""
+    from agentkv import CachePolicy
+
+    policy = CachePolicy(persist_kv_usage=pressure)
+    with open_cluster(fake, clock, policy=policy) as cluster, cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        assert fake.decode(0).kv_cache_usage > pressure or not persisted
+        with s.tool_wait(expected_s=5) as wait:
+            pass
+        assert wait.persisted is persisted
+        assert wait.tier_decision is not None
+        if persisted:
+            assert "decode KV usage" in wait.tier_decision.reason
+            assert fake.decode(0).leased_handles == 0
+        stats = s.send(QUESTIONS[1]).stats
+        assert stats.reused_tokens == stats.ideal_reused_tokens
+    assert fake.wrong_reuse_events == 0
+
+
 def test_tool_wait_pin_extends_as_before_and_disk_persists_a_short_wait(cluster, fake):
     with cluster.session(**LONG) as s:
         s.append(SYSTEM)
