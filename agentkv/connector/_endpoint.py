@@ -17,7 +17,8 @@ Loaded by vLLM (entry point ``vllm.endpoint_plugins:agentkv``) only when ``VLLM_
 from __future__ import annotations
 
 from argparse import Namespace
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -117,49 +118,50 @@ async def info(request: Request) -> JSONResponse:
     )
 
 
-@router.post(RELEASE_PATH)
-async def release(request: Request) -> JSONResponse:
+class _Wire(Protocol):
+    def to_wire(self) -> dict[str, Any]: ...
+
+
+async def _forward(
+    request: Request, parse: Callable[[object], _Wire], op: str
+) -> dict[str, Any] | JSONResponse:
+    """Parse the body with ``parse`` and run ``op`` on the engine: the engine's ``ok`` answer,
+    or the error response to send (bad body, no engine, or the engine's refusal)."""
     try:
-        ref = LeaseRef.from_wire(await _body(request))
+        payload = parse(await _body(request)).to_wire()
     except HintError as exc:
         return _error("invalid", str(exc))
     link = _link(request)
     if link is None:
         return _error("unavailable")
-    answer = await link.call("release", ref.to_wire())
+    answer = await link.call(op, payload)
     if answer.get("status") != "ok":
         return _error(str(answer.get("status")), answer.get("message"))
+    return answer
+
+
+@router.post(RELEASE_PATH)
+async def release(request: Request) -> JSONResponse:
+    answer = await _forward(request, LeaseRef.from_wire, "release")
+    if isinstance(answer, JSONResponse):
+        return answer
     return JSONResponse({"released": True})
 
 
 @router.post(RELEASE_REQUEST_PATH)
 async def release_request(request: Request) -> JSONResponse:
-    try:
-        release = RequestRelease.from_wire(await _body(request))
-    except HintError as exc:
-        return _error("invalid", str(exc))
-    link = _link(request)
-    if link is None:
-        return _error("unavailable")
-    answer = await link.call("release_request", release.to_wire())
-    if answer.get("status") != "ok":
-        return _error(str(answer.get("status")), answer.get("message"))
+    answer = await _forward(request, RequestRelease.from_wire, "release_request")
+    if isinstance(answer, JSONResponse):
+        return answer
     released = answer.get("released")
     return JSONResponse({"released": released if isinstance(released, int) else 0})
 
 
 @router.post(EXTEND_PATH)
 async def extend(request: Request) -> JSONResponse:
-    try:
-        extend = ExtendRequest.from_wire(await _body(request))
-    except HintError as exc:
-        return _error("invalid", str(exc))
-    link = _link(request)
-    if link is None:
-        return _error("unavailable")
-    answer = await link.call("extend", extend.to_wire())
-    if answer.get("status") != "ok":
-        return _error(str(answer.get("status")), answer.get("message"))
+    answer = await _forward(request, ExtendRequest.from_wire, "extend")
+    if isinstance(answer, JSONResponse):
+        return answer
     try:
         result = ExtendResult.from_wire(answer)
     except HintError as exc:
@@ -169,31 +171,17 @@ async def extend(request: Request) -> JSONResponse:
 
 @router.post(PERSIST_PATH)
 async def persist(request: Request) -> JSONResponse:
-    try:
-        ref = LeaseRef.from_wire(await _body(request))
-    except HintError as exc:
-        return _error("invalid", str(exc))
-    link = _link(request)
-    if link is None:
-        return _error("unavailable")
-    answer = await link.call("persist", ref.to_wire())
-    if answer.get("status") != "ok":
-        return _error(str(answer.get("status")), answer.get("message"))
+    answer = await _forward(request, LeaseRef.from_wire, "persist")
+    if isinstance(answer, JSONResponse):
+        return answer
     return JSONResponse({"tier": answer.get("tier")})
 
 
 @router.post(TIER_DELETE_PATH)
 async def tier_delete(request: Request) -> JSONResponse:
-    try:
-        delete = TierDelete.from_wire(await _body(request))
-    except HintError as exc:
-        return _error("invalid", str(exc))
-    link = _link(request)
-    if link is None:
-        return _error("unavailable")
-    answer = await link.call("tier_delete", delete.to_wire())
-    if answer.get("status") != "ok":
-        return _error(str(answer.get("status")), answer.get("message"))
+    answer = await _forward(request, TierDelete.from_wire, "tier_delete")
+    if isinstance(answer, JSONResponse):
+        return answer
     return JSONResponse({"deleted": bool(answer.get("deleted"))})
 
 
