@@ -44,8 +44,8 @@ import structlog
 
 from agentkv import AsyncCluster
 from agentkv.proxy import ProxyConfig, create_app
+from agentkv.proxy._entry import store_key
 from agentkv.proxy._redis_store import RedisSessions
-from agentkv.proxy._registry import store_key
 from agentkv.testing import FakeCluster
 
 SYSTEM = "You answer briefly. " + " ".join(f"Rule {i}: be kind to robot {i}." for i in range(60))
@@ -209,7 +209,7 @@ async def _components(fake: FakeCluster, url: str, n: int = 500) -> dict[str, fl
     (PING), a claim + commit pair (the two round trips), the snapshot's serialization, and its
     restore on another replica."""
     from agentkv._types import Message
-    from agentkv.proxy._registry import SessionEntry
+    from agentkv.proxy._entry import SessionEntry
 
     cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
     session = cluster.session(session_id="components")

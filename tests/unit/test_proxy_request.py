@@ -18,9 +18,9 @@ from agentkv import (
     ServerError,
 )
 from agentkv.proxy import ApiKeys, ProxyConfig
+from agentkv.proxy._entry import split_key, store_key
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
-from agentkv.proxy._registry import _split_key, store_key
 from agentkv.proxy._request import parse_chat_request, session_id_from
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -324,4 +324,4 @@ def test_metrics_speak_openmetrics_to_a_scraper_that_asks_for_it():
 @given(st.text(), st.text())
 def test_store_keys_are_unambiguous_whatever_the_principal_and_session_id_hold(principal, sid):
     key = store_key(principal, sid)
-    assert _split_key(key) == (principal, sid)
+    assert split_key(key) == (principal, sid)

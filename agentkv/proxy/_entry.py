@@ -1,0 +1,111 @@
+"""One session as the proxy keeps it (``SessionEntry``), and its key in a shared store."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from agentkv import AsyncCluster, AsyncSession, Message
+from agentkv._wire.json import dumps, loads
+from agentkv.proxy._store import Claim
+
+__all__ = ["Key", "SessionEntry", "split_key", "store_key"]
+
+Key = tuple[str, str]
+
+
+class SessionEntry:
+    """One open session and the proxy's bookkeeping around it.
+
+    ``generated`` holds the indices of the session's messages the model generated (their echoes
+    are matched by meaning, see ``_mapping``); ``tools_key`` the tools its transcript was rendered
+    with (``None`` before the first turn).
+    """
+
+    __slots__ = (
+        "claim",
+        "closed",
+        "created_at",
+        "forks",
+        "generated",
+        "key",
+        "last_used",
+        "lock",
+        "persist_tried",
+        "renewer",
+        "session",
+        "store_s",
+        "tools_key",
+        "users",
+        "version",
+        "views",
+        "write",
+    )
+
+    def __init__(self, key: Key, session: AsyncSession, *, now: float) -> None:
+        self.key = key
+        self.session = session
+        self.generated: set[int] = set()
+        # What the client was shown for a generated message, where it differs (tool calls
+        # translated from the JSON the model wrote): echoes are matched against it.
+        self.views: dict[int, Message] = {}
+        self.tools_key: str | None = None
+        self.lock = asyncio.Lock()
+        self.users = 0
+        self.last_used = now
+        self.created_at = time.time()
+        self.forks = 0
+        self.closed = False
+        # The idle sweep tried to persist this session's pin (reset when a request uses it).
+        self.persist_tried = False
+        # With a shared store: the stored version this copy is, the claim held while checked out.
+        self.version = 0
+        self.claim: Claim | None = None
+        self.renewer: asyncio.Task[None] | None = None
+        # The checkin writing this entry's commit behind its answer (shared store only).
+        self.write: asyncio.Task[None] | None = None
+        # Seconds the request holding this entry waited on the shared store (the claim, with the
+        # restore when the copy was stale; the commit comes after the answer): the proxy reports
+        # it in ``Server-Timing: store``.
+        self.store_s = 0.0
+
+    @property
+    def session_id(self) -> str:
+        return self.key[1]
+
+    def to_bytes(self, *, wall: float) -> bytes:
+        """The entry as the shared store keeps it: the session's snapshot and the mapping."""
+        return dumps(
+            {
+                "session": self.session.snapshot(wall=wall),
+                "generated": sorted(self.generated),
+                "views": {str(i): view.to_openai() for i, view in self.views.items()},
+                "tools_key": self.tools_key,
+                "forks": self.forks,
+                "created_at": self.created_at,
+            }
+        )
+
+    def load_bytes(self, data: bytes, cluster: AsyncCluster) -> None:
+        """Replace this copy with the stored one (the old copy is detached, its pin kept)."""
+        stored: dict[str, Any] = loads(data)
+        session = cluster.restore_session(stored["session"])
+        self.session.detach()
+        self.session = session
+        self.generated = set(stored["generated"])
+        self.views = {int(i): Message.from_openai(v) for i, v in stored["views"].items()}
+        self.tools_key = stored["tools_key"]
+        self.forks = stored["forks"]
+        self.created_at = stored["created_at"]
+
+
+def store_key(principal: str, session_id: str) -> str:
+    """The shared store's key of a session: unambiguous whatever either part contains."""
+    return f"{len(principal)}:{principal}:{session_id}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    length, _, rest = key.partition(":")
+    n = int(length)
+    return rest[:n], rest[n + 1 :]

@@ -1,0 +1,334 @@
+"""The registry's shared-store half (``agentkv proxy --state``): sessions kept in a
+``SessionStore`` that every replica reaches, the registry's own entries a cache in front of it.
+
+* A checkout claims the session in the store after the local lock (one claim per replica at a
+  time), and takes the stored snapshot when the cached copy is not exactly it; a checkin commits
+  the snapshot and releases the claim. A claim whose lease ran out commits nothing.
+* The commit is written behind: ``checkin`` returns at once, so the answer waits for one round
+  trip (the claim), not two. The session stays checked out, locally and in the store, until the
+  commit lands, so the next request for it, on this replica or another, runs after it; a read
+  (``lookup``) that finds the session claimed waits a moment for a commit about to land.
+* Dropping a cached copy (local eviction, shutdown, a replica killed) never releases the
+  session's pin: another replica continues the session. Only a DELETE or the idle sweep, after
+  removing the session from the store under a claim, releases it: exactly once, on whichever
+  replica removed it. The idle persist moves a pinned session's KV to decode's file tier under a
+  claim too, on one replica.
+
+``SharedSessions`` is a base of ``SessionRegistry`` (``_registry``), which owns the entries and
+their local lifecycle; the methods here are the ones that talk to the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import structlog
+
+from agentkv import AsyncCluster, AsyncSession
+from agentkv.proxy._entry import Key, SessionEntry, split_key, store_key
+from agentkv.proxy._errors import ProxyError
+from agentkv.proxy._metrics import ProxyMetrics
+from agentkv.proxy._store import (
+    Claim,
+    ClaimLostError,
+    SessionStore,
+    Stored,
+    StoreUnavailableError,
+)
+
+__all__ = ["READ_PAUSES_S", "SharedSessions"]
+
+logger = structlog.get_logger("agentkv")
+
+# The pauses of a read that finds a session claimed elsewhere, about 50 ms in all: long enough
+# for a commit written behind an answer to land (a round trip), short enough not to stall
+# behind a turn still running there. Real time, whatever clock the registry is given.
+READ_PAUSES_S = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.02)
+
+
+class SharedSessions:
+    """The store side of ``SessionRegistry`` (see the module docstring)."""
+
+    # Set by SessionRegistry.__init__.
+    _store: SessionStore | None
+    _cluster: AsyncCluster
+    _metrics: ProxyMetrics
+    _clock: Callable[[], float]
+    _wall: Callable[[], float]
+    _claim_wait_s: float
+    _idle_timeout_s: float
+    _entries: OrderedDict[Key, SessionEntry]
+    _writes: set[asyncio.Task[None]]
+
+    # Provided by SessionRegistry: the entries' local lifecycle.
+    def _new_entry(self, key: Key, *, placement_key: str | None) -> SessionEntry:
+        raise NotImplementedError
+
+    def _fresh_session(self, key: Key, *, placement_key: str | None) -> AsyncSession:
+        raise NotImplementedError
+
+    def _opened(self, entry: SessionEntry) -> None:
+        raise NotImplementedError
+
+    def _forget(self, entry: SessionEntry) -> None:
+        raise NotImplementedError
+
+    def _expired(self, entry: SessionEntry) -> bool:
+        raise NotImplementedError
+
+    async def _close(self, entry: SessionEntry, reason: str) -> None:
+        raise NotImplementedError
+
+    async def _give_back(self, entry: SessionEntry) -> None:
+        raise NotImplementedError
+
+    async def _lookup_shared(self, principal: str, session_id: str) -> SessionEntry | None:
+        assert self._store is not None
+        key = (principal, session_id)
+        entry = self._entries.get(key)
+        if entry is not None:
+            await self._written(entry)  # a commit written behind an answer from here
+        if entry is not None and entry.claim is not None:
+            # A turn runs here now: what is stored is the state before it; nothing to wait for.
+            stored = await self._store.peek(store_key(principal, session_id))
+        else:
+            stored = await self._peek(store_key(principal, session_id))
+        entry = self._entries.get(key)
+        if stored.data is None:
+            if entry is not None and entry.users == 0:
+                self._forget(entry)
+            return None
+        if entry is None:
+            entry = self._new_entry(key, placement_key=None)
+        if entry.version != stored.version and entry.users == 0:
+            entry.load_bytes(stored.data, self._cluster)
+            entry.version = stored.version
+        return entry
+
+    async def _peek(self, key: str) -> Stored:
+        """The stored session; while another replica holds it, wait a moment (``READ_PAUSES_S``)
+        for the commit that an answer already sent may still be writing."""
+        assert self._store is not None
+        stored = await self._store.peek(key)
+        for pause in READ_PAUSES_S:
+            if not stored.claimed:
+                break
+            await asyncio.sleep(pause)
+            stored = await self._store.peek(key)
+        return stored
+
+    @staticmethod
+    async def _written(entry: SessionEntry) -> None:
+        """Wait until no checkin of ``entry`` is still writing behind its answer."""
+        if entry.write is not None:
+            await asyncio.wait([entry.write])
+
+    async def _claim(self, entry: SessionEntry, *, placement_key: str | None) -> None:
+        """Claim the checked-out ``entry`` in the store and make it the stored session."""
+        store = self._store
+        assert store is not None
+        started = time.perf_counter()
+        try:
+            claim = await store.claim(
+                store_key(*entry.key), known_version=entry.version, wait_s=self._claim_wait_s
+            )
+        except TimeoutError as exc:
+            raise ProxyError(
+                503, str(exc), code="session_busy", headers={"Retry-After": "1"}
+            ) from exc
+        except StoreUnavailableError as exc:
+            raise ProxyError(
+                503, str(exc), code="state_unavailable", headers={"Retry-After": "1"}
+            ) from exc
+        entry.claim = claim
+        if claim.data is not None:
+            entry.load_bytes(claim.data, self._cluster)
+        elif claim.version == 0 and entry.version != 0:
+            # Deleted or expired elsewhere since this copy was made: a new session starts.
+            entry.session.detach()
+            entry.session = self._fresh_session(entry.key, placement_key=placement_key)
+            entry.generated, entry.views, entry.tools_key, entry.forks = set(), {}, None, 0
+        if claim.version == 0:
+            self._opened(entry)
+        entry.version = claim.version
+        entry.renewer = asyncio.ensure_future(self._renew(entry, claim))
+        entry.store_s = time.perf_counter() - started
+
+    async def _renew(self, entry: SessionEntry, claim: Claim) -> None:
+        store = self._store
+        assert store is not None
+        period = store.lease_s / 3
+        while True:
+            await asyncio.sleep(period)
+            if not await store.renew(claim):
+                logger.warning(
+                    "agentkv.proxy.claim_lost", session_id=entry.session_id, fence=claim.fence
+                )
+                return
+
+    async def _settle(
+        self, entry: SessionEntry, *, used_at: float | None = None, pinned: bool | None = None
+    ) -> None:
+        """Commit the entry to the store and release its claim (checkin, shared mode).
+
+        ``used_at`` is the session's last use (now: a request just used it); ``pinned`` whether
+        its KV is pinned on decode, a candidate for the idle persist (by default: it holds a
+        leased handle and no tier entry)."""
+        store, claim = self._store, entry.claim
+        if store is None or claim is None:
+            return
+        entry.claim = None
+        renewer, entry.renewer = entry.renewer, None
+        if renewer is not None:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+        if entry.closed:
+            return
+        if pinned is None:
+            handle, session = entry.session.handle, entry.session
+            pinned = handle is not None and handle.leased and session.tier is None
+        started = time.perf_counter()
+        try:
+            entry.version = await store.commit(
+                claim,
+                entry.to_bytes(wall=self._wall()),
+                used_at=self._wall() if used_at is None else used_at,
+                pinned=pinned,
+            )
+            self._metrics.commit_seconds.observe(time.perf_counter() - started)
+        except ClaimLostError:
+            # Another replica holds the session now: this copy is not the stored one.
+            entry.version = -1
+            self._metrics.commit_failures.labels("refused").inc()
+            logger.warning(
+                "agentkv.proxy.commit_refused", session_id=entry.session_id, fence=claim.fence
+            )
+
+    async def _write_behind(self, entry: SessionEntry) -> None:
+        try:
+            await self._settle(entry)
+        except StoreUnavailableError as exc:
+            # The answer is out; the store keeps the previous turn. The client's next request
+            # re-sends this turn's messages, which then fork from what is stored: reuse lost,
+            # nothing else. The claim's lease runs out on its own.
+            entry.version = -1
+            self._metrics.commit_failures.labels("unreachable").inc()
+            logger.error(
+                "agentkv.proxy.commit_failed", session_id=entry.session_id, detail=str(exc)
+            )
+        except Exception:
+            entry.version = -1
+            logger.exception("agentkv.proxy.commit_failed", session_id=entry.session_id)
+        finally:
+            entry.write = None
+            await self._give_back(entry)
+
+    async def written(self) -> None:
+        """Wait until every commit written behind an answer has landed (or failed)."""
+        while self._writes:
+            await asyncio.wait(list(self._writes))
+
+    async def _remove(
+        self, principal: str, session_id: str, *, reason: str, idle_before: float | None = None
+    ) -> bool:
+        """Remove a stored session under a claim; the one replica that removed it releases its
+        pin. ``False`` when there was none (or, for the sweep, it was used meanwhile)."""
+        store = self._store
+        assert store is not None
+        key = (principal, session_id)
+        cached = self._entries.get(key)
+        if idle_before is not None and cached is not None and cached.users:
+            return False  # in use here: not idle (and the sweep must not wait for it)
+        entry = cached or self._new_entry(key, placement_key=None)
+        entry.users += 1
+        await entry.lock.acquire()
+        try:
+            claim = await store.claim(
+                store_key(*key),
+                known_version=entry.version,
+                wait_s=0.0 if idle_before is not None else self._claim_wait_s,
+            )
+        except TimeoutError:
+            entry.lock.release()
+            entry.users -= 1
+            return False  # in use elsewhere: not idle, or deleted once that request ends
+        try:
+            if claim.data is not None:
+                entry.load_bytes(claim.data, self._cluster)
+            removed = claim.version != 0 and await store.remove(claim, idle_before=idle_before)
+        finally:
+            await store.release(claim)
+            entry.lock.release()
+            entry.users -= 1
+        if not removed:
+            if claim.version == 0:
+                self._forget(entry)
+            return False
+        await self._close(entry, reason)
+        return True
+
+    async def _persist_idle_shared(self, idle_s: float) -> int:
+        assert self._store is not None
+        persisted = 0
+        for key, used_at in await self._store.pinned_idle(before=self._wall() - idle_s, limit=1000):
+            if await self._persist_stored(split_key(key), used_at=used_at):
+                persisted += 1
+        return persisted
+
+    async def _persist_stored(self, key: Key, *, used_at: float) -> bool:
+        """Persist one stored session's pinned KV under a claim (skipped when in use anywhere),
+        and commit it as no longer pinned whatever decode answered (a decode without a tier is
+        not asked again until a turn pins anew). Its last use stays ``used_at``: persisting is
+        no use, idle expiry still comes on time."""
+        store = self._store
+        assert store is not None
+        cached = self._entries.get(key)
+        if cached is not None and cached.users:
+            return False
+        entry = cached or self._new_entry(key, placement_key=None)
+        entry.users += 1
+        await entry.lock.acquire()
+        try:
+            try:
+                claim = await store.claim(store_key(*key), known_version=entry.version, wait_s=0.0)
+            except TimeoutError:
+                return False  # a turn runs on it somewhere: not idle
+            if claim.data is not None:
+                entry.load_bytes(claim.data, self._cluster)
+            if claim.version == 0:  # removed meanwhile
+                await store.release(claim)
+                entry.version = 0
+                return False
+            entry.version = claim.version
+            entry.claim = claim
+            session = entry.session
+            done = (
+                not session.closed
+                and session.handle is not None
+                and session.tier is None
+                and await session.persist() is not None
+            )
+            await self._settle(entry, used_at=used_at, pinned=False)
+            return done
+        finally:
+            entry.lock.release()
+            entry.users -= 1
+            if cached is None and entry.users == 0 and self._entries.get(key) is entry:
+                self._forget(entry)  # a copy made for this only: the store keeps the session
+
+    async def _sweep_shared(self) -> int:
+        assert self._store is not None
+        for entry in [e for e in self._entries.values() if self._expired(e)]:
+            self._forget(entry)  # a cached copy only: the store decides what is idle
+        before = self._wall() - self._idle_timeout_s
+        closed = 0
+        for key in await self._store.idle(before=before, limit=1000):
+            principal, session_id = split_key(key)
+            if await self._remove(principal, session_id, reason="idle", idle_before=before):
+                closed += 1
+        return closed
