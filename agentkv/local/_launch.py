@@ -364,6 +364,9 @@ def _heal(
         say(f"reusing the running cluster in {config.cluster_file} "
             f"({len(record.servers)} servers)")
         return record
+    for pair, role, server in _servers(record):
+        if (pair, role) in dead:
+            _reap(server.pid)
     model_path = _prepared_model(config, say)
     plans = restart_plans(
         record, dead, plan_servers(config, model_path=model_path), source=config.cluster_file
@@ -427,10 +430,16 @@ def stop_cluster(config: LocalClusterConfig, *, progress: Progress | None = None
 def _stop(pid: int) -> bool:
     """Stop a server's process group by its pid; reap it if this process started it."""
     ok = stop_group(pid)
+    _reap(pid)
+    return ok
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit of a server this process started and that is gone (stopped, or killed
+    by pid as the fault tests do), so that no ``Popen`` outlives its process."""
     process = _LAUNCHED.pop(pid, None)
     if process is not None:
         process.wait()
-    return ok
 
 
 def _tier_record(config: LocalClusterConfig) -> dict[str, Any]:
