@@ -311,11 +311,12 @@ class TurnStats:
     """What one turn cost and reused.
 
     ``reused_tokens`` is prefill's own count (``usage.prompt_tokens_details.cached_tokens``): local
-    prefix-cache hits plus tokens pulled from decode. ``pulled_tokens`` is the part that came from
-    decode: exact when nothing was pulled, otherwise reused minus the prefill's local cache as
-    estimated from the block size (a lower bound when the block size is unknown).
-    ``ideal_reused_tokens`` is what a perfect handle gives: the previous turn's prompt and
-    generated tokens, less the last generated one (its KV is never computed).
+    prefix-cache hits plus tokens pulled from decode (or, on a ``tier`` turn, loaded from decode's
+    file tier). ``pulled_tokens`` is the part that came from decode or its tier: exact when
+    nothing was pulled, otherwise reused minus the prefill's local cache as estimated from the
+    block size (a lower bound when the block size is unknown). ``ideal_reused_tokens`` is what a
+    perfect handle gives: the previous turn's prompt and generated tokens, less the last
+    generated one (its KV is never computed); on a ``tier`` turn, the tokens the tier holds.
     ``extends`` is how often the handle this turn started with was extended while the session
     waited (``session.tool_wait()``, ``session.extend_handle()``); ``handle_reason`` also says
     whether it survived a tool wait. ``prefill`` names the prefill server that ran the turn (in a
