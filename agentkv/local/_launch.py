@@ -423,6 +423,8 @@ def stop_cluster(config: LocalClusterConfig, *, progress: Progress | None = None
             stopped += 1
             ok = _stop(server.pid)
             say(f"stopped {pair} {role} pid {server.pid}" + ("" if ok else " (KILLED)"))
+        else:
+            _reap(server.pid)  # killed earlier (by pid, as the fault tests do)
     config.cluster_file.unlink(missing_ok=True)
     return stopped
 
