@@ -11,7 +11,8 @@ plugin but a stock connector (``FakeCluster(leases=False)`` with ``stream_handle
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from agentkv._wire.hints import (
     ExtendRequest,
@@ -56,57 +57,53 @@ def info(engine: FakeEngine, *, stream_handles: bool) -> Reply:
     )
 
 
-def release(engine: FakeEngine, body: bytes) -> Reply:
+class _Wire(Protocol):
+    def to_wire(self) -> dict[str, Any]: ...
+
+
+def _forward(
+    engine: FakeEngine, body: bytes, parse: Callable[[object], _Wire], op: str
+) -> dict[str, Any] | Reply:
+    """As the endpoint plugin's ``_forward``: the engine's ``ok`` answer, or the error reply."""
     try:
-        ref = LeaseRef.from_wire(_body(body))
+        payload = parse(_body(body)).to_wire()
     except HintError as exc:
         return _error("invalid", str(exc))
-    answer = engine.lease_op("release", ref.to_wire())
+    answer = engine.lease_op(op, payload)
     if answer.get("status") != "ok":
         return _error(str(answer.get("status")), answer.get("message"))
-    return Reply(json={"released": True})
+    return answer
+
+
+def release(engine: FakeEngine, body: bytes) -> Reply:
+    answer = _forward(engine, body, LeaseRef.from_wire, "release")
+    return answer if isinstance(answer, Reply) else Reply(json={"released": True})
 
 
 def release_request(engine: FakeEngine, body: bytes) -> Reply:
-    try:
-        release = RequestRelease.from_wire(_body(body))
-    except HintError as exc:
-        return _error("invalid", str(exc))
-    answer = engine.lease_op("release_request", release.to_wire())
-    if answer.get("status") != "ok":
-        return _error(str(answer.get("status")), answer.get("message"))
+    answer = _forward(engine, body, RequestRelease.from_wire, "release_request")
+    if isinstance(answer, Reply):
+        return answer
     released = answer.get("released")
     return Reply(json={"released": released if isinstance(released, int) else 0})
 
 
 def extend(engine: FakeEngine, body: bytes) -> Reply:
-    try:
-        request = ExtendRequest.from_wire(_body(body))
-    except HintError as exc:
-        return _error("invalid", str(exc))
-    answer = engine.lease_op("extend", request.to_wire())
-    if answer.get("status") != "ok":
-        return _error(str(answer.get("status")), answer.get("message"))
+    answer = _forward(engine, body, ExtendRequest.from_wire, "extend")
+    if isinstance(answer, Reply):
+        return answer
     return Reply(json=ExtendResult.from_wire(answer).to_wire())
 
 
 def persist(engine: FakeEngine, body: bytes) -> Reply:
-    try:
-        ref = LeaseRef.from_wire(_body(body))
-    except HintError as exc:
-        return _error("invalid", str(exc))
-    answer = engine.lease_op("persist", ref.to_wire())
-    if answer.get("status") != "ok":
-        return _error(str(answer.get("status")), answer.get("message"))
+    answer = _forward(engine, body, LeaseRef.from_wire, "persist")
+    if isinstance(answer, Reply):
+        return answer
     return Reply(json={"tier": PersistResult.from_wire(answer).to_wire()["tier"]})
 
 
 def tier_delete(engine: FakeEngine, body: bytes) -> Reply:
-    try:
-        delete = TierDelete.from_wire(_body(body))
-    except HintError as exc:
-        return _error("invalid", str(exc))
-    answer = engine.lease_op("tier_delete", delete.to_wire())
-    if answer.get("status") != "ok":
-        return _error(str(answer.get("status")), answer.get("message"))
+    answer = _forward(engine, body, TierDelete.from_wire, "tier_delete")
+    if isinstance(answer, Reply):
+        return answer
     return Reply(json={"deleted": bool(answer.get("deleted"))})
