@@ -277,10 +277,20 @@ class AsyncCluster:
         """
         return load_session(self._pool, path)
 
-    def restore_session(self, data: Mapping[str, Any]) -> AsyncSession:
+    def restore_session(
+        self, data: Mapping[str, Any], *, confirmed: bool = False
+    ) -> AsyncSession:
         """Continue a session from its ``session.snapshot()`` dict (as ``load_session`` does
-        from a file): a store of sessions shared by processes keeps these."""
-        return restore_session(self._pool, data)
+        from a file): a store of sessions shared by processes keeps these.
+
+        Its handle is confirmed with decode before a turn attaches it (one extend call), as a
+        loaded one is, unless ``confirmed``: the caller knows the snapshot is the session's
+        latest state and that nothing used the handle since it was taken (the proxy's shared
+        store knows it from its claims). A handle that a later turn consumed, or that was
+        released, names blocks decode may have given to another request: say ``confirmed``
+        only when no such turn or release can have happened.
+        """
+        return restore_session(self._pool, data, confirmed=confirmed)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -432,11 +442,13 @@ class Cluster:
         inner = self._portal.call(_call(lambda: self._async.load_session(path)))
         return Session(inner, portal=self._portal)
 
-    def restore_session(self, data: Mapping[str, Any]) -> Session:
+    def restore_session(self, data: Mapping[str, Any], *, confirmed: bool = False) -> Session:
         """Continue a session from its ``session.snapshot()`` dict (see
         ``AsyncCluster.restore_session``)."""
         self._async._pool.check_open()
-        inner = self._portal.call(_call(lambda: self._async.restore_session(data)))
+        inner = self._portal.call(
+            _call(lambda: self._async.restore_session(data, confirmed=confirmed))
+        )
         return Session(inner, portal=self._portal)
 
     def check_health(self) -> dict[str, bool]:

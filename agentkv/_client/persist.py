@@ -301,8 +301,14 @@ def restore(
     *,
     wall_clock: Callable[[], float] = time.time,
     source: str = "saved session",
+    confirmed: bool = False,
 ) -> SessionState:
-    """A session from ``snapshot``'s dict, placed on ``pool`` as ``load_state`` does."""
+    """A session from ``snapshot``'s dict, placed on ``pool`` as ``load_state`` does.
+
+    ``confirmed``: the caller knows the snapshot is the session's latest state and that nothing
+    used its handle since it was taken (a shared store knows it from its claims), so the handle
+    is attached as the session that took it would attach it, without asking decode first.
+    """
     data = _checked(data, source)
     now, wall = pool.clock(), wall_clock()
     try:
@@ -353,7 +359,7 @@ def restore(
         state.tier, state.tier_pair, state.tier_digest = tier
     state.last_prefill = last_prefill
     # Decode may have freed the blocks since the save: the first turn asks it (see _turn).
-    state.unconfirmed = handle
+    state.unconfirmed = None if confirmed else handle
     # Checked against the cluster's tokenizer before the first turn's prompt is built.
     state.fingerprint = fingerprint
     if pair.name == saved_pair:

@@ -85,7 +85,9 @@ class AsyncSessionHost(Protocol):
 
     def load_session(self, path: str | os.PathLike[str]) -> AsyncSession: ...
 
-    def restore_session(self, data: Mapping[str, Any]) -> AsyncSession: ...
+    def restore_session(
+        self, data: Mapping[str, Any], *, confirmed: bool = False
+    ) -> AsyncSession: ...
 
 
 class SessionHost(Protocol):
@@ -719,6 +721,8 @@ def load_session(pool: PairPool, path: str | os.PathLike[str]) -> AsyncSession:
     return AsyncSession(load_state(path, pool), pool=pool)
 
 
-def restore_session(pool: PairPool, data: Mapping[str, Any]) -> AsyncSession:
+def restore_session(
+    pool: PairPool, data: Mapping[str, Any], *, confirmed: bool = False
+) -> AsyncSession:
     """The session from a ``snapshot()`` dict, placed on ``pool`` (see ``_persist.restore``)."""
-    return AsyncSession(restore(data, pool), pool=pool)
+    return AsyncSession(restore(data, pool, confirmed=confirmed), pool=pool)

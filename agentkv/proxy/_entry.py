@@ -87,10 +87,13 @@ class SessionEntry:
             }
         )
 
-    def load_bytes(self, data: bytes, cluster: AsyncCluster) -> None:
-        """Replace this copy with the stored one (the old copy is detached, its pin kept)."""
+    def load_bytes(self, data: bytes, cluster: AsyncCluster, *, confirmed: bool = False) -> None:
+        """Replace this copy with the stored one (the old copy is detached, its pin kept).
+
+        ``confirmed``: the stored handle is attached without asking decode first (a clean
+        claim: see ``Claim.dirty``)."""
         stored: dict[str, Any] = loads(data)
-        session = cluster.restore_session(stored["session"])
+        session = cluster.restore_session(stored["session"], confirmed=confirmed)
         self.session.detach()
         self.session = session
         self.generated = set(stored["generated"])

@@ -2,7 +2,9 @@
 
 Keys (``prefix`` defaults to ``agentkv:``):
 
-* ``{prefix}s:{key}``: a hash, ``snap`` (the snapshot bytes) and ``ver`` (its version).
+* ``{prefix}s:{key}``: a hash, ``snap`` (the snapshot bytes), ``ver`` (its version) and, while
+  a claim on a stored session is open, ``held`` (its fence): a claim that finds ``held`` set
+  follows one that never committed or released (``Claim.dirty``).
 * ``{prefix}l:{key}``: the lock, holding the fencing token, with a ``PX`` lease.
 * ``{prefix}fence``: the fencing counter (``INCR``), shared by every session.
 * ``{prefix}idle``: a sorted set, session key -> last use (wall-clock milliseconds).
@@ -41,15 +43,21 @@ if redis.call('EXISTS', KEYS[2]) == 1 then return {0, redis.call('PTTL', KEYS[2]
 local fence = redis.call('INCR', KEYS[3])
 redis.call('SET', KEYS[2], fence, 'PX', ARGV[1])
 local ver = tonumber(redis.call('HGET', KEYS[1], 'ver') or '0')
-if ver > 0 and ver ~= tonumber(ARGV[2]) then
-  return {fence, ver, redis.call('HGET', KEYS[1], 'snap')}
+local dirty = 0
+if ver > 0 then
+  dirty = redis.call('HEXISTS', KEYS[1], 'held')
+  redis.call('HSET', KEYS[1], 'held', fence)
 end
-return {fence, ver}
+if ver > 0 and (ver ~= tonumber(ARGV[2]) or dirty == 1) then
+  return {fence, ver, dirty, redis.call('HGET', KEYS[1], 'snap')}
+end
+return {fence, ver, dirty}
 """
 
 _COMMIT = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'snap', ARGV[2], 'ver', ARGV[1])
+redis.call('HDEL', KEYS[1], 'held')
 redis.call('DEL', KEYS[2])
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[4])
 if ARGV[5] == '1' then
@@ -71,7 +79,10 @@ return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+if redis.call('GET', KEYS[2]) == ARGV[1] then
+  redis.call('DEL', KEYS[2])
+  if redis.call('HGET', KEYS[1], 'held') == ARGV[1] then redis.call('HDEL', KEYS[1], 'held') end
+end
 return 1
 """
 
@@ -82,6 +93,7 @@ if cutoff >= 0 then
   local used = redis.call('ZSCORE', KEYS[3], ARGV[2])
   if used and tonumber(used) >= cutoff then
     redis.call('DEL', KEYS[2])
+    redis.call('HDEL', KEYS[1], 'held')
     return 0
   end
 end
@@ -160,9 +172,9 @@ class RedisSessions:
                 )
             fence = int(reply[0])
             if fence:
-                version = int(reply[1])
-                data = bytes(reply[2]) if len(reply) > 2 else None
-                return Claim(key=key, fence=fence, version=version, data=data)
+                version, dirty = int(reply[1]), bool(reply[2])
+                data = bytes(reply[3]) if len(reply) > 3 else None
+                return Claim(key=key, fence=fence, version=version, data=data, dirty=dirty)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"session {key} stayed claimed for {wait_s:.1f} s")
@@ -191,8 +203,7 @@ class RedisSessions:
         return version
 
     async def release(self, claim: Claim) -> None:
-        _, lock = self._keys(claim.key)
-        await self._release(keys=[lock], args=[claim.fence])
+        await self._release(keys=list(self._keys(claim.key)), args=[claim.fence])
 
     async def remove(self, claim: Claim, *, idle_before: float | None = None) -> bool:
         session, lock = self._keys(claim.key)

@@ -146,7 +146,11 @@ class SharedSessions:
             ) from exc
         entry.claim = claim
         if claim.data is not None:
-            entry.load_bytes(claim.data, self._cluster)
+            # After a clean handover the stored handle is as the last turn left it: attached
+            # at once. After a dirty one, a turn that never committed may have consumed it:
+            # decode confirms it first (the claim then always carries the stored snapshot, so
+            # that a cached copy from before that turn is not used either).
+            entry.load_bytes(claim.data, self._cluster, confirmed=not claim.dirty)
         elif claim.version == 0 and entry.version != 0:
             # Deleted or expired elsewhere since this copy was made: a new session starts.
             entry.session.detach()
@@ -259,7 +263,7 @@ class SharedSessions:
             return False  # in use elsewhere: not idle, or deleted once that request ends
         try:
             if claim.data is not None:
-                entry.load_bytes(claim.data, self._cluster)
+                entry.load_bytes(claim.data, self._cluster, confirmed=not claim.dirty)
             removed = claim.version != 0 and await store.remove(claim, idle_before=idle_before)
         finally:
             await store.release(claim)
@@ -299,7 +303,7 @@ class SharedSessions:
             except TimeoutError:
                 return False  # a turn runs on it somewhere: not idle
             if claim.data is not None:
-                entry.load_bytes(claim.data, self._cluster)
+                entry.load_bytes(claim.data, self._cluster, confirmed=not claim.dirty)
             if claim.version == 0:  # removed meanwhile
                 await store.release(claim)
                 entry.version = 0

@@ -12,6 +12,12 @@ The snapshot's version is the fencing token that committed it: versions never re
 across a delete and a new session under the same id, so a replica's cached copy is reused only
 when it is exactly the stored one (``Claim.data`` is ``None`` then, and nothing is transferred).
 
+A claim also says whether the previous one on the session ended without a commit or a release
+(``Claim.dirty``): its holder died or lost its lease mid-turn, and that turn may have consumed
+the stored snapshot's decode handle. Only then must the next holder confirm the handle with
+decode before attaching it; after a clean handover the snapshot's handle is exactly as the
+turn that stored it left it, and is attached at once.
+
 ``RedisSessions`` (``_redis_store``) is the implementation; without ``--state`` the proxy keeps
 sessions in its own memory and uses no store at all.
 """
@@ -40,13 +46,16 @@ class Claim:
     """A held claim on one session.
 
     ``fence`` is the fencing token; ``version`` the stored snapshot's version (0: none stored);
-    ``data`` the snapshot when it differs from the version the claimant said it holds.
+    ``data`` the snapshot when it differs from the version the claimant said it holds, or when
+    ``dirty``: the previous claim ended without a commit or release (see the module docstring),
+    so that no copy of the session is used as if nothing had happened since.
     """
 
     key: str
     fence: int
     version: int
     data: bytes | None = None
+    dirty: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,7 +75,10 @@ class SessionStore(Protocol):
     """How long a claim holds without ``renew`` (holders renew every third of it)."""
 
     async def claim(self, key: str, *, known_version: int, wait_s: float) -> Claim:
-        """Claim ``key``, waiting up to ``wait_s`` for another holder; ``TimeoutError`` then."""
+        """Claim ``key``, waiting up to ``wait_s`` for another holder; ``TimeoutError`` then.
+
+        ``Claim.data`` is the stored snapshot when ``known_version`` is not its version, or
+        when the claim is ``dirty``."""
         ...
 
     async def renew(self, claim: Claim) -> bool:
@@ -85,7 +97,8 @@ class SessionStore(Protocol):
         ...
 
     async def release(self, claim: Claim) -> None:
-        """Release the claim without writing (a no-op when it was lost)."""
+        """Release the claim without writing (a no-op when it was lost). Only for a holder that
+        left the session as it found it: the next claim is then not ``dirty``."""
         ...
 
     async def remove(self, claim: Claim, *, idle_before: float | None = None) -> bool:

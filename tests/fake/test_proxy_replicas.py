@@ -7,6 +7,7 @@ and the servers are shared.
 from __future__ import annotations
 
 import asyncio
+import collections
 import socket
 import time
 
@@ -42,13 +43,26 @@ class SlowTransport(httpx.AsyncBaseTransport):
         return await self._inner.handle_async_request(request)
 
 
+class CountingTransport(httpx.AsyncBaseTransport):
+    """The fake's transport, counting the requests this replica sends by path."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.paths = collections.Counter()
+
+    async def handle_async_request(self, request):
+        self.paths[request.url.path] += 1
+        return await self._inner.handle_async_request(request)
+
+
 class Replica:
     """One proxy replica: an app, its own cluster client, its own Redis connection."""
 
-    def __init__(self, fake, clock, redis_url, *, delay_s=0.0, **config):
+    def __init__(self, fake, clock, redis_url, *, delay_s=0.0, store=None, **config):
         transport = SlowTransport(fake.transport, delay_s) if delay_s else fake.transport
-        self.cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=transport, clock=clock)
-        self.store = RedisSessions.from_url(redis_url, lease_s=5.0)
+        self.sent = CountingTransport(transport)
+        self.cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=self.sent, clock=clock)
+        self.store = store or RedisSessions.from_url(redis_url, lease_s=5.0)
         self.app = create_app(self.cluster, ProxyConfig(**config), clock=clock, store=self.store)
         self.http = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=self.app), base_url="http://proxy"
@@ -126,6 +140,17 @@ async def test_an_openai_client_alternating_replicas_every_turn_keeps_the_ideal_
     assert None not in salts
 
 
+async def test_a_clean_handover_attaches_the_stored_handle_without_asking_decode(replicas):
+    """Each claim says whether the one before it ended cleanly (a commit). Then the stored
+    handle is exactly what the turn that stored it left, and the replica taking the session
+    over attaches it as that replica would have: no confirming extend call to decode."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    for i, question in enumerate(QUESTIONS):
+        await _ask(replicas[i % 2], "clean", messages, question)
+    _assert_ideal(await replicas[0].turns("clean"))
+    assert not any(path.endswith("/extend") for r in replicas for path in r.sent.paths)
+
+
 async def test_a_replica_gone_mid_conversation_loses_nothing(fake, clock, redis_url, replicas):
     """Replica A answers two turns and disappears without a goodbye (its copies, claims and
     connections just stop); B continues the same conversation: no fork, nothing lost, the
@@ -179,9 +204,7 @@ async def test_a_replica_dying_between_its_answer_and_its_commit_loses_only_reus
     lapsed, re-sends the turn's messages as new input and recomputes (nothing is lost, no wrong
     KV). The dead replica's late commit is refused: the session was taken over."""
     held = HeldCommits(RedisSessions.from_url(redis_url, lease_s=0.3))
-    a = Replica(fake, clock, redis_url)
-    a.app = create_app(a.cluster, ProxyConfig(), clock=clock, store=held)
-    a.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=a.app), base_url="http://proxy")
+    a = Replica(fake, clock, redis_url, store=held)
     b = Replica(fake, clock, redis_url)
     messages = [{"role": "system", "content": SYSTEM}]
     held.go.set()
@@ -211,10 +234,37 @@ async def test_a_replica_dying_between_its_answer_and_its_commit_loses_only_reus
     )
     assert refused == 1
     assert await b.turns("dies") == turns
-    await held.aclose()
-    await a.http.aclose()
-    await a.cluster.aclose()
+    await a.aclose(release=False)
     await b.aclose()
+
+
+async def test_a_turn_lost_before_its_commit_is_not_undone_by_an_older_cached_copy(
+    fake, clock, redis_url
+):
+    """A serves turn 1 and keeps its copy; B serves turn 2 (consuming turn 1's pin) and dies
+    before its commit. The next request is A's again: its cached copy is exactly the stored
+    version, but B's claim ended without a commit, so A must not attach turn 1's handle from
+    it: decode may have given those blocks to another request."""
+    held = HeldCommits(RedisSessions.from_url(redis_url, lease_s=0.3))
+    a = Replica(fake, clock, redis_url)
+    b = Replica(fake, clock, redis_url, store=held)
+    messages = [{"role": "system", "content": SYSTEM}]
+    await _ask(a, "older", messages, QUESTIONS[0])
+    await a.app.state.registry.written()
+    await _ask(b, "older", messages, QUESTIONS[1])  # its commit is held: B is dead from here
+    await _ask(a, "older", messages, QUESTIONS[2])
+    turns = await a.turns("older")
+    assert len(turns) == 2  # A's first turn, then its third: B's never reached the store
+    assert turns[1]["handle_state"] == "expired"  # decode did not confirm the consumed handle
+    assert sum(path.endswith("/extend") for path in a.sent.paths.elements()) == 1
+    assert fake.wrong_reuse_events == 0
+    held.go.set()
+    await b.app.state.registry.written()
+    assert held.refused == 1
+    await _ask(a, "older", messages, QUESTIONS[3])  # and the session goes on at the ideal
+    assert (await a.turns("older"))[-1]["handle_state"] == "attached"
+    await a.aclose()
+    await b.aclose(release=False)
 
 
 async def test_concurrent_requests_for_one_session_through_both_replicas_serialize(

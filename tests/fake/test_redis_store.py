@@ -121,3 +121,28 @@ async def test_removal_happens_exactly_once_and_an_idle_sweep_loses_to_a_recent_
     assert results == [True, False]
     assert await store.peek("k") == Stored(version=0, data=None, claimed=False)
     assert await store.idle(before=1e12, limit=10) == []
+
+
+async def test_a_claim_says_when_the_one_before_it_ended_without_a_commit_or_release(store):
+    """``dirty``: its holder may have run a turn that never reached the store (and consumed the
+    stored handle). The dirty claim carries the snapshot even to a caller whose copy is
+    current, so that copy is not used as if nothing had happened."""
+    first = await store.claim("k", known_version=0, wait_s=1)
+    assert not first.dirty  # nothing stored yet: nothing to distrust
+    version = await store.commit(first, b"one", used_at=1.0)
+    clean = await store.claim("k", known_version=version, wait_s=1)
+    assert (clean.dirty, clean.data) == (False, None)
+    await store.release(clean)  # a holder that changed nothing
+    again = await store.claim("k", known_version=version, wait_s=1)
+    assert (again.dirty, again.data) == (False, None)
+    await asyncio.sleep(0.3)  # lease 0.2 s: the holder died mid-turn
+    dirty = await store.claim("k", known_version=version, wait_s=1)
+    assert (dirty.dirty, dirty.version, dirty.data) == (True, version, b"one")
+    version = await store.commit(dirty, b"two", used_at=2.0)
+    after = await store.claim("k", known_version=version, wait_s=1)
+    assert (after.dirty, after.data) == (False, None)  # a commit ends it cleanly
+    # An idle sweep that lost to a recent use changed nothing either.
+    assert not await store.remove(after, idle_before=1.0)
+    last = await store.claim("k", known_version=version, wait_s=1)
+    assert not last.dirty
+    await store.release(last)
