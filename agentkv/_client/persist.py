@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -45,10 +46,11 @@ from typing import Any
 
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
+from agentkv._client.turn_log import TurnLog
 from agentkv._exceptions import AgentKVError, SessionLoadError
 from agentkv._policy import CachePolicy
 from agentkv._prompt.transcript import Span, Transcript
-from agentkv._types import HandleState, KVHandle, Message, SessionOptions, TurnStats
+from agentkv._types import HandleState, KVHandle, Message, SessionOptions
 from agentkv._wire.hints import HintError
 from agentkv._wire.tier import TierRef
 
@@ -82,12 +84,16 @@ def _handle_json(handle: KVHandle, *, now: float, wall: float) -> dict[str, Any]
     }
 
 
-def _flat(stats: TurnStats) -> dict[str, Any]:
-    # dataclasses.asdict deep-copies every value; TurnStats holds only scalars.
-    return {f.name: getattr(stats, f.name) for f in _TURN_FIELDS}
+@functools.lru_cache(maxsize=64)
+def _policy_items(policy: CachePolicy) -> tuple[tuple[str, Any], ...]:
+    # A session's policy rarely changes, and a shared store snapshots it every turn.
+    return tuple(dataclasses.asdict(policy).items())
 
 
-_TURN_FIELDS = dataclasses.fields(TurnStats)
+def _policy_json(policy: CachePolicy) -> dict[str, Any]:
+    saved = dict(_policy_items(policy))
+    saved["tier_cost"] = dict(saved["tier_cost"])  # the caller's own copy, as the rest is
+    return saved
 
 
 def _options_json(options: SessionOptions) -> dict[str, Any]:
@@ -112,7 +118,7 @@ def snapshot(state: SessionState, *, model: str, now: float, wall: float) -> dic
         "model": model,
         "tokenizer": state.fingerprint,
         "pair": state.pair.name,
-        "policy": dataclasses.asdict(state.policy),
+        "policy": _policy_json(state.policy),
         "options": _options_json(state.options),
         "transcript": {
             "messages": [m.to_openai() for m in transcript.messages],
@@ -128,9 +134,7 @@ def snapshot(state: SessionState, *, model: str, now: float, wall: float) -> dic
         if state.tier is None
         else {**state.tier.to_wire(), "pair": state.tier_pair, "digest": state.tier_digest},
         "lost": None if state.lost is None else [state.lost[0].value, state.lost[1]],
-        "turns": [
-            {**_flat(t), "handle_state": t.handle_state.value} for t in state.turns
-        ],
+        "turns": state.turns.saved(),
         "ideal_base": state.ideal_base,
         "prefilled": state.prefilled,
         "last_prefill": state.last_prefill,
@@ -276,10 +280,6 @@ def _options(data: Mapping[str, Any]) -> SessionOptions:
     )
 
 
-def _turn_stats(data: Mapping[str, Any]) -> TurnStats:
-    return TurnStats(**{**data, "handle_state": HandleState(data["handle_state"])})
-
-
 def load_state(
     path: str | os.PathLike[str],
     pool: PairPool,
@@ -321,7 +321,7 @@ def restore(
         handle = None if raw_handle is None else _handle(raw_handle, now=now, wall=wall)
         raw_lost = _optional(data, "lost", list)
         lost = None if raw_lost is None else (HandleState(raw_lost[0]), str(raw_lost[1]))
-        turns = [_turn_stats(t) for t in _field(data, "turns", list)]
+        turns = TurnLog.restored(_field(data, "turns", list))
         ideal_base = _field(data, "ideal_base", int)
         prefilled = _field(data, "prefilled", int)
         last_prefill = _optional(data, "last_prefill", str)

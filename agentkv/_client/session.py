@@ -175,12 +175,12 @@ class _SessionBase:
     @property
     def turns(self) -> tuple[TurnStats, ...]:
         """Stats of every committed turn, oldest first."""
-        return tuple(self._state.turns)
+        return tuple(self._state.turns.stats())
 
     @property
     def stats(self) -> SessionStats:
         """Totals over the session's turns."""
-        return SessionStats.from_turns(self._state.turns)
+        return SessionStats.from_turns(self._state.turns.stats())
 
     def append(self, *messages: MessageLike) -> None:
         """Queue messages (``Message`` values or OpenAI-style dicts) for the next turn.

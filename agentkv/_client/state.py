@@ -17,6 +17,7 @@ from typing import Any
 
 import structlog
 
+from agentkv._client.turn_log import TurnLog
 from agentkv._exceptions import PrefixDivergedError, SessionLoadError
 from agentkv._policy import CachePolicy
 from agentkv._prompt.template import tools_key
@@ -126,7 +127,7 @@ class SessionState:
         self.handle: KVHandle | None = None
         # Why there is no handle, when one was lost (expired, consumed by a failed turn, ...).
         self.lost: tuple[HandleState, str] | None = None
-        self.turns: list[TurnStats] = []
+        self.turns = TurnLog()
         # Tokens a perfect handle would give the next turn (previous prompt + generated - 1).
         self.ideal_base = 0
         # The last prompt this session prefilled on its pair (bounds prefill's own cache).
