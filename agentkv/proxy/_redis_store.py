@@ -24,11 +24,10 @@ not Redis Cluster.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import time
-from collections.abc import Iterator
-from typing import Any, cast
+from collections.abc import Awaitable
+from typing import Any, TypeVar, cast
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -105,12 +104,18 @@ return existed
 """
 
 
-@contextlib.contextmanager
-def _reachable() -> Iterator[None]:
+T = TypeVar("T")
+
+
+async def _bounded(call: Awaitable[T], timeout_s: float) -> T:
+    """``call``'s result, or ``StoreUnavailableError`` when Redis does not answer in time or
+    cannot be reached. A cancelled read makes redis-py drop its connection, so no answer
+    arriving late is ever read as another command's."""
     try:
-        yield
-    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        raise StoreUnavailableError(f"the session store is unreachable: {exc}") from exc
+        async with asyncio.timeout(timeout_s):
+            return await call
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:  # TimeoutError included
+        raise StoreUnavailableError(f"the session store is unreachable: {exc!r}") from exc
 
 
 class RedisSessions:
@@ -121,6 +126,11 @@ class RedisSessions:
         lease_s: how long a claim holds without renewal; the proxy renews it every third.
         prefix: prepended to every key, so several deployments can share one Redis.
         poll_s: the longest pause between attempts while another replica holds a session.
+        timeout_s: the longest a single Redis call may take (``StoreUnavailableError`` then).
+
+    ``from_url`` turns redis-py's own socket timeout off and bounds each call here instead:
+    redis-py enforces its socket timeout on a write with ``asyncio.wait_for``, a task per
+    command, about a fifth of the client's CPU per command (``benchmarks/redis_state.py``).
     """
 
     def __init__(
@@ -130,8 +140,10 @@ class RedisSessions:
         lease_s: float = 30.0,
         prefix: str = "agentkv:",
         poll_s: float = 0.05,
+        timeout_s: float = 5.0,
     ) -> None:
         self._redis = client
+        self._timeout_s = timeout_s
         self.lease_s = lease_s
         self._lease_ms = max(1, int(lease_s * 1000))
         self._prefix = prefix
@@ -146,7 +158,10 @@ class RedisSessions:
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisSessions:
         """From ``redis://HOST:PORT/DB`` (any URL ``redis.asyncio.Redis.from_url`` takes)."""
-        return cls(Redis.from_url(url), **options)
+        return cls(Redis.from_url(url, socket_timeout=None), **options)
+
+    async def _call(self, call: Awaitable[T]) -> T:
+        return await _bounded(call, self._timeout_s)
 
     def _keys(self, key: str) -> tuple[str, str]:
         return f"{self._prefix}s:{key}", f"{self._prefix}l:{key}"
@@ -165,11 +180,12 @@ class RedisSessions:
         # A commit written behind an answer lands within a round trip: look again soon.
         pause = 0.00025
         while True:
-            with _reachable():
-                reply = await self._claim(
+            reply = await self._call(
+                self._claim(
                     keys=[session, lock, f"{self._prefix}fence"],
                     args=[self._lease_ms, known_version],
                 )
+            )
             fence = int(reply[0])
             if fence:
                 version, dirty = int(reply[1]), bool(reply[2])
@@ -185,57 +201,63 @@ class RedisSessions:
 
     async def renew(self, claim: Claim) -> bool:
         _, lock = self._keys(claim.key)
-        return bool(await self._renew(keys=[lock], args=[claim.fence, self._lease_ms]))
+        return bool(await self._call(self._renew(keys=[lock], args=[claim.fence, self._lease_ms])))
 
     async def commit(
         self, claim: Claim, data: bytes, *, used_at: float, pinned: bool = False
     ) -> int:
         session, lock = self._keys(claim.key)
-        with _reachable():
-            version = int(
-                await self._commit(
+        version = int(
+            await self._call(
+                self._commit(
                     keys=[session, lock, self._idle_key, self._pinned_key],
                     args=[claim.fence, data, int(used_at * 1000), claim.key, int(pinned)],
                 )
             )
+        )
         if not version:
             raise ClaimLostError(f"the claim on session {claim.key} was lost; nothing written")
         return version
 
     async def release(self, claim: Claim) -> None:
-        await self._release(keys=list(self._keys(claim.key)), args=[claim.fence])
+        await self._call(self._release(keys=list(self._keys(claim.key)), args=[claim.fence]))
 
     async def remove(self, claim: Claim, *, idle_before: float | None = None) -> bool:
         session, lock = self._keys(claim.key)
         cutoff = -1 if idle_before is None else int(idle_before * 1000)
-        removed = await self._remove(
-            keys=[session, lock, self._idle_key, self._pinned_key],
-            args=[claim.fence, claim.key, cutoff],
+        removed = await self._call(
+            self._remove(
+                keys=[session, lock, self._idle_key, self._pinned_key],
+                args=[claim.fence, claim.key, cutoff],
+            )
         )
         return bool(removed)
 
     async def peek(self, key: str) -> Stored:
-        with _reachable():
-            version, data, claimed = await self._peek(keys=list(self._keys(key)))
+        version, data, claimed = await self._call(self._peek(keys=list(self._keys(key))))
         if version is None or data is None:
             return Stored(version=0, data=None, claimed=bool(claimed))
         data = data if isinstance(data, bytes) else str(data).encode()
         return Stored(version=int(version), data=data, claimed=bool(claimed))
 
     async def idle(self, *, before: float, limit: int) -> list[str]:
-        members = await self._redis.zrangebyscore(
-            self._idle_key, "-inf", f"({int(before * 1000)}", start=0, num=limit
+        members = await self._call(
+            self._redis.zrangebyscore(
+                self._idle_key, "-inf", f"({int(before * 1000)}", start=0, num=limit
+            )
         )
         return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
 
     async def pinned_idle(self, *, before: float, limit: int) -> list[tuple[str, float]]:
-        members = await self._redis.zrangebyscore(
-            self._pinned_key,
-            "-inf",
-            f"({int(before * 1000)}",
-            start=0,
-            num=limit,
-            withscores=True,
+        members = await self._call(
+            self._redis.zrangebyscore(
+                self._pinned_key,
+                "-inf",
+                f"({int(before * 1000)}",
+                start=0,
+                num=limit,
+                withscores=True,
+            )
         )
         pairs = cast(list[tuple[bytes | str, float]], members)  # withscores: (member, score)
         return [
@@ -245,15 +267,14 @@ class RedisSessions:
 
     async def shared_secret(self) -> str:
         key = f"{self._prefix}salt-secret"
-        with _reachable():
-            await self._redis.set(key, secrets.token_hex(32), nx=True)
-            value = await self._redis.get(key)
+        await self._call(self._redis.set(key, secrets.token_hex(32), nx=True))
+        value = await self._call(self._redis.get(key))
         if value is None:  # deleted between the two calls: ask again
             return await self.shared_secret()
         return value.decode() if isinstance(value, bytes) else str(value)
 
     async def ping(self) -> bool:
-        return bool(await self._redis.ping())
+        return bool(await self._call(self._redis.ping()))
 
     async def aclose(self) -> None:
         await self._redis.aclose()
