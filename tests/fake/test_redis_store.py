@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from agentkv.proxy._redis_store import RedisSessions
-from agentkv.proxy._store import ClaimLostError, Stored
+from agentkv.proxy._store import ClaimLostError, Stored, StoreUnavailableError
 
 
 @pytest.fixture
@@ -146,3 +146,32 @@ async def test_a_claim_says_when_the_one_before_it_ended_without_a_commit_or_rel
     last = await store.claim("k", known_version=version, wait_s=1)
     assert not last.dirty
     await store.release(last)
+
+
+async def test_a_redis_that_accepts_but_never_answers_is_unavailable_within_the_timeout():
+    """The store bounds every call itself (redis-py's own socket timeout is off): a server that
+    hangs is StoreUnavailableError after ``timeout_s``, not a request stuck forever."""
+    accepted = []
+
+    async def silent(reader, writer):
+        accepted.append(writer)
+        await reader.read()  # read what comes, answer nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisSessions.from_url(f"redis://127.0.0.1:{port}/0", timeout_s=0.2)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(StoreUnavailableError):
+            await store.claim("k", known_version=0, wait_s=5)
+        with pytest.raises(StoreUnavailableError):
+            await store.ping()
+        assert loop.time() - started < 2.0
+        assert accepted
+    finally:
+        await store.aclose()
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()
