@@ -44,7 +44,7 @@ import structlog
 
 from agentkv import AsyncCluster
 from agentkv.proxy import ProxyConfig, create_app
-from agentkv.proxy._entry import store_key
+from agentkv.proxy._entry import SessionEntry, store_key
 from agentkv.proxy._redis_store import RedisSessions
 from agentkv.testing import FakeCluster
 
@@ -97,7 +97,10 @@ def _calls(url: str) -> int:
 
 
 async def _end(
-    client: httpx.AsyncClient, store: RedisSessions | None, session_ids: list[str]
+    client: httpx.AsyncClient,
+    store: RedisSessions | None,
+    cluster: AsyncCluster,
+    session_ids: list[str],
 ) -> list[tuple[int, int]]:
     """Delete the sessions, as a client ends its conversations (a replica that stops keeps
     sessions and pins: without this the fake decode fills up with pins); return each stored
@@ -107,8 +110,10 @@ async def _end(
         if store is not None:
             stored = await store.peek(store_key("anonymous", session_id))
             assert stored.data is not None
-            tokens = len(json.loads(stored.data)["session"]["transcript"]["token_ids"])
-            snapshots.append((len(stored.data), tokens))
+            entry = SessionEntry(("anonymous", session_id), cluster.session(), now=0.0)
+            entry.load_bytes(stored.data, cluster)
+            snapshots.append((len(stored.data), len(entry.session.transcript.token_ids)))
+            entry.session.detach()
         ended = await client.delete(f"/v1/sessions/{session_id}")
         if ended.is_error:
             raise RuntimeError(f"DELETE {session_id}: {ended.status_code} {ended.text}")
@@ -171,7 +176,7 @@ async def _run(
         await app.state.registry.written()  # the last commits, written behind their answers
     calls = (_calls(url) - calls_before) if url else 0
     snapshots = await _end(
-        apps[0], peek_store, [f"{mode}-{run_id}-{i}" for i in range(args.sessions)]
+        apps[0], peek_store, closers[0][2], [f"{mode}-{run_id}-{i}" for i in range(args.sessions)]
     )
     for client, store, cluster, app in closers:
         await app.state.registry.close_all()
@@ -209,7 +214,6 @@ async def _components(fake: FakeCluster, url: str, n: int = 500) -> dict[str, fl
     (PING), a claim + commit pair (the two round trips), the snapshot's serialization, and its
     restore on another replica."""
     from agentkv._types import Message
-    from agentkv.proxy._entry import SessionEntry
 
     cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
     session = cluster.session(session_id="components")

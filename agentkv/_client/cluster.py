@@ -278,10 +278,10 @@ class AsyncCluster:
         return load_session(self._pool, path)
 
     def restore_session(
-        self, data: Mapping[str, Any], *, confirmed: bool = False
+        self, data: Mapping[str, Any] | bytes, *, confirmed: bool = False
     ) -> AsyncSession:
-        """Continue a session from its ``session.snapshot()`` dict (as ``load_session`` does
-        from a file): a store of sessions shared by processes keeps these.
+        """Continue a session from its ``session.snapshot()`` dict or ``snapshot_bytes()`` (as
+        ``load_session`` does from a file): a store of sessions shared by processes keeps these.
 
         Its handle is confirmed with decode before a turn attaches it (one extend call), as a
         loaded one is, unless ``confirmed``: the caller knows the snapshot is the session's
@@ -442,7 +442,9 @@ class Cluster:
         inner = self._portal.call(_call(lambda: self._async.load_session(path)))
         return Session(inner, portal=self._portal)
 
-    def restore_session(self, data: Mapping[str, Any], *, confirmed: bool = False) -> Session:
+    def restore_session(
+        self, data: Mapping[str, Any] | bytes, *, confirmed: bool = False
+    ) -> Session:
         """Continue a session from its ``session.snapshot()`` dict (see
         ``AsyncCluster.restore_session``)."""
         self._async._pool.check_open()

@@ -37,8 +37,9 @@ from agentkv._client.leasing import (
     persist_handle,
     release_handle,
 )
-from agentkv._client.persist import load_state, restore, save_state
+from agentkv._client.persist import load_state, restore, restore_bytes, save_state
 from agentkv._client.persist import snapshot as snapshot_state
+from agentkv._client.persist import snapshot_bytes as snapshot_state_bytes
 from agentkv._client.pool import PairPool
 from agentkv._client.portal import Portal
 from agentkv._client.state import SessionState
@@ -86,7 +87,7 @@ class AsyncSessionHost(Protocol):
     def load_session(self, path: str | os.PathLike[str]) -> AsyncSession: ...
 
     def restore_session(
-        self, data: Mapping[str, Any], *, confirmed: bool = False
+        self, data: Mapping[str, Any] | bytes, *, confirmed: bool = False
     ) -> AsyncSession: ...
 
 
@@ -234,6 +235,17 @@ class _SessionBase:
         pool = self._pool
         wall = time.time() if wall is None else wall
         return snapshot_state(self._state, model=pool.model, now=pool.clock(), wall=wall)
+
+    def snapshot_bytes(self, *, wall: float | None = None) -> bytes:
+        """``snapshot()`` as compact bytes (its JSON, the token ids as raw int32 after it), for a
+        store that saves a session every turn; ``cluster.restore_session`` takes these too.
+
+        Writing and reading the ids back is a copy instead of about 50 us per 1,000 tokens of
+        JSON numbers. The bytes may hold the handle's lease secret, as the dict does.
+        """
+        pool = self._pool
+        wall = time.time() if wall is None else wall
+        return snapshot_state_bytes(self._state, model=pool.model, now=pool.clock(), wall=wall)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save the session to a JSON file, atomically; ``load`` continues it in a new process.
@@ -722,7 +734,10 @@ def load_session(pool: PairPool, path: str | os.PathLike[str]) -> AsyncSession:
 
 
 def restore_session(
-    pool: PairPool, data: Mapping[str, Any], *, confirmed: bool = False
+    pool: PairPool, data: Mapping[str, Any] | bytes, *, confirmed: bool = False
 ) -> AsyncSession:
-    """The session from a ``snapshot()`` dict, placed on ``pool`` (see ``_persist.restore``)."""
+    """The session from a ``snapshot()`` dict or ``snapshot_bytes()``, placed on ``pool`` (see
+    ``_persist.restore``)."""
+    if isinstance(data, bytes):
+        return AsyncSession(restore_bytes(data, pool, confirmed=confirmed), pool=pool)
     return AsyncSession(restore(data, pool, confirmed=confirmed), pool=pool)

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from agentkv._exceptions import InvalidMessageError, PrefixDivergedError
 from agentkv._types import Message
 
-__all__ = ["Delta", "Span", "Transcript", "TranscriptView", "TurnPrompt"]
+__all__ = ["TOKEN_TYPECODE", "Delta", "Span", "Transcript", "TranscriptView", "TurnPrompt"]
 
 # Token ids are stored as C ints: 4 bytes a token instead of ~36 for a list of Python ints, which is
 # most of an idle session's memory.
-_TOKEN_TYPECODE = "i"  # noqa: S105 - an array typecode, not a secret
+TOKEN_TYPECODE = "i"  # noqa: S105 - an array typecode (C int: 4 bytes), not a secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ class Transcript:
     )
 
     def __init__(self, messages: Iterable[Message] = ()) -> None:
-        self._tokens: array[int] = array(_TOKEN_TYPECODE)
+        self._tokens: array[int] = array(TOKEN_TYPECODE)
         # ``token_ids`` as a tuple, made once per length: the tokens only ever grow (a commit
         # checks that the new ids extend them), so one length is one content.
         self._token_tuple: tuple[int, ...] = ()
@@ -132,6 +132,10 @@ class Transcript:
         if len(self._token_tuple) != len(self._tokens):
             self._token_tuple = tuple(self._tokens)
         return self._token_tuple
+
+    def token_array(self) -> array[int]:
+        """A copy of the token ids as an ``array`` of ``TOKEN_TYPECODE``: one memory copy."""
+        return array(TOKEN_TYPECODE, self._tokens)
 
     @property
     def spans(self) -> tuple[Span, ...]:
@@ -196,7 +200,7 @@ class Transcript:
         if version < 0:
             raise ValueError("a saved transcript's version must not be negative")
         transcript = cls()
-        transcript._tokens = array(_TOKEN_TYPECODE, token_ids)
+        transcript._tokens = array(TOKEN_TYPECODE, token_ids)
         transcript._messages = list(messages)
         transcript._spans = list(spans)
         transcript.append(*pending)
@@ -259,7 +263,7 @@ class Transcript:
             raise ValueError("delta offsets must match the pending messages")
         suffix = self.closing_suffix(closing)
         base = len(self._tokens) + len(suffix)
-        ids = array(_TOKEN_TYPECODE, self._tokens)
+        ids = array(TOKEN_TYPECODE, self._tokens)
         ids.extend(suffix)
         ids.extend(delta.token_ids)
         ends = [*delta.offsets[1:], delta.generation_start]
@@ -306,12 +310,12 @@ class Transcript:
             raise PrefixDivergedError("the prompt renders messages that are no longer pending")
         if message.role != "assistant":
             raise InvalidMessageError("a turn commits an assistant message")
-        generated = array(_TOKEN_TYPECODE, generated_ids)
+        generated = array(TOKEN_TYPECODE, generated_ids)
         # Validation done: from here on nothing raises, so a commit is all or nothing.
         if self._tail_open and self._spans:
             last = self._spans[-1]
             self._spans[-1] = Span(last.start, last.end + prompt.closing_len)
-        self._tokens = array(_TOKEN_TYPECODE, prompt.token_ids)
+        self._tokens = array(TOKEN_TYPECODE, prompt.token_ids)
         self._tokens.extend(generated)
         self._messages.extend(prompt.messages)
         self._spans.extend(prompt.spans)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from typing import Any
 
@@ -75,10 +76,10 @@ class SessionEntry:
         return self.key[1]
 
     def to_bytes(self, *, wall: float) -> bytes:
-        """The entry as the shared store keeps it: the session's snapshot and the mapping."""
-        return dumps(
+        """The entry as the shared store keeps it: the mapping's JSON, then the session's
+        ``snapshot_bytes`` (the token ids as raw int32, not JSON numbers)."""
+        mapping = dumps(
             {
-                "session": self.session.snapshot(wall=wall),
                 "generated": sorted(self.generated),
                 "views": {str(i): view.to_openai() for i, view in self.views.items()},
                 "tools_key": self.tools_key,
@@ -86,14 +87,25 @@ class SessionEntry:
                 "created_at": self.created_at,
             }
         )
+        session = self.session.snapshot_bytes(wall=wall)
+        return b"".join((_MAGIC, _LENGTH.pack(len(mapping)), mapping, session))
 
     def load_bytes(self, data: bytes, cluster: AsyncCluster, *, confirmed: bool = False) -> None:
         """Replace this copy with the stored one (the old copy is detached, its pin kept).
 
         ``confirmed``: the stored handle is attached without asking decode first (a clean
-        claim: see ``Claim.dirty``)."""
-        stored: dict[str, Any] = loads(data)
-        session = cluster.restore_session(stored["session"], confirmed=confirmed)
+        claim: see ``Claim.dirty``). An entry stored as one JSON document, by an agentkv before
+        ``to_bytes`` wrote this form, loads too (replicas of both can share a store while they
+        are upgraded)."""
+        if data.startswith(_MAGIC):
+            start = len(_MAGIC) + _LENGTH.size
+            (length,) = _LENGTH.unpack_from(data, len(_MAGIC))
+            stored: dict[str, Any] = loads(data[start : start + length])
+            snapshot: bytes | dict[str, Any] = data[start + length :]
+        else:
+            stored = loads(data)
+            snapshot = stored["session"]
+        session = cluster.restore_session(snapshot, confirmed=confirmed)
         self.session.detach()
         self.session = session
         self.generated = set(stored["generated"])
@@ -101,6 +113,10 @@ class SessionEntry:
         self.tools_key = stored["tools_key"]
         self.forks = stored["forks"]
         self.created_at = stored["created_at"]
+
+
+_MAGIC = b"agentkv.entry.bin\x00"
+_LENGTH = struct.Struct(">I")
 
 
 def store_key(principal: str, session_id: str) -> str:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from agentkv import AsyncCluster
+from agentkv import AsyncCluster, Message
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._redis_store import RedisSessions
 from agentkv.proxy._store import ClaimLostError
@@ -448,3 +448,36 @@ async def test_an_idle_shared_session_is_persisted_once_by_one_replica_and_resum
     assert fake.wrong_reuse_events == 0
     await a.aclose()
     await b.aclose()
+
+
+async def test_an_entry_reads_both_its_binary_form_and_the_json_an_older_replica_wrote(fake, clock):
+    """Replicas of two versions may share a store while they are upgraded."""
+    from agentkv._wire.json import dumps
+    from agentkv.proxy._entry import SessionEntry
+
+    cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport, clock=clock)
+    session = cluster.session(session_id="p:s", max_tokens=24)
+    session.append(Message.system(SYSTEM))
+    await session.send(QUESTIONS[0])
+    entry = SessionEntry(("p", "s"), session, now=0.0)
+    entry.generated, entry.tools_key, entry.forks = {2}, "tools", 1
+    legacy = dumps(
+        {
+            "session": session.snapshot(),
+            "generated": [2],
+            "views": {},
+            "tools_key": "tools",
+            "forks": 1,
+            "created_at": entry.created_at,
+        }
+    )
+    for stored in (entry.to_bytes(wall=time.time()), legacy):
+        copy = SessionEntry(("p", "s"), cluster.session(), now=0.0)
+        copy.load_bytes(stored, cluster, confirmed=True)
+        assert copy.session.transcript == session.transcript
+        assert copy.session.handle is not None
+        assert copy.session.handle.request_id == session.handle.request_id
+        assert (copy.generated, copy.tools_key, copy.forks) == ({2}, "tools", 1)
+        copy.session.detach()
+    await session.aclose()
+    await cluster.aclose()

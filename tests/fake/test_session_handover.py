@@ -80,6 +80,55 @@ def test_a_snapshot_is_json_and_a_restored_session_continues_with_the_handle(fak
     assert fake.wrong_reuse_events == 0
 
 
+def test_snapshot_bytes_restore_the_same_session_and_continue_with_the_handle(fake, clock):
+    """The compact form a shared store keeps: the JSON with the token ids as raw int32."""
+    with open_cluster(fake, clock) as cluster:
+        s = two_turns(cluster)
+        s.append(Message.user("queued, not yet sent"))
+        blob = s.snapshot_bytes()
+        as_dict = s.snapshot()
+        expected = s.transcript
+        s.discard_pending()
+        s.detach()
+    assert isinstance(blob, bytes)
+    with open_cluster(fake, clock) as cluster:
+        from_bytes = cluster.restore_session(blob)
+        from_dict = cluster.restore_session(as_dict)
+        assert from_bytes.transcript == from_dict.transcript == expected
+        assert from_bytes.transcript.pending == (Message.user("queued, not yet sent"),)
+        assert from_bytes.turns == from_dict.turns == s.turns
+        # The same handle (its times are converted through each restore's own wall clock).
+        assert from_bytes.handle is not None
+        assert from_dict.handle is not None
+        assert from_bytes.handle.request_id == from_dict.handle.request_id
+        assert from_bytes.handle.block_ids == from_dict.handle.block_ids
+        from_dict.detach()
+        from_bytes.discard_pending()
+        with from_bytes:
+            result = from_bytes.send(QUESTIONS[2])
+    assert result.stats.handle_state is HandleState.ATTACHED
+    assert result.token_ids == uninterrupted(clock).token_ids
+    assert fake.wrong_reuse_events == 0
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda blob: b"{" + blob[1:], "not a saved agentkv session"),
+        (lambda blob: blob[:-1], "bytes of token ids"),
+        (lambda blob: blob + b"\0\0\0\0", "bytes of token ids"),
+        (lambda blob: blob[:30], "corrupt"),
+    ],
+)
+def test_damaged_snapshot_bytes_are_a_session_load_error(fake, clock, damage, match):
+    with open_cluster(fake, clock) as cluster:
+        s = two_turns(cluster)
+        blob = s.snapshot_bytes()
+        with pytest.raises(SessionLoadError, match=match):
+            cluster.restore_session(damage(blob))
+        s.close()
+
+
 def test_detach_keeps_the_pin_on_decode_and_frees_the_place_close_releases_it(fake, clock):
     with open_cluster(fake, clock) as cluster:
         kept = two_turns(cluster)
