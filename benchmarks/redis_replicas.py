@@ -9,16 +9,21 @@ uvloop when installed), and this client, which re-sends each session's whole his
 ``X-Session-ID`` as OpenAI clients do, one request at a time:
 
 * memory: one proxy, sessions in its memory (the default);
+* memory-2: two proxies without a store, two sessions' turns interleaved, each session on one
+  of them: every request goes to the other process than the one before it, whose caches are
+  colder and which has to wake up for it; the baseline of redis-2;
 * redis-1: one proxy with ``--state redis://...``;
-* redis-2: two proxies on that Redis, each session's turns alternating between them (every turn
-  then restores the snapshot the other replica committed).
+* redis-2: two proxies on that Redis, each session's turns alternating between them: every
+  request goes to the other process, as in memory-2, and every turn restores the snapshot the
+  other replica committed.
 
 SESSIONS conversations of TURNS turns (a ~1,400-token system prompt), the modes alternating in
 rounds so that drifting machine load weighs on all alike; fresh session ids every round, each
-session deleted when its turns are done. ``--think-ms`` pauses between a session's turns (an
-agent's tool call; 0 sends the next turn as soon as the answer is in, which leaves a commit
-written behind the answer the least time to land). Columns: median and p99 latency as the client
-sees it, the added median versus memory, and the median of the proxies' ``Server-Timing``:
+session deleted when its turns are done. ``--think-ms`` pauses after each answer (an agent's
+tool call; 0 sends the next request as soon as the answer is in, which leaves a commit written
+behind the answer the least time to land). Columns: median and p99 latency as the client sees
+it, the added median versus memory, **store added** (versus the same topology without a store:
+memory for redis-1, memory-2 for redis-2), and the median of the proxies' ``Server-Timing``:
 the SDK's turn, the proxy's own work around it, and the store's part of that.
 
     .venv/bin/python benchmarks/redis_replicas.py [--sessions 24] [--turns 8] [--rounds 3]
@@ -77,18 +82,20 @@ def _timing(header: str) -> dict[str, float]:
 async def _round(
     mode: str, urls: list[str], args: argparse.Namespace, out: dict[str, list[float]]
 ) -> None:
-    """SESSIONS conversations, two at a time with their turns interleaved. ``redis-2``: each
-    session alternates replicas every turn; ``memory-2``: each stays on one of two replicas,
-    so every replica still serves every other request, as in ``redis-2``, with no store."""
+    """SESSIONS conversations. ``redis-2``: one at a time, its turns alternating replicas;
+    ``memory-2``: two at a time, their turns interleaved, each session on one of two replicas.
+    Either way every request goes to the other replica than the one before it; only in
+    ``redis-2`` does it find its session's last turn there."""
     run_id = uuid.uuid4().hex[:8]
+    group = 1 if mode == "redis-2" else 2
     async with httpx.AsyncClient(timeout=30) as client:
-        for first in range(0, args.sessions, 2):
-            pair = [i for i in (first, first + 1) if i < args.sessions]
+        for first in range(0, args.sessions, group):
+            sessions = [i for i in range(first, first + group) if i < args.sessions]
             histories: dict[int, list[dict[str, Any]]] = {
-                i: [{"role": "system", "content": SYSTEM}] for i in pair
+                i: [{"role": "system", "content": SYSTEM}] for i in sessions
             }
             for turn in range(args.turns):
-                for i in pair:
+                for i in sessions:
                     index = turn if mode == "redis-2" else i
                     await _ask(
                         client,
@@ -99,8 +106,8 @@ async def _round(
                         args=args,
                         out=out,
                     )
-            for i in pair:
-                url = urls[i % len(urls)]
+            for i in sessions:
+                url = urls[i % len(urls)]  # memory-2: the replica that holds it
                 ended = await client.delete(f"{url}/v1/sessions/{mode}-{run_id}-{i}")
                 if ended.is_error:
                     raise RuntimeError(f"DELETE: {ended.status_code} {ended.text}")
