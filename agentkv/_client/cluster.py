@@ -445,7 +445,7 @@ class Cluster:
     def restore_session(
         self, data: Mapping[str, Any] | bytes, *, confirmed: bool = False
     ) -> Session:
-        """Continue a session from its ``session.snapshot()`` dict (see
+        """Continue a session from its ``session.snapshot()`` dict or ``snapshot_bytes()`` (see
         ``AsyncCluster.restore_session``)."""
         self._async._pool.check_open()
         inner = self._portal.call(

@@ -58,7 +58,17 @@ from agentkv._wire.hints import HintError
 from agentkv._wire.json import dumps, loads
 from agentkv._wire.tier import TierRef
 
-__all__ = ["FORMAT", "VERSION", "load_state", "restore", "save_state", "snapshot", "write_atomic"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "load_state",
+    "restore",
+    "restore_bytes",
+    "save_state",
+    "snapshot",
+    "snapshot_bytes",
+    "write_atomic",
+]
 
 FORMAT = "agentkv.session"
 VERSION = 2
@@ -121,7 +131,8 @@ def snapshot(state: SessionState, *, model: str, now: float, wall: float) -> dic
 
 
 def snapshot_bytes(state: SessionState, *, model: str, now: float, wall: float) -> bytes:
-    """``snapshot``, compact: its JSON with the token ids as raw little-endian int32 after it.
+    """``snapshot``, compact: its JSON with the token ids after it as raw little-endian C ints
+    (``TOKEN_TYPECODE``, 4 bytes on every platform agentkv runs on).
 
     A store of sessions shared by processes writes one after every turn and reads one before
     every turn that changes process: as JSON numbers the ids cost about 50 us per 1,000 tokens
@@ -326,11 +337,11 @@ def restore_bytes(
     except (ValueError, struct.error, SessionLoadError) as exc:
         raise SessionLoadError(f"saved session {source} is corrupt: {exc}") from exc
     raw = blob[start + length :]
-    if len(raw) != 4 * count:
+    tokens = array(TOKEN_TYPECODE)
+    if len(raw) != tokens.itemsize * count:
         raise SessionLoadError(
             f"saved session {source} is corrupt: {len(raw)} bytes of token ids for {count} tokens"
         )
-    tokens = array(TOKEN_TYPECODE)
     tokens.frombytes(raw)
     if sys.byteorder != "little":
         tokens.byteswap()

@@ -107,17 +107,6 @@ return existed
 T = TypeVar("T")
 
 
-async def _bounded(call: Awaitable[T], timeout_s: float) -> T:
-    """``call``'s result, or ``StoreUnavailableError`` when Redis does not answer in time or
-    cannot be reached. A cancelled read makes redis-py drop its connection, so no answer
-    arriving late is ever read as another command's."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await call
-    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:  # TimeoutError included
-        raise StoreUnavailableError(f"the session store is unreachable: {exc!r}") from exc
-
-
 class RedisSessions:
     """Sessions in Redis (see the module docstring).
 
@@ -161,7 +150,14 @@ class RedisSessions:
         return cls(Redis.from_url(url, socket_timeout=None), **options)
 
     async def _call(self, call: Awaitable[T]) -> T:
-        return await _bounded(call, self._timeout_s)
+        """``call``'s result, or ``StoreUnavailableError`` when Redis does not answer within
+        ``timeout_s`` or cannot be reached. A cancelled read makes redis-py drop its
+        connection, so no answer arriving late is ever read as another command's."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await call
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:  # TimeoutError too
+            raise StoreUnavailableError(f"the session store is unreachable: {exc!r}") from exc
 
     def _keys(self, key: str) -> tuple[str, str]:
         return f"{self._prefix}s:{key}", f"{self._prefix}l:{key}"

@@ -146,11 +146,7 @@ class SharedSessions:
             ) from exc
         entry.claim = claim
         if claim.data is not None:
-            # After a clean handover the stored handle is as the last turn left it: attached
-            # at once. After a dirty one, a turn that never committed may have consumed it:
-            # decode confirms it first (the claim then always carries the stored snapshot, so
-            # that a cached copy from before that turn is not used either).
-            entry.load_bytes(claim.data, self._cluster, confirmed=not claim.dirty)
+            self._take(entry, claim)
         elif claim.version == 0 and entry.version != 0:
             # Deleted or expired elsewhere since this copy was made: a new session starts.
             entry.session.detach()
@@ -161,6 +157,16 @@ class SharedSessions:
         entry.version = claim.version
         entry.renewer = asyncio.ensure_future(self._renew(entry, claim))
         entry.store_s = time.perf_counter() - started
+
+    def _take(self, entry: SessionEntry, claim: Claim) -> None:
+        """Make ``entry`` the stored session when the claim brought it.
+
+        After a clean handover the stored handle is as the last turn left it: attached at once.
+        After a dirty one, a turn that never committed may have consumed it: decode confirms it
+        first (the claim then always carries the snapshot, so that a cached copy from before
+        that turn is not used either)."""
+        if claim.data is not None:
+            entry.load_bytes(claim.data, self._cluster, confirmed=not claim.dirty)
 
     async def _renew(self, entry: SessionEntry, claim: Claim) -> None:
         store = self._store
@@ -262,8 +268,7 @@ class SharedSessions:
             entry.users -= 1
             return False  # in use elsewhere: not idle, or deleted once that request ends
         try:
-            if claim.data is not None:
-                entry.load_bytes(claim.data, self._cluster, confirmed=not claim.dirty)
+            self._take(entry, claim)
             removed = claim.version != 0 and await store.remove(claim, idle_before=idle_before)
         finally:
             await store.release(claim)
@@ -302,8 +307,7 @@ class SharedSessions:
                 claim = await store.claim(store_key(*key), known_version=entry.version, wait_s=0.0)
             except TimeoutError:
                 return False  # a turn runs on it somewhere: not idle
-            if claim.data is not None:
-                entry.load_bytes(claim.data, self._cluster, confirmed=not claim.dirty)
+            self._take(entry, claim)
             if claim.version == 0:  # removed meanwhile
                 await store.release(claim)
                 entry.version = 0
