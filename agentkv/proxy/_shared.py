@@ -21,7 +21,6 @@ their local lifecycle; the methods here are the ones that talk to the store.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -195,8 +194,12 @@ class SharedSessions:
         renewer, entry.renewer = entry.renewer, None
         if renewer is not None:
             renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewer
+            # Not ``await renewer`` under suppress(CancelledError): that also swallowed a
+            # cancellation of this task (a write behind an answer cancelled at shutdown went
+            # on to commit). A renewer that failed (Redis gone) is left to the commit to find.
+            await asyncio.wait([renewer])
+            if not renewer.cancelled():
+                renewer.exception()  # retrieved: not logged as never retrieved
         if entry.closed:
             return
         if pinned is None:

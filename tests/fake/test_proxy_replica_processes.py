@@ -113,6 +113,13 @@ def test_a_replica_killed_by_pid_mid_conversation_loses_nothing(replicas):
     ask(a, QUESTIONS[0])
     ask(b, QUESTIONS[1])
     ask(a, QUESTIONS[2])
+    # Killed between turns: once its last turn is stored. (A commit is written behind its
+    # answer; a replica killed before it lands loses that turn's reuse, which
+    # test_proxy_replicas.py tests. On a loaded machine SIGKILL could otherwise beat it.)
+    deadline = time.monotonic() + 10
+    while len(httpx.get(f"{b.url}/v1/sessions/killed", headers=AUTH).json()["turns"]) < 3:
+        assert time.monotonic() < deadline, "replica A's third turn never reached the store"
+        time.sleep(0.01)
     a.stop(signal.SIGKILL)
     ask(b, QUESTIONS[3])
     ask(b, QUESTIONS[4])

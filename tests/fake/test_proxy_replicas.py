@@ -481,3 +481,31 @@ async def test_an_entry_reads_both_its_binary_form_and_the_json_an_older_replica
         copy.session.detach()
     await session.aclose()
     await cluster.aclose()
+
+
+async def test_a_write_behind_cancelled_while_stopping_its_renewer_commits_nothing(
+    fake, clock, redis_url
+):
+    """Cancelling the write behind an answer (a shutdown) while it waits for its claim's
+    renewer to stop ends it there: the cancellation is not swallowed into a commit."""
+    store = HeldCommits(RedisSessions.from_url(redis_url, lease_s=5.0))
+    store.go.set()
+    a = Replica(fake, clock, redis_url, store=store)
+    registry = a.app.state.registry
+
+    async def slow_to_stop(entry, claim):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)
+            raise
+
+    registry._renew = slow_to_stop
+    await _ask(a, "cut", [{"role": "system", "content": SYSTEM}], QUESTIONS[0])
+    (write,) = registry._writes
+    await asyncio.sleep(0.01)  # the write now waits for the renewer to stop
+    write.cancel()
+    await asyncio.wait([write])
+    assert write.cancelled()
+    assert store.held == 0  # no commit was attempted
+    await a.aclose(release=False)
