@@ -190,8 +190,11 @@ def _serve_proxy(args: argparse.Namespace) -> None:
     run(args.cluster_file, ProxyConfig(port=args.port, max_sessions=100_000), log_level="warning")
 
 
-def _spawn(argv: list[str], ready: Callable[[], bool]) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen([sys.executable, __file__, *argv])
+def _spawn(
+    argv: list[str], ready: Callable[[], bool], *, script: str = __file__
+) -> subprocess.Popen[bytes]:
+    """Start ``script`` (this file by default) with ``argv``; wait until ``ready()``."""
+    process = subprocess.Popen([sys.executable, script, *argv])
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:

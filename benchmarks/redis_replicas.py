@@ -47,12 +47,12 @@ from typing import Any
 import httpx
 
 # Run as a script: this folder is on sys.path.
-import proxy_overhead  # type: ignore[import-not-found]
 from proxy_overhead import (  # type: ignore[import-not-found]
     _free_port,
     _healthy,
     _run_loop,
     _silence_logs,
+    _spawn,
 )
 from redis_state import SYSTEM, _cpu_name, _redis_server  # type: ignore[import-not-found]
 
@@ -143,25 +143,11 @@ async def _ask(
         await asyncio.sleep(args.think_ms / 1e3)
 
 
-def _spawn(script: str, argv: list[str], ready: Any) -> subprocess.Popen[bytes]:
-    """Start ``script`` with ``argv`` and wait until ``ready()``; stopped by pid by the caller."""
-    process = subprocess.Popen([sys.executable, script, *argv])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{argv[0]} exited with {process.returncode}")
-        if ready():
-            return process
-        time.sleep(0.2)
-    process.terminate()
-    raise RuntimeError(f"{argv[0]} did not start")
-
-
 def _proxy(cluster_file: str, state: str) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     argv = ["--serve-proxy", "--cluster-file", cluster_file, "--port", str(port)]
-    process = _spawn(__file__, [*argv, "--state", state], lambda: _healthy(f"{url}/healthz"))
+    process = _spawn([*argv, "--state", state], lambda: _healthy(f"{url}/healthz"), script=__file__)
     return process, url
 
 
@@ -183,10 +169,8 @@ def main() -> int:
     redis_process, redis_url = _redis_server()
     cluster_file = str(Path(tempfile.mkdtemp(prefix="agentkv-replicas-")) / "cluster.json")
     fake_argv = ["--serve-fake", "--no-pin", "--cluster-file", cluster_file]
-    fake = _spawn(
-        proxy_overhead.__file__,
-        [*fake_argv, "--server-ms", str(args.server_ms)],
-        lambda: Path(cluster_file).exists(),
+    fake = _spawn(  # proxy_overhead.py's own --serve-fake
+        [*fake_argv, "--server-ms", str(args.server_ms)], lambda: Path(cluster_file).exists()
     )
     processes = [fake]
     try:
