@@ -278,19 +278,27 @@ class AsyncCluster:
         return load_session(self._pool, path)
 
     def restore_session(
-        self, data: Mapping[str, Any] | bytes, *, confirmed: bool = False
+        self,
+        data: Mapping[str, Any] | bytes,
+        *,
+        confirmed: bool = False,
+        drop_handle: str | None = None,
     ) -> AsyncSession:
         """Continue a session from its ``session.snapshot()`` dict or ``snapshot_bytes()`` (as
         ``load_session`` does from a file): a store of sessions shared by processes keeps these.
 
-        Its handle is confirmed with decode before a turn attaches it (one extend call), as a
-        loaded one is, unless ``confirmed``: the caller knows the snapshot is the session's
-        latest state and that nothing used the handle since it was taken (the proxy's shared
-        store knows it from its claims). A handle that a later turn consumed, or that was
-        released, names blocks decode may have given to another request: say ``confirmed``
-        only when no such turn or release can have happened.
+        Its handle is claimed from decode before a turn attaches it (one claim call, exclusive:
+        of several copies, one attaches), as a loaded one is, unless ``confirmed``: the caller
+        knows the snapshot is the session's latest state and that nothing used the handle since
+        it was taken (the proxy's shared store knows it from its claims). A handle that a later
+        turn consumed, or that was released, names blocks decode may have given to another
+        request: say ``confirmed`` only when no such turn or release can have happened.
+        ``drop_handle``, a reason: another copy may be using the handle now (its holder stopped
+        mid-turn): it is neither attached nor released, and the next turn says why.
         """
-        return restore_session(self._pool, data, confirmed=confirmed)
+        return restore_session(
+            self._pool, data, confirmed=confirmed, drop_handle=drop_handle
+        )
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -443,13 +451,21 @@ class Cluster:
         return Session(inner, portal=self._portal)
 
     def restore_session(
-        self, data: Mapping[str, Any] | bytes, *, confirmed: bool = False
+        self,
+        data: Mapping[str, Any] | bytes,
+        *,
+        confirmed: bool = False,
+        drop_handle: str | None = None,
     ) -> Session:
         """Continue a session from its ``session.snapshot()`` dict or ``snapshot_bytes()`` (see
         ``AsyncCluster.restore_session``)."""
         self._async._pool.check_open()
         inner = self._portal.call(
-            _call(lambda: self._async.restore_session(data, confirmed=confirmed))
+            _call(
+                lambda: self._async.restore_session(
+                    data, confirmed=confirmed, drop_handle=drop_handle
+                )
+            )
         )
         return Session(inner, portal=self._portal)
 

@@ -112,16 +112,26 @@ def release_lost(
 
 
 async def extend_handle(
-    pool: PairPool, state: SessionState, ttl_s: float, *, reason: str
+    pool: PairPool, state: SessionState, ttl_s: float, *, reason: str, claim: bool = False
 ) -> float | None:
     """Ask decode to keep the session's handle ``ttl_s`` more seconds; the new deadline or
-    ``None`` (no handle, no lease, or decode no longer holds it: then it is dropped)."""
+    ``None`` (no handle, no lease, or decode no longer holds it: then it is dropped).
+
+    ``claim``: also take the lease, exclusively (decode rotates its secret): the session's
+    handle then carries the new secret, and any other holder of the old one (a copy of the same
+    save file) is refused from now on. A claim refused as unknown means another holder took it.
+    """
     handle = state.handle
     if handle is None or not handle.leased:
         return None
+    # A handle a copy also holds (a save, a load) is claimed by whichever call reaches decode
+    # first: a plain extend would leave it unclaimed under a new identity, attached unasked.
+    claim = claim or state.unconfirmed is handle
     sent_at = pool.clock()
     started = time.perf_counter()
-    result = await pool.leases.extend(pool.decode_url(handle.pair), handle, ttl_s=ttl_s)
+    result = await pool.leases.extend(
+        pool.decode_url(handle.pair), handle, ttl_s=ttl_s, claim=claim
+    )
     deadline: float | None = None
     if result.extended is not None:
         granted = state.policy.lease_deadline(sent_at=sent_at, ttl_s=result.extended.ttl_s)
@@ -129,12 +139,18 @@ async def extend_handle(
         deadline = max(granted, handle.deadline)
         if state.handle is handle:  # a turn may have taken it meanwhile
             state.handle = extended_handle(handle, result.extended, deadline=deadline)
+            if claim:
+                state.unconfirmed = None  # ours alone now: attached without asking again
     elif result.outcome == GONE and state.handle is handle:
+        # On a claim, decode cannot tell "not yours" from "gone", by design: either way, not
+        # attached. The reason names both, for a user who loaded one file twice.
+        held = " (or another copy of this session claimed it first)" if claim else ""
         state.drop_handle(
-            HandleState.EXPIRED, f"decode no longer holds the handle ({result.detail or 'gone'})"
+            HandleState.EXPIRED,
+            f"decode no longer holds the handle{held} ({result.detail or 'gone'})",
         )
     _log_lease_call(
-        "agentkv.extend",
+        "agentkv.claim" if claim else "agentkv.extend",
         state,
         handle,
         result,

@@ -324,7 +324,12 @@ def _options(data: Mapping[str, Any]) -> SessionOptions:
 
 
 def restore_bytes(
-    blob: bytes, pool: PairPool, *, confirmed: bool = False, source: str = "saved session"
+    blob: bytes,
+    pool: PairPool,
+    *,
+    confirmed: bool = False,
+    drop_handle: str | None = None,
+    source: str = "saved session",
 ) -> SessionState:
     """A session from ``snapshot_bytes``' bytes, placed on ``pool`` as ``restore`` does."""
     if not blob.startswith(_BINARY_MAGIC):
@@ -345,7 +350,9 @@ def restore_bytes(
     tokens.frombytes(raw)
     if sys.byteorder != "little":
         tokens.byteswap()
-    return restore(data, pool, confirmed=confirmed, source=source, tokens=tokens)
+    return restore(
+        data, pool, confirmed=confirmed, drop_handle=drop_handle, source=source, tokens=tokens
+    )
 
 
 def load_state(
@@ -370,6 +377,7 @@ def restore(
     wall_clock: Callable[[], float] = time.time,
     source: str = "saved session",
     confirmed: bool = False,
+    drop_handle: str | None = None,
     tokens: array[int] | None = None,
 ) -> SessionState:
     """A session from ``snapshot``'s dict, placed on ``pool`` as ``load_state`` does.
@@ -377,6 +385,10 @@ def restore(
     ``confirmed``: the caller knows the snapshot is the session's latest state and that nothing
     used its handle since it was taken (a shared store knows it from its claims), so the handle
     is attached as the session that took it would attach it, without asking decode first.
+    ``drop_handle``: the caller knows another copy may be using the handle right now (its holder
+    stopped mid-turn, and may only be slow): the handle is neither attached nor released, and
+    the reason given is the next turn's ``handle_reason``. A claim cannot guard that case: a
+    prefill's pull checks no lease, so the other copy's turn may read the blocks anyway.
     ``tokens``: the token ids, when ``data`` came from ``snapshot_bytes`` (``restore_bytes``).
     """
     data = _checked(data, source)
@@ -428,14 +440,22 @@ def restore(
     if tier is not None:
         state.tier, state.tier_pair, state.tier_digest = tier
     state.last_prefill = last_prefill
-    # Decode may have freed the blocks since the save: the first turn asks it (see _turn).
-    state.unconfirmed = None if confirmed else handle
     # Checked against the cluster's tokenizer before the first turn's prompt is built.
     state.fingerprint = fingerprint
     if pair.name == saved_pair:
         state.prefilled = prefilled
     else:
         state.move_to(pair)  # a handle into another pair's decode is useless here
-    if state.handle is not None and state.handle.pair != pair.name:
-        state.drop_handle(HandleState.INVALIDATED, "the saved handle belongs to another pair")
+    _trust_handle(state, confirmed=confirmed, drop_handle=drop_handle)
     return state
+
+
+def _trust_handle(state: SessionState, *, confirmed: bool, drop_handle: str | None) -> None:
+    """How far a restored session's handle is trusted: attached as it is (``confirmed``),
+    claimed from decode first (the default: decode may have freed the blocks since the save,
+    or another copy may hold them), or not at all (``drop_handle``, the reason)."""
+    if state.handle is not None and state.handle.pair != state.pair.name:
+        state.drop_handle(HandleState.INVALIDATED, "the saved handle belongs to another pair")
+    if drop_handle is not None:
+        state.drop_handle(HandleState.CONSUMED, drop_handle)
+    state.unconfirmed = None if confirmed else state.handle

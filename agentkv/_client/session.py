@@ -87,7 +87,11 @@ class AsyncSessionHost(Protocol):
     def load_session(self, path: str | os.PathLike[str]) -> AsyncSession: ...
 
     def restore_session(
-        self, data: Mapping[str, Any] | bytes, *, confirmed: bool = False
+        self,
+        data: Mapping[str, Any] | bytes,
+        *,
+        confirmed: bool = False,
+        drop_handle: str | None = None,
     ) -> AsyncSession: ...
 
 
@@ -226,17 +230,24 @@ class _SessionBase:
         self._state.transcript.drop_pending(0)
         return pending
 
-    def snapshot(self, *, wall: float | None = None) -> dict[str, Any]:
+    def snapshot(self, *, wall: float | None = None, fenced: bool = False) -> dict[str, Any]:
         """The session as ``save`` writes it, as a JSON-able dict; ``cluster.restore_session``
         continues it. ``wall`` is the wall-clock time of the snapshot (now by default).
 
         The dict may hold the handle's lease secret: keep it where only its owner can read it.
+        As after ``save``, this session's next turn claims the handle from decode before it
+        attaches it (a copy may have taken it), unless ``fenced``: the caller guarantees that a
+        copy is continued only after this session stops (a store handing sessions over under
+        exclusive claims, as the proxy's).
         """
         pool = self._pool
         wall = time.time() if wall is None else wall
-        return snapshot_state(self._state, model=pool.model, now=pool.clock(), wall=wall)
+        snapshot = snapshot_state(self._state, model=pool.model, now=pool.clock(), wall=wall)
+        if not fenced:
+            self._handed_out()
+        return snapshot
 
-    def snapshot_bytes(self, *, wall: float | None = None) -> bytes:
+    def snapshot_bytes(self, *, wall: float | None = None, fenced: bool = False) -> bytes:
         """``snapshot()`` as compact bytes (its JSON, the token ids as raw int32 after it), for a
         store that saves a session every turn; ``cluster.restore_session`` takes these too.
 
@@ -245,7 +256,10 @@ class _SessionBase:
         """
         pool = self._pool
         wall = time.time() if wall is None else wall
-        return snapshot_state_bytes(self._state, model=pool.model, now=pool.clock(), wall=wall)
+        blob = snapshot_state_bytes(self._state, model=pool.model, now=pool.clock(), wall=wall)
+        if not fenced:
+            self._handed_out()
+        return blob
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save the session to a JSON file, atomically; ``load`` continues it in a new process.
@@ -256,10 +270,15 @@ class _SessionBase:
         if state.busy:
             raise SessionBusyError(f"session {state.session_id} is running a turn")
         save_state(state, path, model=self._pool.model, now=self._pool.clock())
+        self._handed_out()
+
+    def _handed_out(self) -> None:
+        """A copy of the session (a save file, a snapshot) now holds the handle too: a session
+        continued from it may consume or release the pin while this one lives on. Like a loaded
+        handle, it is claimed from decode before this session attaches it (one claim call, after
+        a copy only); of all the holders, exactly one claim succeeds."""
+        state = self._state
         if state.handle is not None and state.handle.leased:
-            # The file now holds the handle too: a session loaded from it may consume or release
-            # the pin while this one lives on. Like a loaded handle, it is confirmed with decode
-            # before this session attaches it (one extend call, after a save only).
             state.unconfirmed = state.handle
 
     def _check_open(self) -> None:
@@ -734,10 +753,16 @@ def load_session(pool: PairPool, path: str | os.PathLike[str]) -> AsyncSession:
 
 
 def restore_session(
-    pool: PairPool, data: Mapping[str, Any] | bytes, *, confirmed: bool = False
+    pool: PairPool,
+    data: Mapping[str, Any] | bytes,
+    *,
+    confirmed: bool = False,
+    drop_handle: str | None = None,
 ) -> AsyncSession:
     """The session from a ``snapshot()`` dict or ``snapshot_bytes()``, placed on ``pool`` (see
     ``_persist.restore``)."""
     if isinstance(data, bytes):
-        return AsyncSession(restore_bytes(data, pool, confirmed=confirmed), pool=pool)
-    return AsyncSession(restore(data, pool, confirmed=confirmed), pool=pool)
+        state = restore_bytes(data, pool, confirmed=confirmed, drop_handle=drop_handle)
+    else:
+        state = restore(data, pool, confirmed=confirmed, drop_handle=drop_handle)
+    return AsyncSession(state, pool=pool)

@@ -444,10 +444,13 @@ class TurnRunner:
         The file may outlive the pin: the session was closed (which released it), a later turn
         of the saved session consumed it, or the same file was loaded before. Decode has freed
         those blocks and may have handed them to other requests; the pull is positional and
-        checks nothing, so attaching such a handle would load another tenant's KV. With agentkv's
-        extension, an extend call is the check (decode answers only for the exact request id,
-        block ids and lease secret it still holds, and the extension keeps the pin past
-        prefill's expiry margin); on stock vLLM nothing can confirm it, so it is never attached.
+        checks nothing, so attaching such a handle would load another tenant's KV. Nor may two
+        holders of the file (two loads, or a load beside the session that saved it) both attach
+        it, even at the same moment: the first pull frees what the second reads. With agentkv's
+        extension, a claim call is the check: decode answers only for the exact request id,
+        block ids and lease secret it still holds, keeps the pin past prefill's expiry margin,
+        and rotates the secret, so of concurrent claims exactly one succeeds and every other
+        holder recomputes. On stock vLLM nothing can confirm it, so it is never attached.
         """
         state = self._state
         handle = state.handle
@@ -464,7 +467,9 @@ class TurnRunner:
                 "confirm it still holds the blocks",
             )
             return
-        await extend_handle(self._pool, state, _CONFIRM_TTL_S, reason="confirm_loaded")
+        await extend_handle(
+            self._pool, state, _CONFIRM_TTL_S, reason="confirm_loaded", claim=True
+        )
         if state.handle is handle:  # not extended, not dropped: the call failed
             state.drop_handle(
                 HandleState.INVALIDATED,

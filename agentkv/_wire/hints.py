@@ -17,10 +17,13 @@ dict and vLLM reads only its own keys), so they are always safe to send.
    "ttl_s": 120.0}``. No ``"agentkv"`` key in the answer means the extension is absent.
 
 2. **Lease calls**, HTTP on the decode server that holds the handle (:data:`RELEASE_PATH`,
-   :data:`EXTEND_PATH`), with a :class:`LeaseRef` (the handle's ``remote_request_id``,
-   ``remote_block_ids`` and lease secret) as the body. They are calls and not hints on a later
-   request because release must work when there is no later request (a closed session), and
-   extend must answer with the new deadline before the tool call ends.
+   :data:`EXTEND_PATH`, :data:`CLAIM_PATH`), with a :class:`LeaseRef` (the handle's
+   ``remote_request_id``, ``remote_block_ids`` and lease secret) as the body. They are calls and
+   not hints on a later request because release must work when there is no later request (a
+   closed session), and extend must answer with the new deadline before the tool call ends.
+   A **claim** is an extend that also rotates the secret: of several holders of one handle (a
+   save file loaded twice, a load beside the session that saved it), exactly one claim succeeds
+   and every other holder's secret is void from then on, so at most one of them attaches it.
 
 Everything here is pure: no I/O, no clock, no vLLM import.
 
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "CLAIM_PATH",
     "EXTEND_PATH",
     "HINTS_KEY",
     "INFO_PATH",
@@ -73,6 +77,8 @@ WIRE_VERSION = 1
 INFO_PATH = "/v1/agentkv/info"
 RELEASE_PATH = "/v1/agentkv/leases/release"
 EXTEND_PATH = "/v1/agentkv/leases/extend"
+# Extend and take the lease for oneself: decode answers with a new secret, the old one is void.
+CLAIM_PATH = "/v1/agentkv/leases/claim"
 # Release by the secret behind a D leg's client-chosen request id (see :class:`RequestRelease`).
 RELEASE_REQUEST_PATH = "/v1/agentkv/requests/release"
 
@@ -240,8 +246,13 @@ def for_prefill(params: Mapping[str, Any]) -> dict[str, Any]:
 
 def with_expiry(params: Mapping[str, Any], result: ExtendResult) -> dict[str, Any]:
     """A decode handle after a successful extend: prefill declines a pull within 5 s of the handle's
-    ``remote_blocks_expiry_time``, so the next P leg must carry the extended deadline."""
-    return {**params, "remote_blocks_expiry_time": result.expiry}
+    ``remote_blocks_expiry_time``, so the next P leg must carry the extended deadline. After a
+    claim the handle also carries the new lease secret (the old one no longer works)."""
+    extended = {**params, "remote_blocks_expiry_time": result.expiry}
+    if result.lease is not None:
+        ack = params.get(HINTS_KEY)
+        extended[HINTS_KEY] = {**(ack if isinstance(ack, Mapping) else {}), "lease": result.lease}
+    return extended
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -360,13 +371,22 @@ class ExtendRequest:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExtendResult:
     """The extended lease: ``expiry`` is decode's ``perf_counter`` deadline (for the handle sent to
-    prefill, see :func:`with_expiry`); ``ttl_s`` is what is left of it now, capped by the server."""
+    prefill, see :func:`with_expiry`); ``ttl_s`` is what is left of it now, capped by the server.
+    ``lease`` is the new secret after a claim (``None`` after a plain extend)."""
 
     expiry: float
     ttl_s: float
+    lease: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.lease is not None:
+            _text(self.lease, "lease")
 
     def to_wire(self) -> dict[str, Any]:
-        return {"remote_blocks_expiry_time": self.expiry, "ttl_s": self.ttl_s}
+        wire: dict[str, Any] = {"remote_blocks_expiry_time": self.expiry, "ttl_s": self.ttl_s}
+        if self.lease is not None:
+            wire["lease"] = self.lease
+        return wire
 
     @classmethod
     def from_wire(cls, value: object) -> ExtendResult:
@@ -374,7 +394,9 @@ class ExtendResult:
         expiry = data.get("remote_blocks_expiry_time")
         if isinstance(expiry, bool) or not isinstance(expiry, int | float):
             raise HintError("an extend answer has no numeric remote_blocks_expiry_time")
-        return cls(expiry=float(expiry), ttl_s=_number(data.get("ttl_s"), "ttl_s"))
+        lease = data.get("lease")
+        return cls(expiry=float(expiry), ttl_s=_number(data.get("ttl_s"), "ttl_s"),
+                   lease=None if lease is None else _text(lease, "lease"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,5 +1,5 @@
 """The lease routes of the decode servers, as calls: info, release, release-request, extend,
-persist (to the file tier) and tier delete.
+claim, persist (to the file tier) and tier delete.
 
 The HTTP side of a session's pinned KV (``_leasing`` decides when to call; ``_hints`` is the wire
 form). No session state here: a call takes a decode URL and a handle, and answers a
@@ -23,6 +23,7 @@ from agentkv._exceptions import TransportError
 from agentkv._types import KVHandle
 from agentkv._wire.handoff import lease_ref
 from agentkv._wire.hints import (
+    CLAIM_PATH,
     EXTEND_PATH,
     INFO_PATH,
     RELEASE_PATH,
@@ -240,9 +241,14 @@ class LeaseCalls:
         while self._lost:
             await asyncio.gather(*list(self._lost), return_exceptions=True)
 
-    async def extend(self, decode: str, handle: KVHandle, *, ttl_s: float) -> CallResult:
+    async def extend(
+        self, decode: str, handle: KVHandle, *, ttl_s: float, claim: bool = False
+    ) -> CallResult:
+        """Keep ``handle`` pinned ``ttl_s`` more seconds; with ``claim``, also take its lease
+        (decode answers with a new secret: every other holder of the old one is refused)."""
         request = ExtendRequest(ref=lease_ref(handle), ttl_s=ttl_s)
-        answer = await self._call(decode + EXTEND_PATH, request.to_wire())
+        answer = await self._call(decode + (CLAIM_PATH if claim else EXTEND_PATH),
+                                  request.to_wire())
         if isinstance(answer, CallResult):
             return answer
         status, data = answer
@@ -250,6 +256,8 @@ class LeaseCalls:
             return CallResult(outcome=_outcome(status), status=status, detail=_error_code(data))
         try:
             result = ExtendResult.from_wire(data)
+            if claim and result.lease is None:
+                raise HintError("a claim answer carries no new lease secret")
         except HintError as exc:
             return CallResult(outcome=FAILED, status=status, detail=str(exc))
         return CallResult(outcome=OK, status=status, extended=result)

@@ -5,6 +5,7 @@ Loaded by vLLM (entry point ``vllm.endpoint_plugins:agentkv``) only when ``VLLM_
 
 * Routes (under ``/v1`` so ``--api-key`` guards them): ``GET /v1/agentkv/info``,
   ``POST /v1/agentkv/leases/release``, ``POST /v1/agentkv/leases/extend``,
+  ``POST /v1/agentkv/leases/claim`` (an extend that rotates the lease secret),
   ``POST /v1/agentkv/requests/release``, ``POST /v1/agentkv/leases/persist`` and
   ``POST /v1/agentkv/tier/delete`` (the file tier, ``_tier``). Each forwards to
   the EngineCore's ``agentkv_leases`` utility (``_engine_rpc``), which asks the connector. One
@@ -24,6 +25,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from agentkv._wire.hints import (
+    CLAIM_PATH,
     EXTEND_PATH,
     INFO_PATH,
     RELEASE_PATH,
@@ -157,16 +159,25 @@ async def release_request(request: Request) -> JSONResponse:
     return JSONResponse({"released": released if isinstance(released, int) else 0})
 
 
-@router.post(EXTEND_PATH)
-async def extend(request: Request) -> JSONResponse:
-    answer = await _forward(request, ExtendRequest.from_wire, "extend")
+async def _extend(request: Request, op: str) -> JSONResponse:
+    answer = await _forward(request, ExtendRequest.from_wire, op)
     if isinstance(answer, JSONResponse):
         return answer
     try:
         result = ExtendResult.from_wire(answer)
     except HintError as exc:
-        return _error("internal", f"the engine answered a malformed extend: {exc}")
+        return _error("internal", f"the engine answered a malformed {op}: {exc}")
     return JSONResponse(result.to_wire())
+
+
+@router.post(EXTEND_PATH)
+async def extend(request: Request) -> JSONResponse:
+    return await _extend(request, "extend")
+
+
+@router.post(CLAIM_PATH)
+async def claim(request: Request) -> JSONResponse:
+    return await _extend(request, "claim")
 
 
 @router.post(PERSIST_PATH)

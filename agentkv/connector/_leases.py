@@ -218,6 +218,18 @@ class LeaseBook:
             lease.deadline = max(lease.deadline, self._clock() + min(ttl_s, self.max_ttl_s))
         return outcome, lease
 
+    def claim(self, ref: LeaseRef, *, ttl_s: float) -> tuple[Outcome, Lease | None]:
+        """:meth:`extend`, and the lease changes hands: a new secret, the caller's only.
+
+        Of several holders of one handle's secret (a save file loaded twice, a load beside the
+        session that saved it) the first claim wins; every other holder's calls are answered
+        "unknown" from then on, so no second holder is told the pin is its own and attaches it.
+        """
+        outcome, lease = self.extend(ref, ttl_s=ttl_s)
+        if outcome is Outcome.OK and lease is not None:
+            lease.secret = self._secret()
+        return outcome, lease
+
     def remaining_s(self, lease: Lease) -> float:
         return lease.deadline - self._clock()
 
@@ -302,7 +314,7 @@ def apply_pin_policy(
 
 
 class LeaseService:
-    """Serves the lease calls (``info``, ``release``, ``extend``) against a book.
+    """Serves the lease calls (``info``, ``release``, ``extend``, ``claim``) against a book.
 
     What a call decides reaches vLLM only through ``set_deadline(request_id, deadline)``: the
     connector hands that deadline to its workers, which free the blocks once it has passed. A
@@ -329,8 +341,8 @@ class LeaseService:
                 }
             if op == "release":
                 return self._release(LeaseRef.from_wire(payload))
-            if op == "extend":
-                return self._extend(ExtendRequest.from_wire(payload))
+            if op in ("extend", "claim"):
+                return self._extend(ExtendRequest.from_wire(payload), claim=op == "claim")
             if op == "release_request":
                 return self._release_request(RequestRelease.from_wire(payload))
         except HintError as exc:
@@ -351,10 +363,11 @@ class LeaseService:
         logger.info("lease_release_request", tag=release.tag, released=len(released))
         return {"status": "ok", "released": len(released)}
 
-    def _extend(self, extend: ExtendRequest) -> dict[str, object]:
-        outcome, lease = self._book.extend(extend.ref, ttl_s=extend.ttl_s)
+    def _extend(self, extend: ExtendRequest, *, claim: bool) -> dict[str, object]:
+        grow = self._book.claim if claim else self._book.extend
+        outcome, lease = grow(extend.ref, ttl_s=extend.ttl_s)
         logger.info(
-            "lease_extend",
+            "lease_claim" if claim else "lease_extend",
             request_id=extend.ref.request_id,
             outcome=outcome.value,
             ttl_s=extend.ttl_s,
@@ -362,5 +375,9 @@ class LeaseService:
         if outcome is not Outcome.OK or lease is None:
             return {"status": outcome.value}
         self._set_deadline(lease.request_id, lease.deadline)
-        granted = ExtendResult(expiry=lease.deadline, ttl_s=self._book.remaining_s(lease))
+        granted = ExtendResult(
+            expiry=lease.deadline,
+            ttl_s=self._book.remaining_s(lease),
+            lease=lease.secret if claim else None,
+        )
         return {"status": "ok", **granted.to_wire()}

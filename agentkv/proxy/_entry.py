@@ -87,16 +87,21 @@ class SessionEntry:
                 "created_at": self.created_at,
             }
         )
-        session = self.session.snapshot_bytes(wall=wall)
+        # Fenced: the store's claims hand the session over; this copy stops before another goes.
+        session = self.session.snapshot_bytes(wall=wall, fenced=True)
         return b"".join((_MAGIC, _LENGTH.pack(len(mapping)), mapping, session))
 
-    def load_bytes(self, data: bytes, cluster: AsyncCluster, *, confirmed: bool = False) -> None:
+    def load_bytes(
+        self, data: bytes, cluster: AsyncCluster, *, confirmed: bool = False,
+        drop_handle: str | None = None,
+    ) -> None:
         """Replace this copy with the stored one (the old copy is detached, its pin kept).
 
         ``confirmed``: the stored handle is attached without asking decode first (a clean
-        claim: see ``Claim.dirty``). An entry stored as one JSON document, by an agentkv before
-        ``to_bytes`` wrote this form, loads too (replicas of both can share a store while they
-        are upgraded)."""
+        claim: see ``Claim.dirty``); ``drop_handle``, a reason: it is not attached at all (a
+        dirty one; see ``AsyncCluster.restore_session``). An entry stored as one JSON document,
+        by an agentkv before ``to_bytes`` wrote this form, loads too (replicas of both can share
+        a store while they are upgraded)."""
         if data.startswith(_MAGIC):
             start = len(_MAGIC) + _LENGTH.size
             (length,) = _LENGTH.unpack_from(data, len(_MAGIC))
@@ -105,7 +110,7 @@ class SessionEntry:
         else:
             stored = loads(data)
             snapshot = stored["session"]
-        session = cluster.restore_session(snapshot, confirmed=confirmed)
+        session = cluster.restore_session(snapshot, confirmed=confirmed, drop_handle=drop_handle)
         self.session.detach()
         self.session = session
         self.generated = set(stored["generated"])

@@ -39,7 +39,7 @@ from agentkv.proxy._store import (
     StoreUnavailableError,
 )
 
-__all__ = ["READ_PAUSES_S", "SharedSessions"]
+__all__ = ["DIRTY_HANDOVER", "READ_PAUSES_S", "SharedSessions"]
 
 logger = structlog.get_logger("agentkv")
 
@@ -47,6 +47,12 @@ logger = structlog.get_logger("agentkv")
 # for a commit written behind an answer to land (a round trip), short enough not to stall
 # behind a turn still running there. Real time, whatever clock the registry is given.
 READ_PAUSES_S = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.02)
+
+# The handle_reason of a turn after a dirty handover (see ``SharedSessions._take``).
+DIRTY_HANDOVER = (
+    "the replica that held this session stopped mid-turn, and its turn may be using the stored "
+    "handle: not attached (nor released) here"
+)
 
 
 class SharedSessions:
@@ -161,11 +167,17 @@ class SharedSessions:
         """Make ``entry`` the stored session when the claim brought it.
 
         After a clean handover the stored handle is as the last turn left it: attached at once.
-        After a dirty one, a turn that never committed may have consumed it: decode confirms it
-        first (the claim then always carries the snapshot, so that a cached copy from before
-        that turn is not used either)."""
-        if claim.data is not None:
-            entry.load_bytes(claim.data, self._cluster, confirmed=not claim.dirty)
+        After a dirty one (the claim then always carries the snapshot, so that a cached copy
+        from before that turn is not used either), the previous holder stopped mid-turn, and
+        may only be slow: its turn may be pulling the handle right now. Asking decode cannot
+        settle it (a prefill's pull checks no lease), so the handle is neither attached nor
+        released: this turn recomputes, and the pin lives out its lease."""
+        if claim.data is None:
+            return
+        if claim.dirty:
+            entry.load_bytes(claim.data, self._cluster, drop_handle=DIRTY_HANDOVER)
+        else:
+            entry.load_bytes(claim.data, self._cluster, confirmed=True)
 
     async def _renew(self, entry: SessionEntry, claim: Claim) -> None:
         store = self._store

@@ -208,7 +208,7 @@ class FakeEngine:
         self._forget(request_id)
 
     def lease_op(self, op: str, payload: object) -> dict[str, object]:
-        """``AgentKVConnector.agentkv_lease_op``: ``info``, ``release`` or ``extend``.
+        """``AgentKVConnector.agentkv_lease_op``: ``info``, ``release``, ``extend`` or ``claim``.
 
         Like a lease call on vLLM, it wakes the engine: what it decided applies at once.
         """

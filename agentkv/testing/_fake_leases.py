@@ -1,7 +1,7 @@
 """agentkv's lease routes on a fake server, as ``agentkv/connector/_endpoint.py`` serves them.
 
-``GET /v1/agentkv/info``, ``POST /v1/agentkv/leases/release``, ``/extend``, ``/persist``,
-``/v1/agentkv/requests/release`` and ``/v1/agentkv/tier/delete``: bodies, statuses
+``GET /v1/agentkv/info``, ``POST /v1/agentkv/leases/release``, ``/extend``, ``/claim``,
+``/persist``, ``/v1/agentkv/requests/release`` and ``/v1/agentkv/tier/delete``: bodies, statuses
 and error codes as the endpoint plugin answers them; the decisions are the real connector's
 (``LeaseService`` on the engine's ``LeaseBook``, see ``FakeEngine.lease_op``). A server with the
 plugin but a stock connector (``FakeCluster(leases=False)`` with ``stream_handles``) answers
@@ -88,8 +88,9 @@ def release_request(engine: FakeEngine, body: bytes) -> Reply:
     return Reply(json={"released": released if isinstance(released, int) else 0})
 
 
-def extend(engine: FakeEngine, body: bytes) -> Reply:
-    answer = _forward(engine, body, ExtendRequest.from_wire, "extend")
+def extend(engine: FakeEngine, body: bytes, op: str = "extend") -> Reply:
+    """``extend`` or ``claim`` (the same body and answer; a claim's carries the new secret)."""
+    answer = _forward(engine, body, ExtendRequest.from_wire, op)
     if isinstance(answer, Reply):
         return answer
     return Reply(json=ExtendResult.from_wire(answer).to_wire())

@@ -6,7 +6,13 @@ import copy
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from agentkv._wire.hints import EXTEND_PATH, INFO_PATH, RELEASE_PATH, RELEASE_REQUEST_PATH
+from agentkv._wire.hints import (
+    CLAIM_PATH,
+    EXTEND_PATH,
+    INFO_PATH,
+    RELEASE_PATH,
+    RELEASE_REQUEST_PATH,
+)
 from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH
 from agentkv.testing import _fake_endpoints as endpoints
 from agentkv.testing import _fake_leases as leases
@@ -180,6 +186,7 @@ class FakeServer:
             )
             routes[RELEASE_PATH] = ("POST", lambda: leases.release(engine, body))
             routes[EXTEND_PATH] = ("POST", lambda: leases.extend(engine, body))
+            routes[CLAIM_PATH] = ("POST", lambda: leases.extend(engine, body, "claim"))
             routes[RELEASE_REQUEST_PATH] = ("POST", lambda: leases.release_request(engine, body))
             routes[PERSIST_PATH] = ("POST", lambda: leases.persist(engine, body))
             routes[TIER_DELETE_PATH] = ("POST", lambda: leases.tier_delete(engine, body))

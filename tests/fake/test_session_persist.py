@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -286,6 +287,39 @@ def test_a_file_loaded_twice_attaches_its_handle_at_most_once(clock, tmp_path):
     assert result.stats.handle_state is not HandleState.ATTACHED
     assert fake.wrong_reuse_events == 0
     assert result.token_ids == uninterrupted(clock)[2]
+
+
+@pytest.mark.parametrize("prefills", [1, 2])
+async def test_copies_of_one_file_racing_their_first_turns_attach_the_handle_once(
+    clock, tmp_path, prefills
+):
+    """Two loads of one save file and the session that saved it, first turns sent at once:
+    each is told decode still holds the pin, but the first pull frees what a second would read.
+    Decode's claim is exclusive (it rotates the lease secret): exactly one attaches, the others
+    recompute and say why. With two prefills both pulls could run in parallel."""
+    fake = FakeCluster(prefills=prefills, decodes=1, clock=clock)
+    path = tmp_path / "session.json"
+    async with AsyncCluster.from_dict(
+        fake.cluster_spec, transport=fake.transport, clock=clock, block_size=16, retry=FAST_RETRY
+    ) as cluster:
+        original = cluster.session(session_id="s", **LONG)
+        original.append(SYSTEM)
+        for question in QUESTIONS[:2]:
+            await original.send(question)
+        original.save(path)
+        copies = [original, AsyncSession.load(path, cluster), AsyncSession.load(path, cluster)]
+        results = await asyncio.gather(*(c.send(QUESTIONS[2]) for c in copies))
+        for copy in copies:
+            await copy.aclose()
+    states = [r.stats.handle_state for r in results]
+    assert states.count(HandleState.ATTACHED) == 1, states
+    for result in results:
+        if result.stats.handle_state is not HandleState.ATTACHED:
+            assert "another copy of this session claimed it" in result.stats.handle_reason
+    assert fake.wrong_reuse_events == 0
+    expected = uninterrupted(clock)[2]
+    assert all(r.token_ids == expected for r in results)
+    assert fake.decode(0).pinned_handles == 0
 
 
 def test_on_stock_vllm_a_loaded_handle_is_never_attached(clock, tmp_path):

@@ -15,7 +15,15 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from agentkv._wire.hints import EXTEND_PATH, INFO_PATH, RELEASE_PATH, LeaseRef, ServerInfo
+from agentkv._wire.hints import (
+    CLAIM_PATH,
+    EXTEND_PATH,
+    INFO_PATH,
+    RELEASE_PATH,
+    ExtendResult,
+    LeaseRef,
+    ServerInfo,
+)
 from agentkv.connector._endpoint import AgentKVEndpointPlugin
 from agentkv.connector._engine_rpc import METHOD, agentkv_leases
 from agentkv.connector._leases import LeaseBook, LeaseService
@@ -150,6 +158,26 @@ async def test_extend_answers_the_new_deadline(
     assert response.status_code == 200
     assert response.json() == {"remote_blocks_expiry_time": 850.0, "ttl_s": 300.0}
     assert engine.deadlines == {"req-1": 850.0}
+
+
+async def test_claim_answers_a_new_secret_and_voids_the_old_one(
+    client: httpx.AsyncClient, engine: Engine, clock: Clock
+) -> None:
+    ref = engine.pin("req-1")
+    clock.now += 50
+    response = await client.post(CLAIM_PATH, json={**ref.to_wire(), "ttl_s": 300})
+    assert response.status_code == 200
+    result = ExtendResult.from_wire(response.json())
+    assert (result.expiry, result.ttl_s) == (850.0, 300.0)
+    assert result.lease is not None
+    assert result.lease != ref.lease
+    assert engine.deadlines == {"req-1": 850.0}
+    for path in (CLAIM_PATH, EXTEND_PATH):
+        again = await client.post(path, json={**ref.to_wire(), "ttl_s": 300})
+        assert again.status_code == 404
+        assert again.json()["error"]["code"] == "unknown_lease"
+    mine = {**ref.to_wire(), "lease": result.lease}
+    assert (await client.post(RELEASE_PATH, json=mine)).status_code == 200
 
 
 async def test_an_expired_lease_answers_410(

@@ -112,6 +112,33 @@ def test_extend_pushes_the_deadline_out_but_never_pulls_it_in() -> None:
     assert lease.deadline == 1120.0
 
 
+def test_a_claim_hands_the_lease_to_its_first_caller_only() -> None:
+    """Two holders of one secret (a save file loaded twice): extend confirms both, a claim
+    rotates the secret, so the second claim, and every call with the old secret, is refused."""
+    clock = Clock()
+    book = _book(clock)
+    book.grant("req-1", BLOCKS, ttl_s=30)
+    assert book.extend(_ref(), ttl_s=30)[0] is Outcome.OK  # not exclusive: both would hear ok
+    outcome, lease = book.claim(_ref(), ttl_s=60)
+    assert outcome is Outcome.OK
+    assert lease is not None
+    assert lease.secret == "secret-1"
+    assert lease.deadline == 1060.0
+    assert book.claim(_ref(), ttl_s=60)[0] is Outcome.UNKNOWN  # the other holder
+    assert book.extend(_ref(), ttl_s=60)[0] is Outcome.UNKNOWN
+    assert book.release(_ref()) is Outcome.UNKNOWN
+    assert book.release(_ref(lease="secret-1")) is Outcome.OK  # the winner's own secret
+
+
+def test_an_expired_lease_cannot_be_claimed() -> None:
+    clock = Clock()
+    book = _book(clock)
+    book.grant("req-1", BLOCKS, ttl_s=30)
+    clock.now += 30
+    assert book.claim(_ref(), ttl_s=100)[0] is Outcome.EXPIRED
+    assert book.release(_ref()) is Outcome.EXPIRED  # the secret did not change
+
+
 def test_extend_is_capped_by_the_servers_max_ttl() -> None:
     clock = Clock()
     book = _book(clock, max_ttl_s=60)
