@@ -75,5 +75,11 @@ def test_think_time_delays_a_lanes_next_turn():
     assert len(log) == 8
 
 
-def test_no_lanes_is_nothing_to_do():
-    asyncio.run(run_lanes([], concurrency=3))
+def test_no_lanes_returns_at_once_and_leaves_no_worker_behind():
+    """Nothing to run must not wait for a "last lane finished" that never comes."""
+
+    async def run():
+        await asyncio.wait_for(run_lanes([], concurrency=3), timeout=1.0)
+        return asyncio.all_tasks() - {asyncio.current_task()}
+
+    assert asyncio.run(run()) == set()
