@@ -196,6 +196,9 @@ class CachePolicy:
         persist_kv_usage: decode's ``vllm:kv_cache_usage_perc`` (0-1) at or above which a
             handle is persisted before any wait: memory pressure.
         tier_cost: the tier's cost model (``TierCostModel``).
+        tier_ttl_s: how long decode should keep a persisted handle's tier entry; ``None`` keeps
+            the server's default (``agentkv_tier_ttl_s``, 24 h), and the server caps it (at
+            ``agentkv_tier_max_ttl_s``). A resume after the entry expired recomputes.
     """
 
     server_ttl_s: float = defaults.SERVER_TTL_S
@@ -207,6 +210,7 @@ class CachePolicy:
     persist_after_s: float = 60.0
     persist_kv_usage: float = 0.9
     tier_cost: TierCostModel = field(default_factory=TierCostModel)
+    tier_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tier_cost, Mapping):  # from a saved session (dataclasses.asdict)
@@ -232,6 +236,12 @@ class CachePolicy:
             )
         if not (math.isfinite(self.extend_slack_s) and self.extend_slack_s >= 0):
             raise ConfigError(f"extend_slack_s must not be negative, got {self.extend_slack_s}")
+        if self.tier_ttl_s is not None and not (
+            math.isfinite(self.tier_ttl_s) and self.tier_ttl_s > 0
+        ):
+            raise ConfigError(
+                f"tier_ttl_s must be a positive number of seconds or None, got {self.tier_ttl_s}"
+            )
 
     def deadline(self, issued_at: float) -> float:
         """Our deadline for a handle whose request was sent at ``issued_at`` (session clock).

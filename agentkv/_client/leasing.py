@@ -175,7 +175,9 @@ async def persist_handle(pool: PairPool, state: SessionState, *, reason: str) ->
     if handle is None or not handle.leased or pool.clock() >= handle.deadline:
         return None
     started = time.perf_counter()
-    result = await pool.leases.persist(pool.decode_url(handle.pair), handle)
+    result = await pool.leases.persist(
+        pool.decode_url(handle.pair), handle, ttl_s=state.policy.tier_ttl_s
+    )
     ref: TierRef | None = None
     if result.persisted is not None:
         ref = result.persisted.ref
@@ -199,6 +201,7 @@ async def persist_handle(pool: PairPool, state: SessionState, *, reason: str) ->
         tier_id=None if ref is None else ref.id,
         n_tokens=None if ref is None else ref.n_tokens,
         bytes=None if result.persisted is None else result.persisted.bytes,
+        ttl_s=None if result.persisted is None else result.persisted.ttl_s,
     )
     return ref
 
@@ -206,10 +209,15 @@ async def persist_handle(pool: PairPool, state: SessionState, *, reason: str) ->
 async def delete_tier(
     pool: PairPool, state: SessionState, ref: TierRef, *, pair: str, reason: str
 ) -> None:
-    """Delete a tier entry the session no longer needs; never raises for the server's sake."""
+    """Delete a tier entry the session no longer needs; never raises for the server's sake.
+
+    The delete shows the entry's secret (from the persist answer). A reference loaded from a
+    session saved before tier secrets has none: nothing is sent, and the entry lives until its
+    TTL on decode (or the tier's budget) removes it."""
     started = time.perf_counter()
     result = await pool.leases.delete_tier(pool.decode_url(pair), ref)
-    log = logger.info if result.outcome in (OK, GONE) else logger.warning
+    expected = result.outcome in (OK, GONE) or ref.secret is None
+    log = logger.info if expected else logger.warning
     log(
         "agentkv.tier_delete",
         session_id=state.session_id,

@@ -5,10 +5,12 @@ to stay token-exact: the transcript's messages, token ids and spans, the pending
 session id, pair, policy, options and turn stats, the model and a fingerprint of the tokenizer
 and chat template the token ids come from, and the stored decode handle with the params decode
 sent, or the reference of the session's turn-end KV persisted to the file tier (``"tier"``: its
-id, token count, the pair whose decode persisted it and a digest of its tokens; files written
-before the tier have none and load as without one). A loaded tier reference is not trusted on
-its word either: prefill checks the entry token by token and block by block, and an entry
-deleted or evicted since is recomputed.
+id, token count, secret, the pair whose decode persisted it and a digest of its tokens; files
+written before the tier have none and load as without one, and files written before tier
+secrets load a reference without one, which resumes but cannot delete its entry: that entry
+lives until its TTL on decode). A loaded tier reference is not trusted on its word either:
+prefill checks the entry token by token and block by block, and an entry deleted, expired or
+evicted since is recomputed.
 
 A handle from a file is never trusted on its word: the pin may have been released (the session
 was closed after the save), consumed (a later turn ran, or the file was loaded before) or have
@@ -22,7 +24,8 @@ Handle deadlines live on the session's monotonic clock, which means nothing to a
 the file stores them as wall-clock times and ``load`` converts them back, so a handle that ran out
 while the agent was down is not attached (the turn recomputes).
 
-The handle's params may hold a lease secret: the file is created readable by its owner only.
+The handle's params may hold a lease secret, and the tier reference its entry's secret: the
+file is created readable by its owner only.
 A save writes a temporary file in the same folder and renames it over the target, so a crash in
 the middle of a save leaves the previous file (or none), never a half-written one.
 
@@ -172,7 +175,11 @@ def _snapshot(
         "handle": None if state.handle is None else _handle_json(state.handle, now=now, wall=wall),
         "tier": None
         if state.tier is None
-        else {**state.tier.to_wire(), "pair": state.tier_pair, "digest": state.tier_digest},
+        else {
+            **state.tier.to_wire(with_secret=True),
+            "pair": state.tier_pair,
+            "digest": state.tier_digest,
+        },
         "lost": None if state.lost is None else [state.lost[0].value, state.lost[1]],
         "turns": state.turns.saved(),
         "ideal_base": state.ideal_base,

@@ -306,6 +306,9 @@ class TurnRunner:
         t_prefill = self._t_prefill = time.perf_counter()
         prefill, prefill_name = await self._p_leg(pair, request, ids, sent, len(prompt), tier=tier)
         t_decode = time.perf_counter()
+        served = prefill.tier_load if tier is not None else None
+        if served is not None and served.short:  # the server's reason: never served, recomputed
+            reason = f"{reason}; {served.describe()}" if reason else served.describe()
 
         issued_at = pool.clock()
         # A stock decode ignores the hint; one known to be stock gets the request it expects.

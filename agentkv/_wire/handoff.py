@@ -38,7 +38,7 @@ from agentkv._wire.hints import (
     with_hint,
 )
 from agentkv._wire.json import dumps
-from agentkv._wire.tier import TierRef, with_tier
+from agentkv._wire.tier import TierLoadReport, TierRef, with_tier
 
 _logger = structlog.get_logger("agentkv")
 
@@ -96,11 +96,16 @@ class TurnRequest:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PrefillResult:
-    """Prefill's answer: what it reused, and the params the decode leg must carry."""
+    """Prefill's answer: what it reused, and the params the decode leg must carry.
+
+    ``tier_load`` is how prefill served the tier reference the P leg carried (agentkv's
+    connector says so in its answer; ``None`` without a reference or from a stock server).
+    """
 
     prompt_tokens: int
     cached_tokens: int
     _params: Mapping[str, Any] = field(repr=False, compare=False)
+    tier_load: TierLoadReport | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -271,8 +276,19 @@ def parse_prefill(data: Any, *, url: str) -> PrefillResult:
     return PrefillResult(
         prompt_tokens=prompt_tokens,
         cached_tokens=cached or 0,
-        _params=MappingProxyType(dict(params)),
+        # agentkv's key in prefill's answer is for this client only: decode gets its own hint.
+        _params=MappingProxyType(for_prefill(params)),
+        tier_load=_tier_load(params, url),
     )
+
+
+def _tier_load(params: Mapping[str, Any], url: str) -> TierLoadReport | None:
+    """Prefill's report on the tier reference; a bad one costs the report, never the turn."""
+    try:
+        return TierLoadReport.from_params(params)
+    except HintError as exc:
+        _logger.warning("agentkv.bad_tier_report", url=url, detail=str(exc))
+        return None
 
 
 def _handle(

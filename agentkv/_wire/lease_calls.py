@@ -36,7 +36,14 @@ from agentkv._wire.hints import (
 )
 from agentkv._wire.http import exchange
 from agentkv._wire.json import dumps
-from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH, PersistResult, TierDelete, TierRef
+from agentkv._wire.tier import (
+    PERSIST_PATH,
+    TIER_DELETE_PATH,
+    PersistRequest,
+    PersistResult,
+    TierDelete,
+    TierRef,
+)
 
 __all__ = [
     "FAILED",
@@ -262,9 +269,14 @@ class LeaseCalls:
             return CallResult(outcome=FAILED, status=status, detail=str(exc))
         return CallResult(outcome=OK, status=status, extended=result)
 
-    async def persist(self, decode: str, handle: KVHandle) -> CallResult:
-        """Persist a leased handle to decode's file tier (decode frees the pin on success)."""
-        answer = await self._call(decode + PERSIST_PATH, lease_ref(handle).to_wire())
+    async def persist(
+        self, decode: str, handle: KVHandle, *, ttl_s: float | None = None
+    ) -> CallResult:
+        """Persist a leased handle to decode's file tier (decode frees the pin on success), for
+        ``ttl_s`` seconds (decode caps it; ``None``: decode's default). The answer's reference
+        carries the entry's secret, which the delete needs."""
+        request = PersistRequest(ref=lease_ref(handle), ttl_s=ttl_s)
+        answer = await self._call(decode + PERSIST_PATH, request.to_wire())
         if isinstance(answer, CallResult):
             return answer
         status, data = answer
@@ -280,8 +292,13 @@ class LeaseCalls:
         return CallResult(outcome=OK, status=status, persisted=result)
 
     async def delete_tier(self, decode: str, ref: TierRef) -> CallResult:
-        """Delete a tier entry (its session moved on); ``detail`` says whether it existed."""
-        answer = await self._call(decode + TIER_DELETE_PATH, TierDelete(id=ref.id).to_wire())
+        """Delete a tier entry (its session moved on) with its secret; 404 (``gone``) for a
+        missing entry and a wrong secret alike. A reference without a secret (a session saved
+        before tier secrets) cannot delete: nothing is sent, the entry expires with its TTL."""
+        if ref.secret is None:
+            return CallResult(outcome=FAILED, status=None, detail="no secret for this tier entry")
+        delete = TierDelete(id=ref.id, secret=ref.secret)
+        answer = await self._call(decode + TIER_DELETE_PATH, delete.to_wire())
         if isinstance(answer, CallResult):
             return answer
         status, data = answer

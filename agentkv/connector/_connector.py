@@ -21,8 +21,8 @@ from typing import Any
 import structlog
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
-from agentkv._wire.hints import HintError, LeaseRef
-from agentkv._wire.tier import TierRef
+from agentkv._wire.hints import HintError
+from agentkv._wire.tier import PersistRequest, TierRef, with_tier_load
 from agentkv.connector import _engine_rpc, _quiet
 from agentkv.connector._leases import (
     LeaseBook,
@@ -31,7 +31,10 @@ from agentkv.connector._leases import (
     SchedulerPins,
     apply_pin_policy,
 )
+from agentkv.connector._stats import AgentKVConnectorStats, AgentKVPromMetrics
 from agentkv.connector._tier import RunOnWorkers, TierScheduler, TierWorker, tier_config
+from agentkv.connector._tier_io import cpu_attn_clear_slots_of
+from agentkv.connector._tier_stats import TIER_STATS_KEY, tier_reasons
 
 logger = structlog.get_logger("agentkv.connector")
 
@@ -46,7 +49,9 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
     Extra config (``kv_connector_extra_config``) besides vLLM's: ``agentkv_max_ttl_s`` caps hinted
     and extended leases (default 3600 s). ``decoder_kv_blocks_ttl`` stays the TTL of requests
     without a hint. ``agentkv_tier_dir`` turns on the file tier (``_tier``: persist on decode,
-    resume into prefill), ``agentkv_tier_budget_bytes`` bounds it (default 4 GiB).
+    resume into prefill), ``agentkv_tier_budget_bytes`` bounds it (default 4 GiB), and
+    ``agentkv_tier_ttl_s`` / ``agentkv_tier_max_ttl_s`` are its entries' default and longest
+    time to live (24 h, 7 days).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -57,14 +62,14 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
         self._book: LeaseBook | None = None
         self._control: SchedulerPins | None = None
         self._service: LeaseService | None = None
-        self._tier_root, tier_budget = tier_config(self.kv_transfer_config)
+        tier = tier_config(self.kv_transfer_config)
+        self._tier_root = tier.dir
         self._tier: TierScheduler | None = None
         self.agentkv_tier_worker: TierWorker | None = None
         self._tier_lost: set[int] = set()  # planned blocks a worker without a tier cannot load
         self._tier_lost_done: set[str] = set()
         if self.connector_scheduler is not None and self._tier_root:
-            self._tier = TierScheduler(root=self._tier_root, budget_bytes=tier_budget,
-                                       vllm_config=self._vllm_config)
+            self._tier = TierScheduler(config=tier, vllm_config=self._vllm_config)
         if self.connector_scheduler is not None:
             # Scheduler role: this runs in the EngineCore process, where lease calls arrive.
             extra = self.kv_transfer_config
@@ -142,6 +147,7 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
                     root=self._tier_root, kv_caches=kv_caches,
                     num_blocks=int(self._kv_cache_config.num_blocks),
                     rank=int(self.connector_worker.tp_rank),
+                    clear_slots=cpu_attn_clear_slots_of(self._vllm_config, kv_caches),
                 )
             except RuntimeError as exc:
                 logger.warning("tier_worker_unavailable", error=str(exc))
@@ -184,12 +190,32 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
     # --- scheduler side: the pin policy ----------------------------------------------------------
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        return self._apply_policy(request, super().request_finished(request, block_ids))
+        answer = self._apply_policy(request, super().request_finished(request, block_ids))
+        return self._tier_finished(request, answer)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._apply_policy(request, super().request_finished_all_groups(request, block_ids))
+        answer = self._apply_policy(request,
+                                    super().request_finished_all_groups(request, block_ids))
+        return self._tier_finished(request, answer)
+
+    def _tier_finished(
+        self, request: Any, answer: tuple[bool, dict[str, Any] | None]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """End the tier's state of a request, and put its tier report into prefill's answer.
+
+        vLLM's scheduler calls ``request_finished`` for every request it frees
+        (``_free_request``), aborted ones too (``finish_requests``), waiting or running: no
+        plan outlives its request.
+        """
+        if self._tier is None:
+            return answer
+        report = self._tier.finished(request.request_id)
+        delay, params = answer
+        if report is None or params is None:
+            return answer
+        return delay, with_tier_load(params, report)
 
     def _apply_policy(
         self, request: Any, result: tuple[bool, dict[str, Any] | None]
@@ -214,6 +240,26 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
             self._book.forget(connector_output.finished_sending or ())
         if self._tier is not None:
             self._tier.forget(connector_output.finished_sending or ())
+            self._tier.load_results(finished=connector_output.finished_recving or (),
+                                    invalid=connector_output.invalid_block_ids or ())
+
+    # --- stats: NIXL's and the tier's, to the API server's /metrics (see _tier_stats) -----------
+
+    def get_kv_connector_stats(self) -> Any:
+        if self.connector_worker is not None:
+            stats = super().get_kv_connector_stats()
+            return None if stats is None else AgentKVConnectorStats(data=stats.data)
+        reasons = tier_reasons(self._tier.take_outcomes()) if self._tier is not None else []
+        return AgentKVConnectorStats(data={TIER_STATS_KEY: reasons}) if reasons else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return AgentKVConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> Any:
+        return AgentKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- scheduler side: lease calls (EngineCore utility, see _engine_rpc) -----------------------
 
@@ -242,13 +288,14 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
         if op != "persist":
             return {"status": "invalid", "message": f"unknown tier operation {op!r}"}
         try:
-            ref = LeaseRef.from_wire(payload)
+            request = PersistRequest.from_wire(payload)
         except HintError as exc:
             return {"status": "invalid", "message": str(exc)}
+        ref = request.ref
         outcome, lease = self._book.check(ref)
         if outcome is not Outcome.OK or lease is None:
             return {"status": outcome.value}
-        answer = self._tier.persist(ref, lease.block_ids, run_on_workers)
+        answer = self._tier.persist(ref, lease.block_ids, run_on_workers, ttl_s=request.ttl_s)
         if answer.get("status") == "ok":
             # Written and committed: now, and only now, free decode's blocks.
             self._service.handle("release", ref.to_wire())

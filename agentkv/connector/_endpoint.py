@@ -38,7 +38,7 @@ from agentkv._wire.hints import (
     ServerInfo,
     lease_error,
 )
-from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH, TierDelete
+from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH, PersistRequest, TierDelete
 from agentkv.connector import _stream
 from agentkv.connector._engine_rpc import METHOD
 
@@ -182,7 +182,7 @@ async def claim(request: Request) -> JSONResponse:
 
 @router.post(PERSIST_PATH)
 async def persist(request: Request) -> JSONResponse:
-    answer = await _forward(request, LeaseRef.from_wire, "persist")
+    answer = await _forward(request, PersistRequest.from_wire, "persist")
     if isinstance(answer, JSONResponse):
         return answer
     return JSONResponse({"tier": answer.get("tier")})

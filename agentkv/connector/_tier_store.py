@@ -9,19 +9,26 @@ client sent: entries are named by a 128-bit random id, checked against ``TIER_ID
     <root>/<id>.r<rank>.kv      KV blocks of tensor-parallel rank <rank>, block-major, layer-minor
     <root>/<id>.json            the manifest (written last: the commit point of an entry)
 
-Writes go to ``*.tmp``, are fsynced and renamed. The manifest records the exact token ids, the
-``cache_salt``, the LoRA name, a model/layout fingerprint and one checksum per block and rank, so a
-load takes only the prefix of a prompt that the entry really holds, and only blocks whose bytes
-still hash to what was written. A byte budget evicts least recently used entries (by last write
-or read: the manifest's mtime). :meth:`TierStore.sweep`, run at start-up, removes temporary files,
-data without a manifest, manifests without (complete) data or that do not parse, and enforces
-the budget: a crash leaves nothing a restart does not clean.
+Writes go to ``*.tmp``, are fsynced and renamed. The manifest records the exact token ids, a
+digest of the ``cache_salt`` (never the salt), the LoRA adapter's identity, a fingerprint of the
+exact weights and KV layout, one checksum per block and rank, an expiry (wall clock) and a digest
+of the entry's secret (the delete capability, :meth:`TierStore.delete_owned`). A load takes only
+the prefix of a prompt that the entry really holds, for the same salt, adapter and weights, only
+before the expiry, and only blocks whose bytes still hash to what was written. A byte budget
+evicts least recently used entries (by last write or read: the manifest's mtime).
+:meth:`TierStore.sweep` (at start-up, then periodically: ``TierScheduler``) removes expired
+entries, temporary files, data without a manifest, manifests without (complete) data or that do
+not parse (manifests of an older version included), and enforces the budget: a crash leaves
+nothing a restart does not clean.
+
+Folders are created 0700 and files 0600: entries hold other sessions' KV and token ids.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -37,12 +44,48 @@ from agentkv._wire.tier import TIER_ID_PATTERN, TierUsage
 
 logger = structlog.get_logger("agentkv.connector.tier")
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: salt and secret digests, expiry, weights hash; 1 is swept as unreadable
 CHECKSUM_BYTES = 16  # blake2b digest size: a checksum against damage, not an authenticator
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 
 
 def block_checksum(data: bytes | memoryview) -> str:
     return hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).hexdigest()
+
+
+def salt_digest(cache_salt: str | None) -> str:
+    """What a manifest keeps of a request's ``cache_salt``: a domain-separated SHA-256 (no salt
+    at all has a digest too, distinct from the empty salt's)."""
+    body = b"\0" if cache_salt is None else b"\1" + cache_salt.encode()
+    return hashlib.sha256(b"agentkv-tier-salt\0" + body).hexdigest()
+
+
+def secret_digest(secret: str) -> str:
+    """What a manifest keeps of an entry's secret (the delete capability)."""
+    return hashlib.sha256(b"agentkv-tier-secret\0" + secret.encode()).hexdigest()
+
+
+def new_secret() -> str:
+    """A fresh entry secret: 128 random bits, URL-safe (``TIER_SECRET_PATTERN``)."""
+    return secrets.token_urlsafe(16)
+
+
+def granted_ttl(requested: float | None, *, default_s: float, max_s: float) -> float:
+    """An entry's time to live: the one asked for, capped at ``max_s``; ``default_s`` when none
+    was asked for."""
+    return min(default_s if requested is None else float(requested), max_s)
+
+
+def private_dir(path: Path) -> None:
+    """Create ``path`` (and its parents) with the leaf readable by its owner only. An existing
+    folder keeps its mode (it may be shared, or not ours to change); one that others can read
+    or write is logged."""
+    path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    with contextlib.suppress(OSError):
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            logger.warning("tier_dir_not_private", dir=str(path), mode=oct(mode))
 
 
 class TierError(Exception):
@@ -57,12 +100,14 @@ class Manifest:
     id: str
     fingerprint: Mapping[str, Any]
     token_ids: tuple[int, ...]
-    cache_salt: str | None
-    lora: str | None
+    salt_digest: str  # salt_digest(cache_salt)
+    lora: str | None  # the adapter's identity (``_tier._lora_name``), not its display name
     block_size: int
     block_bytes: int
     checksums: tuple[tuple[str, ...], ...]
     created: float
+    expires: float  # wall clock, as ``created``
+    secret_digest: str  # secret_digest(the entry's secret)
 
     @property
     def n_tokens(self) -> int:
@@ -86,19 +131,21 @@ class Manifest:
             "id": self.id,
             "fingerprint": dict(self.fingerprint),
             "token_ids": list(self.token_ids),
-            "cache_salt": self.cache_salt,
+            "salt_digest": self.salt_digest,
             "lora": self.lora,
             "block_size": self.block_size,
             "block_bytes": self.block_bytes,
             "checksums": [list(r) for r in self.checksums],
             "created": self.created,
+            "expires": self.expires,
+            "secret_digest": self.secret_digest,
         }
 
     @classmethod
     def from_json(cls, data: object) -> Manifest:
         """Parse a manifest; :class:`ValueError` for anything malformed."""
         if not isinstance(data, dict) or data.get("v") != MANIFEST_VERSION:
-            raise ValueError("not a version-1 manifest")
+            raise ValueError(f"not a version-{MANIFEST_VERSION} manifest")
         tokens = data["token_ids"]
         checksums = data["checksums"]
         fingerprint = data["fingerprint"]
@@ -114,12 +161,14 @@ class Manifest:
             id=str(data["id"]),
             fingerprint=fingerprint,
             token_ids=tuple(tokens),
-            cache_salt=_opt_str(data.get("cache_salt")),
+            salt_digest=_str(data["salt_digest"]),
             lora=_opt_str(data.get("lora")),
             block_size=_positive(data["block_size"]),
             block_bytes=_positive(data["block_bytes"]),
             checksums=tuple(tuple(r) for r in checksums),
             created=float(data["created"]),
+            expires=float(data["expires"]),
+            secret_digest=_str(data["secret_digest"]),
         )
         if any(len(r) != manifest.n_blocks for r in manifest.checksums):
             raise ValueError("one checksum per block and rank")
@@ -128,6 +177,12 @@ class Manifest:
 
 def _opt_str(value: object) -> str | None:
     if value is not None and not isinstance(value, str):
+        raise ValueError("expected a string")
+    return value
+
+
+def _str(value: object) -> str:
+    if not isinstance(value, str):
         raise ValueError("expected a string")
     return value
 
@@ -156,7 +211,7 @@ class TierStore:
         if budget_bytes <= 0:
             raise ValueError("the tier budget must be a positive number of bytes")
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
         self.budget_bytes = budget_bytes
         self._clock = clock
         self._new_id = new_id
@@ -197,7 +252,8 @@ class TierStore:
             tmp.replace(self.data_path(manifest.id, rank))
         target = self.manifest_path(manifest.id)
         tmp = self.tmp(target)
-        with tmp.open("w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+        with os.fdopen(fd, "w") as f:
             json.dump(manifest.to_json(), f, separators=(",", ":"))
             f.flush()
             os.fsync(f.fileno())
@@ -235,28 +291,67 @@ class TierStore:
         The answer is the longest prefix of ``token_ids`` equal to the entry's tokens, capped at
         ``limit``, and cut at the first block (from ``first_block`` on; earlier blocks the
         request already has) whose bytes are missing or do not hash to the manifest's checksum
-        in any rank's file. ``None``: no such entry, or it belongs to another model, layout,
-        salt or adapter. A hit refreshes the entry's LRU position.
+        in any rank's file. ``None``: no such entry. No tokens (``reason``): the entry has
+        expired, or belongs to other weights or layout, salt or adapter. A hit refreshes the
+        entry's LRU position.
         """
         manifest = self.manifest(entry)
         if manifest is None:
             return None
-        if (dict(manifest.fingerprint) != dict(fingerprint) or manifest.cache_salt != cache_salt
-                or manifest.lora != lora):
-            return TierMatch(manifest=manifest, n_tokens=0, reason="mismatch")
-        n = 0
+        return self.match_manifest(manifest, token_ids=token_ids, cache_salt=cache_salt,
+                                   lora=lora, fingerprint=fingerprint, limit=limit,
+                                   first_block=first_block)
+
+    def match_manifest(self, manifest: Manifest, *, token_ids: Sequence[int],
+                       cache_salt: str | None, lora: str | None,
+                       fingerprint: Mapping[str, Any], limit: int, first_block: int = 0,
+                       verify_data: bool = True) -> TierMatch:
+        """:meth:`match` on a manifest read before (the connector keeps it per request).
+
+        ``verify_data=False`` is the cheap check for the engine thread: the manifest's fields
+        and each rank's data file size (whole blocks present), but no data read or hashed. The
+        worker verifies every block's checksum after its read anyway, and a block that fails is
+        recomputed (``get_block_ids_with_load_errors``), never served. Refusals: ``"expired"``
+        (past the entry's TTL), ``"fingerprint"``, ``"salt"``, ``"lora"``; a short file:
+        ``"truncated"``.
+        """
+        entry = manifest.id
+        if manifest.expires <= self._clock():  # the sweep removes it
+            return TierMatch(manifest=manifest, n_tokens=0, reason="expired")
+        if dict(manifest.fingerprint) != dict(fingerprint):
+            return TierMatch(manifest=manifest, n_tokens=0, reason="fingerprint")
+        if not hmac.compare_digest(manifest.salt_digest, salt_digest(cache_salt)):
+            return TierMatch(manifest=manifest, n_tokens=0, reason="salt")
+        if manifest.lora != lora:
+            return TierMatch(manifest=manifest, n_tokens=0, reason="lora")
         stop = min(manifest.n_tokens, len(token_ids))
-        while n < stop and manifest.token_ids[n] == token_ids[n]:
-            n += 1
+        n = stop  # the usual case, compared at C speed; else the first difference
+        if tuple(token_ids[:stop]) != manifest.token_ids[:stop]:
+            n = next(i for i in range(stop) if manifest.token_ids[i] != token_ids[i])
         reason = "complete" if n == manifest.n_tokens else "tokens"
         if n > limit:
             n, reason = limit, "limit"
         blocks = -(-n // manifest.block_size)
-        good = self._verified_blocks(manifest, first_block, blocks)
+        if verify_data:
+            good, cut = self._verified_blocks(manifest, first_block, blocks), "checksum"
+        else:
+            good, cut = self._present_blocks(manifest, blocks), "truncated"
         if good < blocks:
-            n, reason = min(n, good * manifest.block_size), "checksum"
+            n, reason = min(n, good * manifest.block_size), cut
         self.touch(entry)
         return TierMatch(manifest=manifest, n_tokens=n, reason=reason)
+
+    def _present_blocks(self, manifest: Manifest, last: int) -> int:
+        """The number of leading blocks (up to ``last``) that every rank's data file holds in
+        full, by the files' sizes (nothing read)."""
+        good = last
+        for rank in range(manifest.ranks):
+            try:
+                size = self.data_path(manifest.id, rank).stat().st_size
+            except OSError:
+                return 0
+            good = min(good, size // manifest.block_bytes)
+        return good
 
     def _verified_blocks(self, manifest: Manifest, first: int, last: int) -> int:
         """The number of leading blocks (up to ``last``) that are intact in every rank's file,
@@ -282,6 +377,15 @@ class TierStore:
             os.utime(self.manifest_path(entry), (now, now))
 
     # --- hygiene ----------------------------------------------------------------------------
+
+    def delete_owned(self, entry: str, secret: str) -> bool:
+        """Remove an entry for a client that shows its secret; False (nothing removed) for a
+        missing entry and a wrong secret alike."""
+        manifest = self.manifest(entry)
+        if manifest is None or not hmac.compare_digest(manifest.secret_digest,
+                                                       secret_digest(secret)):
+            return False
+        return self.delete(entry)
 
     def delete(self, entry: str) -> bool:
         """Remove an entry (manifest first, so it is never half-visible); True if it existed."""
@@ -334,36 +438,41 @@ class TierStore:
         return evicted
 
     def sweep(self, *, tmp_grace_s: float = 0.0) -> list[Path]:
-        """Start-up cleanup: temporary files, orphans and broken entries; then the budget.
+        """Cleanup, at start-up and then periodically: expired entries, temporary files, orphans
+        and broken entries (an older manifest version included); then the budget.
 
         Temporary and orphan files younger than ``tmp_grace_s`` stay: another server sharing
-        the root may be writing them right now.
+        the root may be writing them right now. An expired entry goes whatever its files' age.
         """
         removed: list[Path] = []
         manifests: dict[str, Manifest | None] = {}
-        young = self._clock() - tmp_grace_s
-        for path in sorted(self.root.iterdir()):
+        expired: set[str] = set()
+        now = self._clock()
+        young = now - tmp_grace_s
+        for path in sorted(self.root.iterdir()):  # <id>.json sorts before <id>.r<rank>.kv
             name = path.name
             entry = name.split(".", 1)[0]
             if not path.is_file() or not TIER_ID_PATTERN.fullmatch(entry):
                 continue  # not ours: leave it alone
+            if entry not in manifests:
+                manifests[entry] = self._complete(entry)
+            manifest = manifests[entry]
+            if manifest is not None and manifest.expires <= now:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+                expired.add(entry)
+                continue
             try:
                 if tmp_grace_s > 0 and path.stat().st_mtime > young:
                     continue
             except OSError:
                 continue
-            if name.endswith(".tmp"):
-                path.unlink(missing_ok=True)
-                removed.append(path)
-                continue
-            if entry not in manifests:
-                manifests[entry] = self._complete(entry)
-            if manifests[entry] is None:
+            if name.endswith(".tmp") or manifest is None:
                 path.unlink(missing_ok=True)
                 removed.append(path)
         self.enforce_budget()
         if removed:
-            logger.info("tier_swept", removed=len(removed))
+            logger.info("tier_swept", removed=len(removed), expired=sorted(expired))
         return removed
 
     def _complete(self, entry: str) -> Manifest | None:

@@ -141,6 +141,7 @@ class FakeCluster:
                 block_size=block_size,
                 bytes_per_token=BYTES_PER_TOKEN,
                 budget_bytes=tier_budget_bytes,
+                clock=clock,
             )
             if tier
             else None

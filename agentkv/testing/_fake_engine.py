@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
-from agentkv._wire.hints import HintError, LeaseRef
-from agentkv._wire.tier import TierRef, valid_tier_id
+from agentkv._wire.hints import HintError
+from agentkv._wire.tier import PersistRequest, TierDelete, TierLoadReport, TierRef, with_tier_load
 from agentkv.connector._leases import LeaseBook, LeaseService, Outcome, apply_pin_policy
 from agentkv.testing._fake_kv import (
     ROOT_HASH,
@@ -126,6 +126,8 @@ class _Pin:
 class _Load:
     blocks: list[BlockContent] = field(default_factory=list)
     num_tokens: int = 0
+    # How a tier reference served (``TierScheduler``'s report, in prefill's answer).
+    tier: TierLoadReport | None = None
 
 
 class _KVLoadError(Exception):
@@ -228,11 +230,14 @@ class FakeEngine:
             return {"status": "tier_unavailable"}
         try:
             if op == "tier_delete":
-                entry = valid_tier_id(payload.get("id") if isinstance(payload, dict) else None)
-                return {"status": "ok", "deleted": self._tier.delete(entry)}
-            ref = LeaseRef.from_wire(payload)
+                delete = TierDelete.from_wire(payload)
+                if not self._tier.delete(delete.id, delete.secret):
+                    return {"status": "unknown", "message": "no such tier entry, or not yours"}
+                return {"status": "ok", "deleted": True}
+            request = PersistRequest.from_wire(payload)
         except HintError as exc:
             return {"status": "invalid", "message": str(exc)}
+        ref = request.ref
         self.expire()
         outcome, lease = self._book.check(ref)
         if outcome is not Outcome.OK or lease is None:
@@ -246,6 +251,7 @@ class FakeEngine:
                 token_ids=pin.tokens,
                 cache_salt=pin.cache_salt,
                 blocks=[self._pool.read(b) for b in pin.block_ids[:n_blocks]],
+                ttl_s=request.ttl_s,
             )
         except TierFullError as exc:
             return {"status": "tier_failed", "message": f"tier write failed: {exc}"}
@@ -334,6 +340,8 @@ class FakeEngine:
             kv_params = None
         else:
             kv_params = self._finish(request, params, block_ids, seq, num_cached)
+            if kv_params is not None and load.tier is not None:
+                kv_params = with_tier_load(kv_params, load.tier)  # AgentKVConnector too
         return EngineResult(
             token_ids=generation.token_ids,
             finish_reason=generation.finish_reason,
@@ -405,11 +413,14 @@ class FakeEngine:
         if ref is None or self._tier is None:
             return _Load()
         bs = self.config.block_size
-        n, contents = self._tier.match(
+        n, contents, reason = self._tier.match(
             ref, prompt=prompt, cache_salt=salt, first_block=local // bs
         )
+        if reason == "ok" and n <= local:
+            reason = "cached"  # prefill's own prefix cache held it all
+        report = TierLoadReport(tokens=n, reason=reason)
         if n <= local:
-            return _Load()
+            return _Load(tier=report)
         first = local // bs
         loaded = contents[first:]
         for i, content in enumerate(loaded):
@@ -417,7 +428,7 @@ class FakeEngine:
             del content.tokens[need:]
         if not all(is_true_content(c, prompt, first + i, hashes, bs) for i, c in enumerate(loaded)):
             self._fabric.record_wrong_reuse(self)
-        return _Load(blocks=loaded, num_tokens=n - local)
+        return _Load(blocks=loaded, num_tokens=n - local, tier=report)
 
     def _notify_only(self, params: dict[str, Any]) -> None:
         """A full local hit (or a pull below threshold) still tells the producer to free."""

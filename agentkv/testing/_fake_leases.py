@@ -23,7 +23,7 @@ from agentkv._wire.hints import (
     ServerInfo,
     lease_error,
 )
-from agentkv._wire.tier import PersistResult, TierDelete
+from agentkv._wire.tier import PersistRequest, PersistResult, TierDelete
 from agentkv.testing._fake_engine import FakeEngine
 from agentkv.testing._fake_reply import Reply
 
@@ -97,7 +97,7 @@ def extend(engine: FakeEngine, body: bytes, op: str = "extend") -> Reply:
 
 
 def persist(engine: FakeEngine, body: bytes) -> Reply:
-    answer = _forward(engine, body, LeaseRef.from_wire, "persist")
+    answer = _forward(engine, body, PersistRequest.from_wire, "persist")
     if isinstance(answer, Reply):
         return answer
     return Reply(json={"tier": PersistResult.from_wire(answer).to_wire()["tier"]})

@@ -14,7 +14,17 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from agentkv import AsyncCluster, Cluster, HandleState, Message, RetryPolicy, TierRef
+from agentkv import (
+    AsyncCluster,
+    CachePolicy,
+    Cluster,
+    ConfigError,
+    HandleState,
+    Message,
+    RetryPolicy,
+    TierRef,
+)
+from agentkv._wire.handoff import lease_ref
 from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH
 from agentkv.testing import FakeCluster
 
@@ -175,17 +185,99 @@ def test_the_routes_answer_as_the_connector_does(fake):
     unknown = {"remote_request_id": "x", "remote_block_ids": [[1]], "lease": "0" * 32}
     assert client.post(url + PERSIST_PATH, json=unknown).status_code == 404
     assert client.post(url + PERSIST_PATH, json={}).status_code == 400
-    answer = client.post(url + TIER_DELETE_PATH, json={"id": "f" * 32})
-    assert (answer.status_code, answer.json()) == (200, {"deleted": False})
+    answer = client.post(url + TIER_DELETE_PATH, json={"id": "f" * 32, "secret": "a" * 22})
+    assert (answer.status_code, answer.json()["error"]["code"]) == (404, "unknown_lease")
+    assert client.post(url + TIER_DELETE_PATH, json={"id": "f" * 32}).status_code == 400
     assert client.post(url + TIER_DELETE_PATH, json={"id": "../etc"}).status_code == 400
     info = client.get(url + "/v1/agentkv/info").json()
     assert info["tier"]["entries"] == 0
     assert info["tier"]["budget_bytes"] == 4 << 30
     no_tier = FakeCluster(pairs=1)
     answer = httpx.Client(transport=no_tier.transport).post(
-        no_tier.decode(0).url + TIER_DELETE_PATH, json={"id": "f" * 32}
+        no_tier.decode(0).url + TIER_DELETE_PATH, json={"id": "f" * 32, "secret": "a" * 22}
     )
     assert (answer.status_code, answer.json()["error"]["code"]) == (501, "tier_unavailable")
+
+
+# --- the entry's secret and TTL -----------------------------------------------------------------
+
+
+def test_only_the_persisting_session_holds_the_secret_and_prefill_never_sees_it(cluster, fake):
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        ref = s.persist()
+        assert ref is not None
+        assert ref.secret is not None
+        assert ref.secret not in repr(ref)
+        s.send(QUESTIONS[1])
+        [sent] = [t for t in tier_refs(fake.prefill(0)) if t is not None]
+        assert sent == {"id": ref.id, "n_tokens": ref.n_tokens}
+
+
+def test_a_delete_with_a_wrong_secret_is_refused_as_unknown_and_keeps_the_entry(cluster, fake):
+    client = httpx.Client(transport=fake.transport)
+    url = fake.decode(0).url + TIER_DELETE_PATH
+    with capture_logs() as logs, cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        ref = s.persist()
+        assert ref is not None
+        answer = client.post(url, json={"id": ref.id, "secret": "an-attacker-s-guess"})
+        assert (answer.status_code, answer.json()["error"]["code"]) == (404, "unknown_lease")
+        assert fake.tier.ids == [ref.id]
+    assert fake.tier.ids == []  # the owner's close showed the secret
+    [event] = events(logs, "agentkv.tier_delete")
+    assert (event["reason"], event["outcome"]) == ("close", "ok")
+
+
+def test_an_expired_entry_is_recomputed_and_removed(cluster, fake, clock):
+    """Past its TTL (24 h by default) an entry is not served, whatever the session thinks."""
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        ref = s.persist()
+        assert ref is not None
+        clock.advance(24 * 3600)
+        prefill_cache_cold(fake)
+        stats = s.send(QUESTIONS[1]).stats
+        assert stats.handle_state is HandleState.TIER  # sent: the SDK cannot know
+        assert stats.reused_tokens == 0
+        assert fake.tier.ids == []
+    assert fake.wrong_reuse_events == 0
+
+
+def test_a_bad_ttl_is_a_400_and_the_pin_is_kept(cluster, fake):
+    client = httpx.Client(transport=fake.transport)
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        body = lease_ref(s.handle).to_wire()
+        for bad in (-1, 0, "600", True):
+            answer = client.post(fake.decode(0).url + PERSIST_PATH, json={**body, "ttl_s": bad})
+            assert (answer.status_code, answer.json()["error"]["code"]) == (400, "invalid_request")
+        assert fake.decode(0).leased_handles == 1
+        assert fake.tier.ids == []
+        assert s.persist() is not None
+
+
+def test_the_policy_s_tier_ttl_is_asked_for_and_capped_by_decode(fake, clock):
+    for asked, granted in ((600.0, 600.0), (1e9, 7 * 24 * 3600.0)):
+        policy = CachePolicy(tier_ttl_s=asked)
+        with (
+            open_cluster(fake, clock, policy=policy) as cluster,
+            capture_logs() as logs,
+            cluster.session(**LONG) as s,
+        ):
+            s.append(SYSTEM)
+            s.send(QUESTIONS[0])
+            ref = s.persist()
+            assert ref is not None
+            assert fake.tier.entries[ref.id].expires == clock() + granted
+            [event] = events(logs, "agentkv.persist")
+            assert event["ttl_s"] == granted
+    with pytest.raises(ConfigError, match="tier_ttl_s"):
+        CachePolicy(tier_ttl_s=0)
 
 
 # --- tool_wait ---------------------------------------------------------------------------------
@@ -303,6 +395,40 @@ def test_a_damaged_tier_entry_is_recomputed_never_served(cluster, fake, damage):
     assert fake.wrong_reuse_events == 0
 
 
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (None, None),
+        ("corrupt", "the tier's blocks from token 16 on did not load intact"),
+        ("truncate", "the tier entry's data ends before token 16"),
+        ("drop", "the tier entry is gone"),
+    ],
+)
+def test_prefill_s_reason_for_a_short_tier_load_is_in_the_turn_s_handle_reason(
+    cluster, fake, damage, reason
+):
+    """Prefill's answer says why it served less than the entry holds; the turn says it too."""
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        ref = s.persist()
+        assert ref is not None
+        if damage == "corrupt":
+            fake.tier.corrupt(ref.id, block=1)
+        elif damage == "truncate":
+            fake.tier.truncate(ref.id, blocks=1)
+        elif damage == "drop":
+            fake.tier.drop(ref.id)
+        prefill_cache_cold(fake)
+        stats = s.send(QUESTIONS[1]).stats
+        assert stats.handle_state is HandleState.TIER
+        if reason is None:
+            assert "tier" not in stats.handle_reason
+        else:
+            assert reason in stats.handle_reason
+            assert "recomputed" in stats.handle_reason
+
+
 def test_an_entry_evicted_by_the_budget_is_survived_by_recomputing(clock):
     fake = FakeCluster(pairs=1, clock=clock, tier=True, tier_budget_bytes=300 * 23_040)
     with open_cluster(fake, clock) as cluster:
@@ -351,6 +477,7 @@ def test_save_and_load_resume_from_the_tier(fake, clock, tmp_path):
     assert fake.tier.ids == [ref.id]
     saved = json.loads(path.read_text())
     assert saved["tier"]["id"] == ref.id
+    assert saved["tier"]["secret"] == ref.secret
     prefill_cache_cold(fake)
     with open_cluster(fake, clock) as cluster, cluster.load_session(path) as s:
         assert s.tier == ref
@@ -372,6 +499,36 @@ def test_a_snapshot_without_a_tier_key_still_loads(fake, clock, tmp_path):
     with open_cluster(fake, clock) as cluster, cluster.load_session(path) as s:
         assert s.tier is None
         s.send(QUESTIONS[1])
+
+
+def test_a_session_saved_before_tier_secrets_resumes_but_cannot_delete_its_entry(
+    fake, clock, tmp_path
+):
+    """An old file's reference has no secret: it resumes from the tier; its entry is left to
+    its TTL on decode (no delete is sent)."""
+    path = tmp_path / "old.json"
+    with open_cluster(fake, clock) as cluster:
+        s = cluster.session(**LONG)
+        s.append(SYSTEM)
+        s.send(QUESTIONS[0])
+        ref = s.persist()
+        data = s.snapshot()
+        s.detach()
+    del data["tier"]["secret"]
+    path.write_text(json.dumps(data))
+    with (
+        capture_logs() as logs,
+        open_cluster(fake, clock) as cluster,
+        cluster.load_session(path) as s,
+    ):
+        assert s.tier == ref
+        assert s.tier.secret is None
+    assert fake.tier.ids == [ref.id]
+    [event] = events(logs, "agentkv.tier_delete")
+    assert (event["log_level"], event["status"], event["detail"]) == (
+        "info", None, "no secret for this tier entry")  # nothing was sent
+    clock.advance(24 * 3600)
+    assert fake.tier.usage().entries == 0  # expired: swept
 
 
 def test_a_session_moved_to_another_pair_drops_its_tier_ref(clock):

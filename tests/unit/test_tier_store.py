@@ -1,16 +1,32 @@
-"""The KV file tier's store: commit, prefix matching, checksums, budget/LRU, sweep, path safety."""
+"""The KV file tier's store: commit, prefix matching, checksums, budget/LRU, sweep, path safety,
+private files, salt digests, expiry and the delete secret."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
 
-from agentkv._wire.hints import HintError, ServerInfo
-from agentkv._wire.tier import PersistResult, TierDelete, TierRef, TierUsage, with_tier
-from agentkv.connector._tier_store import Manifest, TierError, TierStore, block_checksum
+from agentkv._wire.hints import HintError, LeaseRef, ServerInfo
+from agentkv._wire.tier import (
+    PersistRequest,
+    PersistResult,
+    TierDelete,
+    TierRef,
+    TierUsage,
+    with_tier,
+)
+from agentkv.connector._tier_store import (
+    Manifest,
+    TierError,
+    TierStore,
+    block_checksum,
+    salt_digest,
+    secret_digest,
+)
 
 BS = 4  # tokens per block
 BB = 8  # bytes per block and rank
@@ -46,8 +62,12 @@ def _store(root: Path, clock: Clock, budget: int = 10_000) -> TierStore:
     return TierStore(root, budget_bytes=budget, clock=clock, new_id=_ids())  # type: ignore[arg-type]
 
 
+SECRET = "the-entry-secret-0123"
+TTL_S = 3600.0
+
+
 def _persist(store: TierStore, tokens: list[int], *, salt: str | None = None,
-             ranks: int = 1) -> Manifest:
+             ranks: int = 1, ttl_s: float = TTL_S) -> Manifest:
     """What the connector does: workers write ``*.tmp`` data files, then the store commits."""
     entry = store.new_id()
     n_blocks = -(-len(tokens) // BS)
@@ -56,9 +76,11 @@ def _persist(store: TierStore, tokens: list[int], *, salt: str | None = None,
         blocks = [bytes([rank * 16 + b] * BB) for b in range(n_blocks)]
         store.tmp(store.data_path(entry, rank)).write_bytes(b"".join(blocks))
         checksums.append(tuple(block_checksum(b) for b in blocks))
-    manifest = Manifest(id=entry, fingerprint=FP, token_ids=tuple(tokens), cache_salt=salt,
-                        lora=None, block_size=BS, block_bytes=BB, checksums=tuple(checksums),
-                        created=0.0)
+    now = store._clock()
+    manifest = Manifest(id=entry, fingerprint=FP, token_ids=tuple(tokens),
+                        salt_digest=salt_digest(salt), lora=None, block_size=BS, block_bytes=BB,
+                        checksums=tuple(checksums), created=now, expires=now + ttl_s,
+                        secret_digest=secret_digest(SECRET))
     store.commit(manifest)
     return manifest
 
@@ -227,7 +249,7 @@ def test_only_well_formed_ids_name_files(tmp_path: Path, clock: Clock, bad: str)
     with pytest.raises(ValueError, match="tier ids"):
         store.delete(bad)
     with pytest.raises(HintError):
-        TierDelete.from_wire({"id": bad})
+        TierDelete.from_wire({"id": bad, "secret": SECRET})
     with pytest.raises(HintError):
         TierRef.from_wire({"id": bad, "n_tokens": 1})
 
@@ -253,3 +275,126 @@ def test_the_tier_wire_values_round_trip() -> None:
     assert TierUsage.from_wire(ServerInfo.from_wire(info.to_wire()).tier) == usage
     with pytest.raises(HintError):
         TierRef.from_params({"agentkv": {"v": 2, "tier": ref.to_wire()}})
+
+
+# --- private entries: modes, salt digest, expiry, the delete secret ---------------------------
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_new_root_is_0700_and_manifests_are_0600(tmp_path: Path, clock: Clock) -> None:
+    """Entries hold other sessions' tokens and KV: nobody but the server's user reads them."""
+    root = tmp_path / "a" / "tier"
+    store = _store(root, clock)
+    m = _persist(store, list(range(10)))
+    assert _mode(root) == 0o700
+    assert _mode(store.manifest_path(m.id)) == 0o600
+
+
+def test_an_existing_root_keeps_its_mode(tmp_path: Path, clock: Clock) -> None:
+    """A root the operator made (it may be shared) is not chmod-ed, only logged."""
+    root = tmp_path / "shared"
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    _store(root, clock)
+    assert _mode(root) == 0o755
+
+
+def test_the_manifest_keeps_a_digest_of_the_salt_never_the_salt(
+    tmp_path: Path, clock: Clock
+) -> None:
+    store = _store(tmp_path, clock)
+    m = _persist(store, list(range(10)), salt="alice-tenant-salt")
+    raw = store.manifest_path(m.id).read_text()
+    assert "alice-tenant-salt" not in raw
+    assert json.loads(raw)["salt_digest"] == salt_digest("alice-tenant-salt")
+    assert SECRET not in raw
+    assert _match(store, m.id, list(range(12)), salt="alice-tenant-salt") == 10
+    assert _match(store, m.id, list(range(12)), salt="bob") == 0
+    assert _match(store, m.id, list(range(12))) == 0  # no salt is not any salt
+
+
+def test_no_salt_and_the_empty_salt_have_distinct_digests() -> None:
+    assert salt_digest(None) != salt_digest("")
+    assert salt_digest("a") != secret_digest("a")  # domain-separated
+
+
+def test_an_expired_entry_is_refused_and_the_sweep_removes_it(
+    tmp_path: Path, clock: Clock
+) -> None:
+    store = _store(tmp_path, clock)
+    short = _persist(store, list(range(10)), ttl_s=60)
+    long = _persist(store, list(range(10)), ttl_s=600)
+    assert _match(store, short.id, list(range(12))) == 10
+    clock.now += 60
+    match = store.match(short.id, token_ids=list(range(12)), cache_salt=None, lora=None,
+                        fingerprint=FP, limit=11)
+    assert match is not None
+    assert (match.n_tokens, match.reason) == (0, "expired")
+    store.sweep(tmp_grace_s=120)  # expired entries go whatever their files' age
+    assert store.manifest(short.id) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{long.id}.json", f"{long.id}.r0.kv"])
+    assert _match(store, long.id, list(range(12))) == 10
+
+
+def test_delete_needs_the_entry_s_secret(tmp_path: Path, clock: Clock) -> None:
+    store = _store(tmp_path, clock)
+    m = _persist(store, list(range(10)))
+    assert store.delete_owned(m.id, "not-the-secret-at-all") is False
+    assert store.manifest(m.id) is not None
+    assert store.delete_owned("f" * 32, SECRET) is False  # missing: the same answer
+    assert store.delete_owned(m.id, SECRET) is True
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_version_1_manifest_is_never_served_and_is_swept(tmp_path: Path, clock: Clock) -> None:
+    """Entries of the previous format (raw salt, no expiry, no secret) are unreadable."""
+    store = _store(tmp_path, clock)
+    m = _persist(store, list(range(10)))
+    old = json.loads(store.manifest_path(m.id).read_text())
+    old["v"] = 1
+    old["cache_salt"] = None
+    for key in ("salt_digest", "expires", "secret_digest"):
+        del old[key]
+    store.manifest_path(m.id).write_text(json.dumps(old))
+    store.sweep()
+    assert list(tmp_path.iterdir()) == []
+    assert _match(store, m.id, list(range(12))) == -1
+
+
+def test_the_secret_and_the_ttl_travel_to_the_owner_only() -> None:
+    """The persist answer carries the secret; the P leg's reference never does; repr hides it."""
+    ref = TierRef(id="ab" * 16, n_tokens=7, secret=SECRET)
+    answer = PersistResult(ref=ref, bytes=5, ttl_s=600.0).to_wire()
+    assert answer["tier"]["secret"] == SECRET
+    assert answer["tier"]["ttl_s"] == 600.0
+    parsed = PersistResult.from_wire(answer)
+    assert (parsed.ref.secret, parsed.ttl_s) == (SECRET, 600.0)
+    assert "secret" not in with_tier({}, ref)["agentkv"]["tier"]
+    assert SECRET not in repr(ref)
+    assert SECRET not in repr(TierDelete(id=ref.id, secret=SECRET))
+    assert TierRef.from_wire(ref.to_wire(with_secret=True)).secret == SECRET
+
+
+@pytest.mark.parametrize("body", [
+    {"id": "ab" * 16},  # no secret
+    {"id": "ab" * 16, "secret": ""},
+    {"id": "ab" * 16, "secret": "x" * 200},
+    {"id": "ab" * 16, "secret": "has spaces in it!"},
+])
+def test_a_delete_without_a_well_formed_secret_is_invalid(body: dict[str, str]) -> None:
+    with pytest.raises(HintError, match="secret"):
+        TierDelete.from_wire(body)
+
+
+def test_a_persist_request_may_ask_for_a_ttl() -> None:
+    lease = LeaseRef(request_id="r", block_ids=((1, 2),), lease="s3cret")
+    assert PersistRequest.from_wire(lease.to_wire()) == PersistRequest(ref=lease)
+    asked = PersistRequest(ref=lease, ttl_s=600)
+    assert PersistRequest.from_wire(asked.to_wire()) == asked
+    for bad in (0, -1, float("inf"), True, "600"):
+        with pytest.raises(HintError, match="ttl_s"):
+            PersistRequest.from_wire({**lease.to_wire(), "ttl_s": bad})
