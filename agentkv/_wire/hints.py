@@ -64,6 +64,7 @@ __all__ = [
     "ServerInfo",
     "for_prefill",
     "new_request_secret",
+    "positive_seconds",
     "request_tag",
     "tag_of_request_id",
     "with_expiry",
@@ -152,7 +153,8 @@ class HintError(ValueError):
     """A hint, lease reference or lease answer is malformed (wrong type, range or version)."""
 
 
-def _number(value: object, what: str) -> float:
+def positive_seconds(value: object, what: str) -> float:
+    """``value`` as a positive, finite number of seconds, else :class:`HintError`."""
     # bool is an int subclass; a JSON true is never a duration.
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise HintError(f"{what} must be a number, got {type(value).__name__}")
@@ -214,7 +216,7 @@ class PersistHint:
         if self.ttl_s is not None:
             if not self.persist:
                 raise HintError("ttl_s has no meaning when persist is false")
-            object.__setattr__(self, "ttl_s", _number(self.ttl_s, "ttl_s"))
+            object.__setattr__(self, "ttl_s", positive_seconds(self.ttl_s, "ttl_s"))
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"v": WIRE_VERSION, "persist": self.persist}
@@ -230,7 +232,7 @@ class PersistHint:
         if not isinstance(persist, bool):
             raise HintError("persist must be a bool")
         ttl = data.get("ttl_s")
-        return cls(persist=persist, ttl_s=None if ttl is None else _number(ttl, "ttl_s"))
+        return cls(persist=persist, ttl_s=None if ttl is None else positive_seconds(ttl, "ttl_s"))
 
 
 def with_hint(params: Mapping[str, Any], hint: PersistHint) -> dict[str, Any]:
@@ -296,7 +298,7 @@ class LeaseAck:
         return cls(
             pinned=pinned,
             lease=None if lease is None else _text(lease, "lease"),
-            ttl_s=None if ttl is None else _number(ttl, "ttl_s"),
+            ttl_s=None if ttl is None else positive_seconds(ttl, "ttl_s"),
             error=None if error is None else str(error),
         )
 
@@ -357,7 +359,7 @@ class ExtendRequest:
     ttl_s: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ttl_s", _number(self.ttl_s, "ttl_s"))
+        object.__setattr__(self, "ttl_s", positive_seconds(self.ttl_s, "ttl_s"))
 
     def to_wire(self) -> dict[str, Any]:
         return {**self.ref.to_wire(), "ttl_s": self.ttl_s}
@@ -365,7 +367,7 @@ class ExtendRequest:
     @classmethod
     def from_wire(cls, value: object) -> ExtendRequest:
         data = _object(value, "an extend request")
-        return cls(ref=LeaseRef.from_wire(data), ttl_s=_number(data.get("ttl_s"), "ttl_s"))
+        return cls(ref=LeaseRef.from_wire(data), ttl_s=positive_seconds(data.get("ttl_s"), "ttl_s"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -395,7 +397,7 @@ class ExtendResult:
         if isinstance(expiry, bool) or not isinstance(expiry, int | float):
             raise HintError("an extend answer has no numeric remote_blocks_expiry_time")
         lease = data.get("lease")
-        return cls(expiry=float(expiry), ttl_s=_number(data.get("ttl_s"), "ttl_s"),
+        return cls(expiry=float(expiry), ttl_s=positive_seconds(data.get("ttl_s"), "ttl_s"),
                    lease=None if lease is None else _text(lease, "lease"))
 
 
@@ -464,7 +466,7 @@ class ServerInfo:
         return cls(
             leases=leases,
             stream_handles=streams,
-            default_ttl_s=None if default is None else _number(default, "default_ttl_s"),
-            max_ttl_s=None if cap is None else _number(cap, "max_ttl_s"),
+            default_ttl_s=None if default is None else positive_seconds(default, "default_ttl_s"),
+            max_ttl_s=None if cap is None else positive_seconds(cap, "max_ttl_s"),
             tier=None if tier is None else _object(tier, "the agentkv info answer's tier"),
         )

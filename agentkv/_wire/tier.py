@@ -43,13 +43,12 @@ True
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentkv._wire.hints import HINTS_KEY, WIRE_VERSION, HintError, LeaseRef
+from agentkv._wire.hints import HINTS_KEY, WIRE_VERSION, HintError, LeaseRef, positive_seconds
 
 __all__ = [
     "PERSIST_PATH",
@@ -113,14 +112,14 @@ def _secret(value: object) -> str:
     return value
 
 
-def _seconds(value: object, what: str) -> float:
-    # bool is an int subclass; a JSON true is never a duration.
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise HintError(f"{what} must be a number, got {type(value).__name__}")
-    number = float(value)
-    if not math.isfinite(number) or number <= 0:
-        raise HintError(f"{what} must be a positive finite number of seconds, got {value!r}")
-    return number
+def _agentkv_field(params: Mapping[str, Any] | None, key: str, what: str) -> object:
+    """``params["agentkv"][key]``, ``None`` when absent; ``HintError`` for another wire version."""
+    raw = params.get(HINTS_KEY) if params else None
+    if not isinstance(raw, Mapping) or key not in raw:
+        return None
+    if raw.get("v") != WIRE_VERSION:
+        raise HintError(f"{what} has wire version {raw.get('v')!r}")
+    return raw[key]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -163,14 +162,8 @@ class TierRef:
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> TierRef | None:
         """The tier reference in a P leg's ``kv_transfer_params``; ``None`` when there is none."""
-        if not params:
-            return None
-        raw = params.get(HINTS_KEY)
-        if not isinstance(raw, Mapping) or TIER_KEY not in raw:
-            return None
-        if raw.get("v") != WIRE_VERSION:
-            raise HintError(f"the tier reference has wire version {raw.get('v')!r}")
-        return cls.from_wire(raw[TIER_KEY])
+        raw = _agentkv_field(params, TIER_KEY, "the tier reference")
+        return None if raw is None else cls.from_wire(raw)
 
 
 def with_tier(params: Mapping[str, Any], ref: TierRef) -> dict[str, Any]:
@@ -248,12 +241,8 @@ class TierLoadReport:
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> TierLoadReport | None:
         """The report in a P leg's answer (``kv_transfer_params``); ``None`` when there is none."""
-        raw = params.get(HINTS_KEY) if params else None
-        if not isinstance(raw, Mapping) or TIER_LOAD_KEY not in raw:
-            return None
-        if raw.get("v") != WIRE_VERSION:
-            raise HintError(f"the tier load report has wire version {raw.get('v')!r}")
-        return cls.from_wire(raw[TIER_LOAD_KEY])
+        raw = _agentkv_field(params, TIER_LOAD_KEY, "the tier load report")
+        return None if raw is None else cls.from_wire(raw)
 
 
 def with_tier_load(params: Mapping[str, Any], report: TierLoadReport) -> dict[str, Any]:
@@ -280,7 +269,7 @@ class PersistRequest:
 
     def __post_init__(self) -> None:
         if self.ttl_s is not None:
-            object.__setattr__(self, "ttl_s", _seconds(self.ttl_s, "ttl_s"))
+            object.__setattr__(self, "ttl_s", positive_seconds(self.ttl_s, "ttl_s"))
 
     def to_wire(self) -> dict[str, Any]:
         wire = self.ref.to_wire()
@@ -293,7 +282,7 @@ class PersistRequest:
         data = _object(value, "a persist request")
         ttl = data.get("ttl_s")
         return cls(ref=LeaseRef.from_wire(data),
-                   ttl_s=None if ttl is None else _seconds(ttl, "ttl_s"))
+                   ttl_s=None if ttl is None else positive_seconds(ttl, "ttl_s"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -318,7 +307,7 @@ class PersistResult:
             raise HintError(f"the persist answer has wire version {data.get('v')!r}")
         ttl = data.get("ttl_s")
         return cls(ref=TierRef.from_wire(data), bytes=_count(data.get("bytes"), "bytes"),
-                   ttl_s=None if ttl is None else _seconds(ttl, "ttl_s"))
+                   ttl_s=None if ttl is None else positive_seconds(ttl, "ttl_s"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
