@@ -1,6 +1,6 @@
 """Collection of the examples in ``agentkv/`` (``--doctest-modules``, see ``pyproject.toml``).
 
-Every module of the package is imported and its ``>>>`` examples run, except the two below,
+Every module of the package is imported and its ``>>>`` examples run, except those below,
 whose import does more than define names.
 """
 
@@ -16,6 +16,8 @@ collect_ignore = [
     # Triton notices on stdout, and torch's DeprecationWarnings, which filterwarnings turns into
     # a collection error. It has no examples; the e2e tier loads it in the real servers.
     "agentkv/connector/_connector.py",
+    # The same (vLLM's NIXL stats classes, subclassed there): no examples either.
+    "agentkv/connector/_stats.py",
     # A sitecustomize runs at import: it re-runs the next sitecustomize on sys.path and, with
     # AGENTKV_CPU_ISA set, patches torch's CPU flags in this process.
     "agentkv/local/_isa/sitecustomize.py",
