@@ -339,7 +339,15 @@ async def begin_wait(
     pool: PairPool, state: SessionState, *, expected_s: float, persist: PersistMode = "auto"
 ) -> ToolWait:
     """Start a tool wait: persist the handle to the file tier if the policy says the wait is
-    worth it (``decide_tier``), else extend it if the wait would outlast it."""
+    worth it (``decide_tier``), else extend it if the wait would outlast it. The session is
+    held meanwhile (``SessionState.holding``): no turn takes the handle a persist frees."""
+    with state.holding("tool wait"):
+        return await _begin_wait(pool, state, expected_s=expected_s, persist=persist)
+
+
+async def _begin_wait(
+    pool: PairPool, state: SessionState, *, expected_s: float, persist: PersistMode
+) -> ToolWait:
     now = pool.clock()
     handle = state.handle
     tier = await decide_tier(pool, state, hint=persist, expected_wait_s=expected_s)

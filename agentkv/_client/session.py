@@ -471,9 +471,8 @@ class AsyncSession(_SessionBase):
         >>> ref = await session.persist()  # the user went for lunch  # doctest: +SKIP
         """
         self._check_open()
-        if self._state.busy:
-            raise SessionBusyError(f"session {self._state.session_id} is running a turn")
-        return await persist_handle(self._pool, self._state, reason="explicit")
+        with self._state.holding("persist"):
+            return await persist_handle(self._pool, self._state, reason="explicit")
 
     @contextlib.asynccontextmanager
     async def tool_wait(

@@ -8,17 +8,18 @@ as arguments. It is mutated only on the event loop its pool runs on.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 from array import array
-from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from agentkv._client.turn_log import TurnLog
-from agentkv._exceptions import PrefixDivergedError, SessionLoadError
+from agentkv._exceptions import PrefixDivergedError, SessionBusyError, SessionLoadError
 from agentkv._policy import CachePolicy
 from agentkv._prompt.template import tools_key
 from agentkv._prompt.transcript import Transcript, TurnPrompt
@@ -176,6 +177,19 @@ class SessionState:
 
     def end_turn(self) -> None:
         self.phase = Lifecycle.CLOSED if self.phase is Lifecycle.CLOSING else Lifecycle.IDLE
+
+    @contextlib.contextmanager
+    def holding(self, what: str) -> Iterator[None]:
+        """Hold the session as a turn does while ``what`` (a persist, a tool wait's lease calls)
+        acts on its handle: a turn started meanwhile would take the handle decode is freeing
+        (a persist frees the pin once written), so it is refused with ``SessionBusyError``."""
+        if self.busy:
+            raise SessionBusyError(f"session {self.session_id} is running a turn: no {what} now")
+        self.begin_turn()
+        try:
+            yield
+        finally:
+            self.end_turn()
 
     def close(self) -> None:
         """Mark the session closed; a running turn finishes, and then it is ``CLOSED``."""

@@ -1,0 +1,84 @@
+"""The replica fuzzer (``fuzz_replicas.py``), bounded for the normal run.
+
+``AGENTKV_FUZZ_EXAMPLES=300 nice -n 10 pytest tests/fake/test_fuzz_replicas.py -s`` runs it
+longer with fresh randomness and prints its figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from hypothesis import HealthCheck, settings
+
+from agentkv.proxy._redis_store import RedisSessions
+from agentkv.proxy._store import Claim, ClaimLostError, Stored
+from agentkv.testing import ManualClock
+from tests.fake.fuzz_replicas import Counters, MemoryStore, ReplicaMachine
+
+ReplicaMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("AGENTKV_FUZZ_EXAMPLES", "0")) or 80,
+    stateful_step_count=int(os.environ.get("AGENTKV_FUZZ_STEPS", "30")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    database=None,
+    derandomize=not os.environ.get("AGENTKV_FUZZ_EXAMPLES"),
+)
+
+
+class TestReplicaFuzz(ReplicaMachine.TestCase):  # type: ignore[name-defined,misc]
+    """Two replicas serving one conversation, paused, killed and fenced off mid-commit, never
+    read wrong KV, attach one handle twice, or store what the client was not answered."""
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        print(f"\nfuzz replicas: {Counters.summary()}")  # the long run's figures
+
+
+async def test_the_fuzzers_memory_store_answers_as_the_redis_store_does(redis_url):
+    """``MemoryStore`` is the Redis scripts ported to a dict: the same calls on both stores get
+    the same answers (fences, versions, snapshots, dirty claims, refusals, idle lists), so what
+    the fuzzer finds through it holds for ``--state redis://``."""
+    memory = MemoryStore(clock=ManualClock(), lease_s=0.2)
+    redis = RedisSessions.from_url(redis_url, lease_s=0.2)
+
+    async def lapse():
+        memory.advance(1.0)
+        await asyncio.sleep(0.3)  # Redis's PX lease, in real time
+
+    async def both(call):
+        answers = []
+        for store in (memory, redis):
+            try:
+                answers.append(await call(store))
+            except (ClaimLostError, TimeoutError) as exc:
+                answers.append(type(exc).__name__)
+        assert answers[0] == answers[1], answers
+        return answers[0]
+
+    first = await both(lambda s: s.claim("k", known_version=0, wait_s=0.0))
+    assert first == Claim(key="k", fence=1, version=0)
+    assert await both(lambda s: s.claim("k", known_version=0, wait_s=0.0)) == "TimeoutError"
+    assert (await both(lambda s: s.peek("k"))).claimed
+    assert await both(lambda s: s.renew(first)) is True
+    assert await both(lambda s: s.commit(first, b"one", used_at=100.0, pinned=True)) == 1
+    clean = await both(lambda s: s.claim("k", known_version=1, wait_s=0.0))
+    assert (clean.data, clean.dirty) == (None, False)
+    await both(lambda s: s.release(clean))
+    stale = await both(lambda s: s.claim("k", known_version=0, wait_s=0.0))
+    assert (stale.data, stale.dirty) == (b"one", False)
+    await lapse()  # its holder died: no commit, no release
+    assert await both(lambda s: s.renew(stale)) is False
+    dirty = await both(lambda s: s.claim("k", known_version=1, wait_s=0.0))
+    assert (dirty.data, dirty.dirty) == (b"one", True)
+    assert await both(lambda s: s.commit(stale, b"late", used_at=200.0)) == "ClaimLostError"
+    assert await both(lambda s: s.commit(dirty, b"two", used_at=300.0)) == dirty.fence
+    assert await both(lambda s: s.idle(before=400.0, limit=10)) == ["k"]
+    assert await both(lambda s: s.pinned_idle(before=400.0, limit=10)) == []
+    sweep = await both(lambda s: s.claim("k", known_version=dirty.fence, wait_s=0.0))
+    assert await both(lambda s: s.remove(sweep, idle_before=250.0)) is False  # used since
+    gone = await both(lambda s: s.claim("k", known_version=dirty.fence, wait_s=0.0))
+    assert gone.dirty is False
+    assert await both(lambda s: s.remove(gone)) is True
+    assert await both(lambda s: s.peek("k")) == Stored(version=0, data=None, claimed=False)
+    await redis.aclose()
