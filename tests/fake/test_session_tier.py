@@ -374,21 +374,27 @@ def test_a_diverged_history_never_sends_the_tier_ref(cluster, fake):
     assert fake.wrong_reuse_events == 0
 
 
+def _turn_after_damage(s, fake, damage):
+    """One turn, persisted, its tier entry damaged (``None``: left intact), prefill's cache
+    cold: the next turn's stats."""
+    s.append(SYSTEM)
+    s.send(QUESTIONS[0])
+    ref = s.persist()
+    assert ref is not None
+    if damage == "corrupt":
+        fake.tier.corrupt(ref.id, block=1)
+    elif damage == "truncate":
+        fake.tier.truncate(ref.id, blocks=1)
+    elif damage == "drop":
+        fake.tier.drop(ref.id)
+    prefill_cache_cold(fake)
+    return s.send(QUESTIONS[1]).stats
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "drop"])
 def test_a_damaged_tier_entry_is_recomputed_never_served(cluster, fake, damage):
     with cluster.session(**LONG) as s:
-        s.append(SYSTEM)
-        s.send(QUESTIONS[0])
-        ref = s.persist()
-        assert ref is not None
-        if damage == "corrupt":
-            fake.tier.corrupt(ref.id, block=1)
-        elif damage == "truncate":
-            fake.tier.truncate(ref.id, blocks=1)
-        else:
-            fake.tier.drop(ref.id)
-        prefill_cache_cold(fake)
-        stats = s.send(QUESTIONS[1]).stats
+        stats = _turn_after_damage(s, fake, damage)
         assert stats.handle_state is HandleState.TIER  # sent; prefill cut what it could not verify
         assert stats.reused_tokens == (0 if damage == "drop" else 16)
         assert stats.reused_tokens < stats.ideal_reused_tokens
@@ -409,18 +415,7 @@ def test_prefill_s_reason_for_a_short_tier_load_is_in_the_turn_s_handle_reason(
 ):
     """Prefill's answer says why it served less than the entry holds; the turn says it too."""
     with cluster.session(**LONG) as s:
-        s.append(SYSTEM)
-        s.send(QUESTIONS[0])
-        ref = s.persist()
-        assert ref is not None
-        if damage == "corrupt":
-            fake.tier.corrupt(ref.id, block=1)
-        elif damage == "truncate":
-            fake.tier.truncate(ref.id, blocks=1)
-        elif damage == "drop":
-            fake.tier.drop(ref.id)
-        prefill_cache_cold(fake)
-        stats = s.send(QUESTIONS[1]).stats
+        stats = _turn_after_damage(s, fake, damage)
         assert stats.handle_state is HandleState.TIER
         if reason is None:
             assert "tier" not in stats.handle_reason
