@@ -196,14 +196,16 @@ def main() -> int:
     _silence_logs()
     rows.append(("sync turn, wall", *_quantiles(_sync_overheads(args))))
     prompt_tokens = samples.prompt_tokens
-    empty = asyncio.run(_idle_memory(args, with_turn=False))
-    used = asyncio.run(_idle_memory(args, with_turn=True))
 
     n = (args.sessions - 1) * args.turns
     print(f"SDK overhead per turn ({n} turns, prompts up to {prompt_tokens} tokens)")
     print(f"{'':30} {'median ms':>10} {'p99 ms':>10}")
     for name, median, p99 in rows:
         print(f"{name:30} {median * 1e3:10.3f} {p99 * 1e3:10.3f}")
+    if not args.idle_sessions:  # --idle-sessions 0: the turns only (the memory part is slow)
+        return 0
+    empty = asyncio.run(_idle_memory(args, with_turn=False))
+    used = asyncio.run(_idle_memory(args, with_turn=True))
     print()
     print(f"memory per idle session ({args.idle_sessions} sessions)")
     print(f"{'  opened, no turn':30} {empty / 1024:10.1f} KiB")
