@@ -78,6 +78,7 @@ from agentkv._policy import (
     TierCostModel,
     TierDecision,
 )
+from agentkv._prompt.history import HistoryPlan
 from agentkv._prompt.transcript import Span, TranscriptView
 from agentkv._types import (
     HandleState,
@@ -119,6 +120,7 @@ __all__ = [
     "ExtendDecision",
     "HandleExpiredEvent",
     "HandleState",
+    "HistoryPlan",
     "InvalidMessageError",
     "JsonToolCalling",
     "KVHandle",

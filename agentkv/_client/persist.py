@@ -171,6 +171,8 @@ def _snapshot(
             "tail_open": transcript.tail_open,
             "finish_reason": transcript.finish_reason,
             "version": transcript.version,
+            "generated": sorted(transcript.generated),
+            "views": {str(i): view.to_openai() for i, view in transcript.views.items()},
         },
         "handle": None if state.handle is None else _handle_json(state.handle, now=now, wall=wall),
         "tier": None
@@ -292,6 +294,9 @@ def _transcript(data: Mapping[str, Any], tokens: array[int] | None = None) -> Tr
         tail_open=_field(data, "tail_open", bool),
         finish_reason=_optional(data, "finish_reason", str),
         version=_field(data, "version", int),
+        # Absent from older snapshots: no message is known to be generated.
+        generated=[int(i) for i in data.get("generated", ())],
+        views={int(i): Message.from_openai(v) for i, v in data.get("views", {}).items()},
     )
 
 

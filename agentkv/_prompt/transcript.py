@@ -18,10 +18,12 @@ knows the span of tokens it occupies, so a later caller can line echoed messages
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import InitVar, dataclass, field
+from types import MappingProxyType
 
 from agentkv._exceptions import InvalidMessageError, PrefixDivergedError
+from agentkv._prompt.history import HistoryPlan, plan_history
 from agentkv._types import Message
 
 __all__ = ["TOKEN_TYPECODE", "Delta", "Span", "Transcript", "TranscriptView", "TurnPrompt"]
@@ -75,14 +77,63 @@ class TurnPrompt:
         return self.token_ids.tolist()
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+# No slots: a frozen dataclass with slots raises TypeError, not FrozenInstanceError, on setting a
+# property (``token_ids``) under Python 3.11.
+@dataclass(frozen=True, kw_only=True, eq=False)
 class TranscriptView:
-    """A read-only snapshot of a transcript (``session.transcript``)."""
+    """A read-only snapshot of a transcript (``session.transcript``).
+
+    Taking one is cheap: the token ids become Python ints only when ``token_ids`` is read
+    (``num_tokens`` counts them without that), so a caller that looks at the messages only (the
+    proxy, on every request) never pays for a long conversation's tokens.
+    """
 
     messages: tuple[Message, ...]
-    token_ids: tuple[int, ...]
     spans: tuple[Span, ...]
     pending: tuple[Message, ...]
+    #: Indices of the messages the model generated (the caller appended the others).
+    generated: frozenset[int] = frozenset()
+    #: What a client was shown for a generated message, where that differs.
+    views: Mapping[int, Message] = field(default_factory=lambda: MappingProxyType({}))
+    # Shared with the transcript, which never changes an array it has published.
+    tokens: InitVar[array[int]]
+    _tokens: array[int] = field(init=False, repr=False)
+    _ids: tuple[int, ...] | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self, tokens: array[int]) -> None:
+        object.__setattr__(self, "_tokens", tokens)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The exact token ids of the committed messages (made on first read)."""
+        if self._ids is None:
+            object.__setattr__(self, "_ids", tuple(self._tokens))
+        assert self._ids is not None
+        return self._ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TranscriptView):
+            return NotImplemented
+        return (
+            self.messages == other.messages
+            and self.spans == other.spans
+            and self.pending == other.pending
+            and self._tokens == other._tokens
+            and self.generated == other.generated
+            and self.views == other.views
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # a snapshot compared by value, not a key
+
+    def __repr__(self) -> str:
+        return (
+            f"TranscriptView(messages={self.messages!r}, num_tokens={self.num_tokens}, "
+            f"spans={self.spans!r}, pending={self.pending!r})"
+        )
 
 
 class Transcript:
@@ -93,6 +144,7 @@ class Transcript:
 
     __slots__ = (
         "_finish_reason",
+        "_generated",
         "_messages",
         "_pending",
         "_spans",
@@ -100,9 +152,11 @@ class Transcript:
         "_token_tuple",
         "_tokens",
         "_version",
+        "_views",
     )
 
     def __init__(self, messages: Iterable[Message] = ()) -> None:
+        # Replaced, never changed in place once built: views share it (``view``).
         self._tokens: array[int] = array(TOKEN_TYPECODE)
         # ``token_ids`` as a tuple, made once per length: the tokens only ever grow (a commit
         # checks that the new ids extend them), so one length is one content.
@@ -115,6 +169,11 @@ class Transcript:
         self._tail_open = False
         self._finish_reason: str | None = None
         self._version = 0
+        # Indices of the messages the model generated (the others were appended by the caller),
+        # and what a caller's client was shown for one where that differs: echoes of them are
+        # matched by meaning (``_prompt.history``).
+        self._generated: set[int] = set()
+        self._views: dict[int, Message] = {}
         self.append(*messages)
 
     # --- reading -------------------------------------------------------------------------------
@@ -165,6 +224,16 @@ class Transcript:
         return self._tail_open
 
     @property
+    def generated(self) -> frozenset[int]:
+        """Indices of the messages the model generated; the caller appended the others."""
+        return frozenset(self._generated)
+
+    @property
+    def views(self) -> Mapping[int, Message]:
+        """What a caller's client was shown for a generated message, where that differs."""
+        return MappingProxyType(self._views)
+
+    @property
     def finish_reason(self) -> str | None:
         """Why the last committed generation stopped (decides the closing it gets)."""
         return self._finish_reason
@@ -172,9 +241,11 @@ class Transcript:
     def view(self) -> TranscriptView:
         return TranscriptView(
             messages=self.messages,
-            token_ids=self.token_ids,
+            tokens=self._tokens,
             spans=self.spans,
             pending=self.pending,
+            generated=self.generated,
+            views=MappingProxyType(dict(self._views)),
         )
 
     @classmethod
@@ -188,6 +259,8 @@ class Transcript:
         tail_open: bool,
         finish_reason: str | None,
         version: int,
+        generated: Iterable[int] = (),
+        views: Mapping[int, Message] | None = None,
     ) -> Transcript:
         """Rebuild a saved transcript (``_client.persist``); ``ValueError`` if inconsistent."""
         if len(spans) != len(messages):
@@ -207,6 +280,7 @@ class Transcript:
         transcript._tail_open = tail_open
         transcript._finish_reason = finish_reason
         transcript._version = version
+        transcript.mark_generated(generated, views=views)
         return transcript
 
     # --- growing -------------------------------------------------------------------------------
@@ -322,6 +396,7 @@ class Transcript:
         self._messages.append(message)
         self._spans.append(Span(prompt.generation_start, len(self._tokens)))
         del self._pending[: len(prompt.messages)]
+        self._generated.add(len(self._messages) - 1)
         self._tail_open = True
         self._finish_reason = finish_reason
         self._version += 1
@@ -347,8 +422,12 @@ class Transcript:
             raise ValueError(f"keep must be between 0 and {len(self._messages)}, got {keep}")
         kept = self._messages[:keep]
         if not kept or kept[-1].role != "assistant" or not self._clean_cut(keep):
-            return Transcript(kept)
+            # Rendered afresh, a kept generated message is still the model's: its echoes match.
+            child = Transcript(kept)
+            child._keep_marks(self, keep)
+            return child
         child = Transcript()
+        child._keep_marks(self, keep)
         end = self._spans[keep - 1].end
         child._tokens = self._tokens[:end]
         child._messages = list(kept)
@@ -362,23 +441,47 @@ class Transcript:
         """True when message ``keep - 1`` ends where message ``keep`` starts (not one unit)."""
         return keep == len(self._spans) or self._spans[keep].start >= self._spans[keep - 1].end
 
-    def match_prefix(self, messages: Sequence[Message]) -> int:
-        """Check that ``messages`` starts with this transcript's messages (committed, then pending);
-        return how many those are.
+    def _keep_marks(self, parent: Transcript, keep: int) -> None:
+        self._generated = {i for i in parent._generated if i < keep}
+        self._views = {i: view for i, view in parent._views.items() if i < keep}
 
-        Raises ``PrefixDivergedError`` when the history was edited, so that the stored handle can
-        never be sent with it.
-        """
-        known = [*self._messages, *self._pending]
-        if len(messages) < len(known):
-            raise PrefixDivergedError(
-                f"the conversation has {len(messages)} messages but the session holds "
-                f"{len(known)}; fork the session to drop history"
+    # --- histories -----------------------------------------------------------------------------
+
+    def mark_generated(
+        self, indices: Iterable[int] = (), *, views: Mapping[int, Message] | None = None
+    ) -> None:
+        """Record that messages ``indices`` (committed, then pending) were generated, and what
+        a client was shown for some (``views``, generated too); ``ValueError`` out of range."""
+        indices = set(indices)
+        views = dict(views or {})
+        count = len(self._messages) + len(self._pending)
+        for index in indices | set(views):
+            if not 0 <= index < count:
+                raise ValueError(f"message {index} is not in a transcript of {count} messages")
+        for view in views.values():
+            if not isinstance(view, Message) or view.role != "assistant":
+                raise InvalidMessageError("a generated message is shown as an assistant message")
+        self._generated |= indices | set(views)
+        self._views.update(views)
+
+    def plan(self, incoming: Sequence[Message], *, tools_changed: bool = False) -> HistoryPlan:
+        """How ``incoming`` (a whole conversation) maps onto the committed and pending messages
+        (``_prompt.history.plan_history``); a fork's ``keep`` counts committed messages only."""
+        held = [*self._messages, *self._pending]
+        plan = plan_history(
+            held,
+            incoming,
+            generated=self._generated,
+            views=self._views,
+            tools_changed=tools_changed,
+        )
+        committed = len(self._messages)
+        if plan.forked and plan.keep > committed:
+            return HistoryPlan(
+                keep=committed,
+                new=tuple(incoming[committed:]),
+                forked=True,
+                echoes=plan.echoes,
+                reason=plan.reason,
             )
-        for index, (mine, theirs) in enumerate(zip(known, messages, strict=False)):
-            if mine != theirs:
-                raise PrefixDivergedError(
-                    f"message {index} ({theirs.role}) differs from the session's; the history was "
-                    "edited, fork the session instead of reusing its KV"
-                )
-        return len(known)
+        return plan

@@ -1,7 +1,7 @@
 """LangChain: ``ChatAgentKV``, a chat model backed by an agentkv session.
 
 A LangChain tool loop re-sends the whole conversation every call. ``ChatAgentKV`` lines that
-history up with its session (``Session.append_history``): only the new messages are rendered and
+history up with its session (``Session.sync_history``): only the new messages are rendered and
 sent, and each turn pulls the previous turn's KV from the decode node, as an ``Agent`` does.
 The ``AIMessage`` s it returns carry an id that maps back to the exact assistant message in the
 transcript, so echoing them back never re-renders (and never moves) the prefix. A history that
@@ -62,7 +62,6 @@ from agentkv import (
     JsonToolCalling,
     Message,
     ModelReply,
-    PrefixDivergedError,
     Session,
     Tool,
     ToolCall,
@@ -187,7 +186,9 @@ class ChatAgentKV(BaseChatModel):
         protocol: ToolCalling = self.tool_calling
         specs = [ToolSpec.from_openai(t) for t in kwargs.get("tools") or ()]
         choice = _choice(kwargs.get("tool_choice"), specs)
-        session = self._checkout(self._history(messages, specs, protocol))
+        # The tools the turn renders (with JSON tool calling: none, they are in the messages).
+        tools = protocol.turn_options(specs, choice=choice).get("tools") if specs else None
+        session = self._checkout(self._history(messages, specs, protocol), tools=tools)
         try:
             return self._run(session, specs, choice, protocol, stop=stop, kwargs=kwargs)
         finally:
@@ -225,14 +226,14 @@ class ChatAgentKV(BaseChatModel):
         self._committed[ai.id] = tuple(committed)
         return ChatResult(generations=[ChatGeneration(message=ai)])
 
-    def _checkout(self, history: list[Message]) -> Session:
+    def _checkout(
+        self, history: list[Message], *, tools: Sequence[Mapping[str, Any]] | None
+    ) -> Session:
         """A session for ``history`` that no other call is using: one it extends, or a new one."""
         with self._lock:
             found = None
             for session in reversed(self._idle):  # the most recent first
-                try:
-                    session.append_history(history)
-                except PrefixDivergedError:
+                if session.sync_history(history, tools=tools).forked:
                     continue
                 found = session
                 break

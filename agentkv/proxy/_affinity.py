@@ -22,31 +22,16 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from agentkv import Message
-from agentkv._wire.json import JSONDecodeError, dumps, loads
+from agentkv import HistoryPlan, Message
+from agentkv._wire.json import dumps
 
 __all__ = ["HistoryIndex"]
 
 
-def _arguments(text: str) -> object:
-    try:
-        return loads(text)
-    except (JSONDecodeError, ValueError):
-        return text
-
-
-def _normal(message: Message) -> object:
-    """A message as an echo of it reads (the tolerance of ``_mapping.is_echo``)."""
-    return [
-        message.role,
-        (message.content or "").strip(),
-        [[c.id, c.name, _arguments(c.arguments)] for c in message.tool_calls],
-        message.tool_call_id,
-    ]
-
-
 def _digest(principal: str, key: str, messages: Sequence[Message]) -> bytes:
-    data = dumps([principal, key, [_normal(m) for m in messages]])
+    # Keyed by how an echo reads (the session's own history rule): a client's copy of the
+    # answer finds the session that generated it.
+    data = dumps([principal, key]) + HistoryPlan.key(messages)
     return hashlib.blake2b(data, digest_size=16).digest()
 
 

@@ -26,17 +26,17 @@ from agentkv import (
     AsyncCluster,
     AsyncSession,
     HandleState,
+    HistoryPlan,
     Message,
     PersistMode,
     TextDelta,
     TurnOverrides,
     TurnResult,
 )
-from agentkv._wire.json import dumps, tools_key
+from agentkv._wire.json import dumps
 from agentkv.proxy._affinity import HistoryIndex
 from agentkv.proxy._config import ProxyConfig
 from agentkv.proxy._errors import ProxyError
-from agentkv.proxy._mapping import HistoryPlan, plan_history
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
 from agentkv.proxy._request import ChatRequest, parse_chat_request, session_id_from
@@ -176,16 +176,11 @@ class _Lease:
         self.plan = plan
         self.forked = plan is not None and plan.forked
 
-    def committed(self, request: ChatRequest, view: Message | None = None) -> None:
-        """Note what the finished turn added: the index of the generated message, what the
-        client was shown for it when that differs (``view``), the tools."""
-        if self.entry is None or self.plan is None:
-            return
-        index = self.plan.keep + len(self.plan.new)
-        self.entry.generated.add(index)
-        if view is not None:
-            self.entry.views[index] = view
-        self.entry.tools_key = tools_key(request.tools)
+    def committed(self, view: Message | None = None) -> None:
+        """Note what the client was shown for the turn's answer when that differs (``view``):
+        the session matches its echo against it."""
+        if self.plan is not None and view is not None:
+            self.session.mark_generated(views={self.plan.keep + len(self.plan.new): view})
 
     async def release(self, *, failed: bool) -> None:
         if failed and not self.session.closed:
@@ -381,7 +376,7 @@ class ChatService:
     ) -> tuple[Message, str]:
         """Commit the turn's bookkeeping; the message and finish reason the client gets."""
         message, finish = tools.answer(result)
-        lease.committed(request, view=message if message is not result.message else None)
+        lease.committed(view=message if message is not result.message else None)
         shape.answered(request, message, session_id=lease.entry.session_id if lease.entry else None)
         if request.prompt_cache_key is not None and lease.entry is not None:
             self._histories.remember(
@@ -405,32 +400,24 @@ class ChatService:
         entry = await registry.checkout(principal, session_id, placement_key=placement)
         try:
             session = entry.session
-            view = session.transcript
-            if view.pending:
+            if session.transcript.pending:
                 _discard_pending(session)
-            if entry.tools_key is not None and tools_key(request.tools) != entry.tools_key:
-                # Templates render tools into the prefix: new tools mean a new rendering.
-                plan = HistoryPlan(keep=0, new=tools.messages, forked=True)
-                reason = "tools changed"
-            else:
-                plan = plan_history(
-                    view.messages, tools.messages, generated=entry.generated, views=entry.views
-                )
-                reason = "history does not extend the session"
+            # The tools the turn renders (in JSON mode they are in the messages instead).
+            plan = session.sync_history(tools.messages, tools=tools.tools)
             if plan.echoes:
                 self._metrics.echoes.inc(plan.echoes)
             if plan.forked:
                 child = session.fork(keep=plan.keep, session_id=session.session_id)
-                await registry.replace(entry, child, keep=plan.keep)
+                await registry.replace(entry, child)
                 self._metrics.forks.inc()
                 logger.info(
                     "agentkv.proxy.session_forked",
                     session_id=session_id,
                     principal=principal,
                     kept_messages=plan.keep,
-                    reason=reason,
+                    reason=plan.reason,
                 )
-            entry.session.append(*plan.new)
+                child.append(*plan.new)
         except BaseException:
             await registry.checkin(entry)
             raise

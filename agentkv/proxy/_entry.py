@@ -19,9 +19,8 @@ Key = tuple[str, str]
 class SessionEntry:
     """One open session and the proxy's bookkeeping around it.
 
-    ``generated`` holds the indices of the session's messages the model generated (their echoes
-    are matched by meaning, see ``_mapping``); ``tools_key`` the tools its transcript was rendered
-    with (``None`` before the first turn).
+    Which of its messages the model generated, what the client was shown for them and the tools
+    its prefix was rendered with are the session's own (``AsyncSession.sync_history``).
     """
 
     __slots__ = (
@@ -29,7 +28,6 @@ class SessionEntry:
         "closed",
         "created_at",
         "forks",
-        "generated",
         "key",
         "last_used",
         "lock",
@@ -37,21 +35,14 @@ class SessionEntry:
         "renewer",
         "session",
         "store_s",
-        "tools_key",
         "users",
         "version",
-        "views",
         "write",
     )
 
     def __init__(self, key: Key, session: AsyncSession, *, now: float) -> None:
         self.key = key
         self.session = session
-        self.generated: set[int] = set()
-        # What the client was shown for a generated message, where it differs (tool calls
-        # translated from the JSON the model wrote): echoes are matched against it.
-        self.views: dict[int, Message] = {}
-        self.tools_key: str | None = None
         self.lock = asyncio.Lock()
         self.users = 0
         self.last_used = now
@@ -78,11 +69,14 @@ class SessionEntry:
     def to_bytes(self, *, wall: float) -> bytes:
         """The entry as the shared store keeps it: the mapping's JSON, then the session's
         ``snapshot_bytes`` (the token ids as raw int32, not JSON numbers)."""
+        transcript = self.session.transcript
         mapping = dumps(
             {
-                "generated": sorted(self.generated),
-                "views": {str(i): view.to_openai() for i, view in self.views.items()},
-                "tools_key": self.tools_key,
+                # The session's snapshot holds these now; an older replica sharing the store
+                # reads them here (``tools_key`` ``None``: it leaves the tools check to the turn).
+                "generated": sorted(transcript.generated),
+                "views": {str(i): view.to_openai() for i, view in transcript.views.items()},
+                "tools_key": None,
                 "forks": self.forks,
                 "created_at": self.created_at,
             }
@@ -111,11 +105,17 @@ class SessionEntry:
             stored = loads(data)
             snapshot = stored["session"]
         session = cluster.restore_session(snapshot, confirmed=confirmed, drop_handle=drop_handle)
+        try:
+            # An entry of an older agentkv kept these beside a snapshot without them.
+            session.mark_generated(
+                stored["generated"],
+                views={int(i): Message.from_openai(v) for i, v in stored["views"].items()},
+            )
+        except BaseException:
+            session.detach()
+            raise
         self.session.detach()
         self.session = session
-        self.generated = set(stored["generated"])
-        self.views = {int(i): Message.from_openai(v) for i, v in stored["views"].items()}
-        self.tools_key = stored["tools_key"]
         self.forks = stored["forks"]
         self.created_at = stored["created_at"]
 

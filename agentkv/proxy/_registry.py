@@ -178,15 +178,11 @@ class SessionRegistry(SharedSessions):
         if entry.closed and entry.users == 0:
             await entry.session.aclose()
 
-    async def replace(self, entry: SessionEntry, session: AsyncSession, *, keep: int) -> None:
-        """Swap in a fork of the entry's session that kept its first ``keep`` messages."""
+    async def replace(self, entry: SessionEntry, session: AsyncSession) -> None:
+        """Swap in a fork of the entry's session (it carries what it kept of the history)."""
         old = entry.session
         entry.session = session
-        entry.generated = {index for index in entry.generated if index < keep}
-        entry.views = {index: view for index, view in entry.views.items() if index < keep}
         entry.forks += 1
-        if not session.transcript.token_ids:
-            entry.tools_key = None  # rendered afresh: the next turn may bring any tools
         await old.aclose()
 
     async def delete(self, principal: str, session_id: str) -> bool:

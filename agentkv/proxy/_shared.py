@@ -156,7 +156,7 @@ class SharedSessions:
             # Deleted or expired elsewhere since this copy was made: a new session starts.
             entry.session.detach()
             entry.session = self._fresh_session(entry.key, placement_key=placement_key)
-            entry.generated, entry.views, entry.tools_key, entry.forks = set(), {}, None, 0
+            entry.forks = 0
         if claim.version == 0:
             self._opened(entry)
         entry.version = claim.version

@@ -466,12 +466,17 @@ async def test_an_entry_reads_both_its_binary_form_and_the_json_an_older_replica
     session.append(Message.system(SYSTEM))
     await session.send(QUESTIONS[0])
     entry = SessionEntry(("p", "s"), session, now=0.0)
-    entry.generated, entry.tools_key, entry.forks = {2}, "tools", 1
+    entry.forks = 1
+    shown = Message.assistant("shown")
+    session.mark_generated(views={2: shown})
+    legacy_snapshot = session.snapshot()
+    # An older agentkv's snapshot knew nothing generated: its entry kept that beside it.
+    del legacy_snapshot["transcript"]["generated"], legacy_snapshot["transcript"]["views"]
     legacy = dumps(
         {
-            "session": session.snapshot(),
+            "session": legacy_snapshot,
             "generated": [2],
-            "views": {},
+            "views": {"2": shown.to_openai()},
             "tools_key": "tools",
             "forks": 1,
             "created_at": entry.created_at,
@@ -481,9 +486,11 @@ async def test_an_entry_reads_both_its_binary_form_and_the_json_an_older_replica
         copy = SessionEntry(("p", "s"), cluster.session(), now=0.0)
         copy.load_bytes(stored, cluster, confirmed=True)
         assert copy.session.transcript == session.transcript
+        assert copy.session.transcript.generated == {2}
+        assert copy.session.transcript.views == {2: shown}
         assert copy.session.handle is not None
         assert copy.session.handle.request_id == session.handle.request_id
-        assert (copy.generated, copy.tools_key, copy.forks) == ({2}, "tools", 1)
+        assert copy.forks == 1
         copy.session.detach()
     await session.aclose()
     await cluster.aclose()

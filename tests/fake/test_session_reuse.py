@@ -277,3 +277,33 @@ def test_a_cache_salt_isolates_prefills_prefix_cache(clock):
     assert first_turn_reuse(None) > 0
     assert first_turn_reuse("tenant-a") == 0
     assert first_turn_reuse("tenant-a") > 0
+
+
+def test_sync_history_extends_with_echoes_and_plans_a_fork_for_other_tools(cluster):
+    """One rule for every front end: an echo of a generated answer in the client's form extends
+    the session (its exact tokens kept); other tools never do (templates render them first)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with cluster.session(max_tokens=10) as s:
+        s.append(Message.user("Hi"))
+        answer = s.turn().message
+        echoed = Message.assistant(f"  {answer.content}  ")
+        history = [Message.user("Hi"), echoed, Message.user("More")]
+        changed = s.sync_history(history, tools=tools)
+        assert (changed.forked, changed.keep, changed.reason) == (True, 0, "tools changed")
+        assert s.transcript.pending == ()  # a plan that forks changes nothing
+        plan = s.sync_history(history)
+        assert (plan.forked, plan.keep, plan.echoes) == (False, 2, 1)
+        assert s.transcript.pending == (Message.user("More"),)
+        assert s.transcript.messages[1] == answer  # the session's own message, not the echo
+        assert s.turn().stats.handle_state is not HandleState.DIVERGED
+
+
+def test_an_echo_of_a_message_the_caller_appended_must_be_equal(cluster):
+    with cluster.session(max_tokens=10) as s:
+        s.append(Message.user("Hi"), Message.assistant("Few-shot. "), Message.user("Go"))
+        s.turn()
+        history = [Message.user("Hi"), Message.assistant("Few-shot."), Message.user("Go")]
+        plan = s.sync_history(history)
+        assert (plan.forked, plan.keep) == (True, 1)
+        with pytest.raises(PrefixDivergedError, match="keeps 1"):
+            s.append_history(history)

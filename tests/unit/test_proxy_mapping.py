@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentkv import Message, ToolCall
-from agentkv.proxy._mapping import is_echo, plan_history
+from agentkv._prompt.history import is_echo, plan_history
 
 SYSTEM = Message.system("Be brief.")
 USER = Message.user("Capital of France?")

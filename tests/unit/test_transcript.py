@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import InvalidMessageError, Message, PrefixDivergedError
+from agentkv._prompt.history import EDITED, NOTHING_NEW, TOOLS_CHANGED
 from agentkv._prompt.transcript import Delta, Transcript, TurnPrompt
 
 CLOSING = (2, 3)  # like ChatML's "<|im_end|>", "\n"
@@ -152,15 +153,45 @@ def test_fork_with_new_messages():
         t.fork(keep=5)
 
 
-def test_match_prefix_accepts_extensions_and_refuses_edits():
+def test_a_history_plan_extends_or_says_what_a_fork_keeps():
     t = Transcript([Message.user("u")])
     one_turn(t)
     history = [*t.messages, Message.user("next")]
-    assert t.match_prefix(history) == 2
-    with pytest.raises(PrefixDivergedError, match="message 0"):
-        t.match_prefix([Message.user("edited"), *history[1:]])
-    with pytest.raises(PrefixDivergedError, match="fork"):
-        t.match_prefix(history[:1])
+    plan = t.plan(history)
+    assert (plan.keep, plan.new, plan.forked) == (2, (Message.user("next"),), False)
+    edited = t.plan([Message.user("edited"), *history[1:]])
+    assert (edited.keep, edited.forked, edited.reason) == (0, True, EDITED)
+    assert t.plan(history, tools_changed=True).reason == TOOLS_CHANGED
+    assert t.plan(list(t.messages)).reason == NOTHING_NEW
+
+
+def test_the_transcript_knows_which_messages_were_generated_and_forks_keep_that():
+    t = Transcript([Message.user("u")])
+    one_turn(t)
+    assert t.generated == {1}
+    t.mark_generated(views={1: Message.assistant("shown")})
+    echo = [Message.user("u"), Message.assistant(" shown "), Message.user("next")]
+    assert t.plan(echo).echoes == 1
+    child = t.fork(keep=2)
+    assert (child.generated, dict(child.views)) == ({1}, {1: Message.assistant("shown")})
+    assert t.fork(keep=1).generated == set()
+    with pytest.raises(ValueError, match="not in a transcript"):
+        t.mark_generated([5])
+    with pytest.raises(InvalidMessageError):
+        t.mark_generated(views={0: Message.user("not an answer")})
+
+
+def test_a_view_makes_token_ids_only_when_read_and_is_a_snapshot():
+    t = Transcript([Message.user("u")])
+    one_turn(t)
+    view = t.view()
+    assert view._ids is None  # the messages alone cost no Python ints
+    assert view.num_tokens == t.num_tokens
+    t.append(Message.user("next"))
+    one_turn(t)
+    assert view.token_ids == t.token_ids[: view.num_tokens] != t.token_ids
+    assert view != t.view()
+    assert t.view() == t.view()
 
 
 # --- properties ----------------------------------------------------------------------------------
@@ -252,6 +283,8 @@ def restored(t: Transcript, **changes) -> Transcript:
         "tail_open": t.tail_open,
         "finish_reason": t.finish_reason,
         "version": t.version,
+        "generated": t.generated,
+        "views": t.views,
     }
     return Transcript.restore(**{**fields, **changes})
 

@@ -1,0 +1,368 @@
+"""``AsyncSession``: a session's I/O (turns, streams, handle upkeep, close), and opening one."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
+from typing import Any, Protocol, Unpack
+
+from agentkv._client.leasing import (
+    ToolWait,
+    begin_wait,
+    delete_tier,
+    end_wait,
+    extend_handle,
+    persist_handle,
+    release_handle,
+)
+from agentkv._client.persist import load_state, restore, restore_bytes
+from agentkv._client.pool import PairPool
+from agentkv._client.session_base import SessionBase, as_message, merge_options
+from agentkv._client.state import SessionState
+from agentkv._client.turn import TurnRunner
+from agentkv._policy import CachePolicy, PersistMode, check_persist_mode
+from agentkv._prompt.transcript import Transcript
+from agentkv._types import (
+    Message,
+    MessageLike,
+    Pair,
+    SessionOptions,
+    TextDelta,
+    TurnOverrides,
+    TurnResult,
+)
+from agentkv._wire.tier import TierRef
+
+__all__ = ["AsyncSession", "AsyncSessionHost", "load_session", "open_session", "restore_session"]
+
+
+class AsyncSessionHost(Protocol):
+    """What ``AsyncSession.load`` needs of a cluster (``AsyncCluster`` is one)."""
+
+    def load_session(self, path: str | os.PathLike[str]) -> AsyncSession: ...
+
+    def restore_session(
+        self,
+        data: Mapping[str, Any] | bytes,
+        *,
+        confirmed: bool = False,
+        drop_handle: str | None = None,
+    ) -> AsyncSession: ...
+
+
+class AsyncSession(SessionBase):
+    """A conversation on one prefill/decode pair, async. Open with ``AsyncCluster.session()``.
+
+    >>> async with cluster.session(max_tokens=128) as s:  # doctest: +SKIP
+    ...     s.append(Message.user("Hi!"))
+    ...     r = await s.turn()
+    ...     s.append({"role": "user", "content": "Tell me more."})
+    ...     async for event in s.stream(max_tokens=64):
+    ...         if isinstance(event, TextDelta):
+    ...             print(event.text, end="")
+    """
+
+    def __init__(self, state: SessionState, *, pool: PairPool) -> None:
+        self._state = state
+        self._pool = pool
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], cluster: AsyncSessionHost) -> AsyncSession:
+        """Continue a session saved with ``save``; its handle is reused if still valid.
+
+        The same as ``cluster.load_session(path)``. Raises ``SessionLoadError`` for a missing,
+        corrupt or unknown-version file.
+
+        >>> session = AsyncSession.load("run.json", cluster)  # doctest: +SKIP
+        """
+        return cluster.load_session(path)
+
+    async def turn(
+        self,
+        *,
+        final: bool = False,
+        persist: PersistMode = "auto",
+        **overrides: Unpack[TurnOverrides],
+    ) -> TurnResult:
+        """Send the pending messages and return the assistant's answer.
+
+        Keyword arguments override the session's defaults for this turn: ``max_tokens``,
+        ``temperature``, ``tools``, ``tool_choice``, ``extra_body``. A failed turn raises and
+        leaves the transcript (pending messages included) as it was.
+
+        ``final=True`` says no turn follows: decode (with agentkv's extension) pins nothing for a
+        next one. The session stays open; a further turn just recomputes.
+
+        ``persist="disk"`` says the next turn is far off: right after this one, the turn-end KV
+        is persisted to decode's file tier and decode's pin freed (``persist()``); ``"auto"``
+        and ``"pin"`` keep the pin.
+        """
+        options = merge_options(self._state.options, overrides)
+        check_persist_mode(persist)
+        await self._close_abandoned()
+        self._check_turnable()
+        self._state.begin_turn()
+        try:
+            runner = TurnRunner(
+                self._pool, self._state, options, stream=False, final=final, persist=persist
+            )
+            async with contextlib.aclosing(runner.events()) as events:
+                async for event in events:
+                    if isinstance(event, TurnResult):
+                        return event
+        finally:
+            self._state.end_turn()
+        raise AssertionError("a turn ended without a result")  # pragma: no cover
+
+    async def send(
+        self,
+        message: str | MessageLike,
+        /,
+        *,
+        final: bool = False,
+        persist: PersistMode = "auto",
+        **overrides: Unpack[TurnOverrides],
+    ) -> TurnResult:
+        """Append ``message`` (text is a user message) and run a turn; on failure, un-append it."""
+        self._check_open()
+        check_persist_mode(persist)
+        keep = len(self._state.transcript.pending)
+        self.append(Message.user(message) if isinstance(message, str) else message)
+        try:
+            return await self.turn(final=final, persist=persist, **overrides)
+        except BaseException:
+            # Only this message: others appended while the turn ran stay queued.
+            self._state.transcript.drop_pending(keep, count=1)
+            raise
+
+    def stream(
+        self,
+        *,
+        final: bool = False,
+        persist: PersistMode = "auto",
+        **overrides: Unpack[TurnOverrides],
+    ) -> AsyncIterator[TextDelta | TurnResult]:
+        """Run a turn: ``TextDelta`` pieces as decode produces them, then the ``TurnResult``.
+
+        The turn-end handle is stored as for ``turn()`` (``final`` too). Leaving the loop early
+        abandons the turn (nothing is committed), and the session is free at once: the next
+        ``turn()``, ``send()``, ``stream()`` or ``aclose()`` closes the abandoned stream
+        (``await stream.aclose()`` does it yourself). A stream is not retried once text was
+        yielded.
+        """
+        options = merge_options(self._state.options, overrides)
+        check_persist_mode(persist)
+        self._check_turnable(abandoned_ok=True)
+        holder: list[AsyncGenerator[TextDelta | TurnResult, None]] = []
+        stream = self._stream(options, final=final, persist=persist, holder=holder)
+        holder.append(stream)
+        return stream
+
+    async def _close_abandoned(self) -> None:
+        stream = self._state.stream
+        if stream is not None and self._abandoned():
+            await stream.aclose()  # its ``finally`` frees the session
+
+    async def _stream(
+        self,
+        options: SessionOptions,
+        *,
+        final: bool,
+        persist: PersistMode,
+        holder: list[AsyncGenerator[TextDelta | TurnResult, None]],
+    ) -> AsyncGenerator[TextDelta | TurnResult, None]:
+        await self._close_abandoned()
+        self._check_turnable()
+        state = self._state
+        state.begin_turn()
+        state.stream = holder[0]
+        try:
+            runner = TurnRunner(
+                self._pool, state, options, stream=True, final=final, persist=persist
+            )
+            async with contextlib.aclosing(runner.events()) as events:
+                async for event in events:
+                    yield event
+        finally:
+            state.end_turn()
+            if state.stream is holder[0]:
+                state.stream = None
+
+    async def extend_handle(self, ttl_s: float) -> float | None:
+        """Ask decode to keep the stored handle at least ``ttl_s`` more seconds.
+
+        Returns the handle's new deadline (session clock), or ``None`` when nothing was extended:
+        no handle, a decode without agentkv's extension, a failed call, or a handle decode no
+        longer holds (it is then dropped, and the next turn says why). Never raises for the
+        server's sake. ``tool_wait()`` decides the TTL for you.
+        """
+        self._check_open()
+        if not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s}")
+        return await extend_handle(self._pool, self._state, ttl_s, reason="explicit")
+
+    async def persist(self) -> TierRef | None:
+        """Persist the stored handle to decode's file tier now, and free decode's pin.
+
+        Returns the tier reference (also ``session.tier``), or ``None`` when nothing was
+        persisted: no handle, a decode without agentkv's extension or without a tier, a failed
+        write or call (the pin then stays as it was). Never raises for the server's sake. The
+        next turn's prefill loads the persisted KV from the tier.
+
+        >>> ref = await session.persist()  # the user went for lunch  # doctest: +SKIP
+        """
+        self._check_open()
+        with self._state.holding("persist"):
+            return await persist_handle(self._pool, self._state, reason="explicit")
+
+    @contextlib.asynccontextmanager
+    async def tool_wait(
+        self, *, expected_s: float, persist: PersistMode = "auto"
+    ) -> AsyncIterator[ToolWait]:
+        """Wrap a tool call (or any pause between turns) of about ``expected_s`` seconds.
+
+        On entry the policy decides what the handle does during the wait
+        (``CachePolicy.decide_tier``): with ``persist="auto"``, a wait of at least
+        ``policy.persist_after_s`` on a decode with a file tier persists it there (decode's
+        memory is freed; the next turn loads it back in milliseconds); ``"disk"`` always
+        persists where a tier exists, ``"pin"`` never does. A kept pin is extended when the
+        wait would outlast its deadline (``decide_extend``). On exit the yielded ``ToolWait``
+        says whether the handle (or its tier entry) survived, and so does the next turn's
+        ``handle_reason``. Never raises for the server's sake.
+
+        >>> async with session.tool_wait(expected_s=300) as wait:  # doctest: +SKIP
+        ...     output = await run_tool(call)
+        >>> wait.survived, wait.persisted  # doctest: +SKIP
+        (True, True)
+        """
+        self._check_open()
+        check_persist_mode(persist)
+        wait = await begin_wait(self._pool, self._state, expected_s=expected_s, persist=persist)
+        try:
+            yield wait
+        finally:
+            end_wait(self._pool, self._state, wait)
+
+    def fork(
+        self,
+        *,
+        keep: int | None = None,
+        messages: Iterable[MessageLike] | None = None,
+        session_id: str | None = None,
+    ) -> AsyncSession:
+        """A new session from the first ``keep`` messages, or from ``messages``; no handle.
+
+        The child lives on this session's pair when it is healthy (its prefill may still cache
+        the shared prefix). When the kept messages end with an assistant message, the child keeps
+        their exact tokens; otherwise its first turn renders them afresh.
+        """
+        self._check_open()
+        state = self._state
+        parsed = None if messages is None else [as_message(m) for m in messages]
+        transcript = state.transcript.fork(keep=keep, messages=parsed)
+        child = open_session(
+            self._pool,
+            session_id=session_id,
+            policy=state.policy,
+            options=state.options,
+            transcript=transcript,
+            near=state.pair,
+        )
+        if not transcript.is_fresh:
+            child._state.tools_key = state.tools_key
+        return child
+
+    async def aclose(self) -> None:
+        """Close the session: release its handle on decode and free its place on the pair.
+
+        The release (agentkv's extension only) is best effort: a decode that cannot be reached
+        keeps the pin until its TTL, and the close still succeeds.
+        """
+        state = self._state
+        if state.closed:
+            return
+        await self._close_abandoned()
+        state.close()
+        # Releases of this session's lost D legs, still in flight: done before close returns.
+        pool = self._pool
+        await pool.leases.settle()
+        handle, state.handle = state.handle, None
+        tier = state.take_tier()
+        pool.release(state.pair)
+        if (
+            handle is not None
+            and not pool.closed
+            and state.policy.decide_release(handle, now=pool.clock())
+        ):
+            await release_handle(pool, state, handle, reason="close")
+        if tier is not None and not pool.closed:
+            await delete_tier(pool, state, tier[0], pair=tier[1], reason="close")
+
+    def detach(self) -> None:
+        """Close this copy of the session without releasing its handle on decode.
+
+        For a session that lives on elsewhere: another process (a proxy replica sharing
+        sessions) holds its snapshot and will send or release the handle (or delete its tier
+        entry). Frees this copy's place on its pair; idempotent.
+        """
+        state = self._state
+        if not state.closed:
+            state.close()
+            state.handle = None
+            state.take_tier()
+            self._pool.release(state.pair)
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def open_session(
+    pool: PairPool,
+    *,
+    session_id: str | None,
+    policy: CachePolicy,
+    options: SessionOptions,
+    transcript: Transcript | None = None,
+    near: Pair | None = None,
+    placement_key: str | None = None,
+) -> AsyncSession:
+    """A new session on ``pool``, placed by ``placement_key`` or its id (``near`` when healthy).
+
+    Call it on the pool's event loop: it takes a place on a pair.
+    """
+    sid = session_id or uuid.uuid4().hex
+    state = SessionState(
+        session_id=sid,
+        pair=pool.acquire(placement_key or sid, near=near),
+        policy=policy,
+        options=options,
+        transcript=transcript or Transcript(),
+    )
+    return AsyncSession(state, pool=pool)
+
+
+def load_session(pool: PairPool, path: str | os.PathLike[str]) -> AsyncSession:
+    """The session saved at ``path``, placed on ``pool`` (see ``_persist.load_state``)."""
+    return AsyncSession(load_state(path, pool), pool=pool)
+
+
+def restore_session(
+    pool: PairPool,
+    data: Mapping[str, Any] | bytes,
+    *,
+    confirmed: bool = False,
+    drop_handle: str | None = None,
+) -> AsyncSession:
+    """The session from a ``snapshot()`` dict or ``snapshot_bytes()``, placed on ``pool`` (see
+    ``_persist.restore``)."""
+    if isinstance(data, bytes):
+        state = restore_bytes(data, pool, confirmed=confirmed, drop_handle=drop_handle)
+    else:
+        state = restore(data, pool, confirmed=confirmed, drop_handle=drop_handle)
+    return AsyncSession(state, pool=pool)
