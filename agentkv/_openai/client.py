@@ -29,7 +29,7 @@ from typing import Any
 import httpx2
 import openai
 
-from agentkv import AsyncCluster, Cluster
+from agentkv._core import AsyncCluster, Cluster
 from agentkv._openai.transport import AppTransport, AsyncAppTransport
 from agentkv.proxy._app import create_app
 from agentkv.proxy._config import ProxyConfig

@@ -22,8 +22,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from agentkv import Message
-from agentkv._wire.json import JSONDecodeError, dumps, loads
+from agentkv._core import JSONDecodeError, Message, dumps, loads
 
 __all__ = ["HistoryIndex"]
 

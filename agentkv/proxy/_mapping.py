@@ -25,8 +25,7 @@ from __future__ import annotations
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
-from agentkv import Message, ToolCall
-from agentkv._wire.json import JSONDecodeError, loads
+from agentkv._core import JSONDecodeError, Message, ToolCall, loads
 
 __all__ = ["HistoryPlan", "is_echo", "plan_history"]
 
