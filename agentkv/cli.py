@@ -19,11 +19,10 @@ import httpx
 import structlog
 
 from agentkv import AgentKVError
-from agentkv._wire.hints import INFO_PATH, HintError, ServerInfo
-from agentkv._wire.tier import TierUsage
+from agentkv._core import INFO_PATH, HintError, ServerInfo, TierUsage
 from agentkv.local._config import ClusterRecord, LocalClusterConfig, default_cluster_file
 from agentkv.local._cpu import DTYPES, ISA_ENV
-from agentkv.local._launch import _healthy, serving_dtype, start_cluster, stop_cluster
+from agentkv.local._launch import server_healthy, serving_dtype, start_cluster, stop_cluster
 from agentkv.local._model import DEFAULT_MODEL, MODELS, prepare_model
 from agentkv.local._procs import group_cpu_percent, pid_alive
 
@@ -104,7 +103,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     rows: list[dict[str, object]] = []
     with httpx.Client() as client:
         for name, role, server in servers:
-            healthy = _healthy(server.url)
+            healthy = server_healthy(server.url)
             tier = tier_usage(client, server.url) if healthy else None
             rows.append({
                 "pair": name, "role": role, "url": server.url, "pid": server.pid,

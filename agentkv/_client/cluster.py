@@ -2,7 +2,8 @@
 
 ``AsyncCluster`` is a thin facade over a ``PairPool`` (``_pool.py``: the pairs, their load and
 health, placement, HTTP, lease calls, templates, clock); ``Cluster`` is its sync twin, driving the
-same pool on a private event-loop thread (see ``_portal.py``).
+same pool on a private event-loop thread (see ``_portal.py``). Both are written once, in
+``_Twin``: each only says how a call runs on its side and how a session is handed out.
 
 >>> cluster = Cluster.from_dict({"model": "m", "pairs": [
 ...     {"name": "p0", "prefill": "http://127.0.0.1:8100", "decode": "http://127.0.0.1:8101"}]})
@@ -17,7 +18,7 @@ import os
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, Unpack
+from typing import Any, Generic, Self, TypeVar, Unpack
 
 import httpx
 
@@ -40,6 +41,7 @@ from agentkv._wire.json import JSONDecodeError, loads
 __all__ = ["AsyncCluster", "Cluster", "Pair"]
 
 T = TypeVar("T")
+SessionT = TypeVar("SessionT", AsyncSession, Session)
 
 
 def _servers(raw: object, role: str, source: str) -> list[tuple[str, str]]:
@@ -123,40 +125,41 @@ def _read_spec(path: str | Path) -> object:
         raise ConfigError(f"cluster file {path} is unreadable: {exc}") from exc
 
 
-class AsyncCluster:
-    """Prefill/decode pairs serving one model; opens sessions on them.
+class _Twin(Generic[SessionT]):
+    """What both twins share, written once: the constructors, the reading, and each session
+    call's plan (checks and options: no I/O). A twin says only how a call runs on its side
+    (``_run``: inline, or on the sync twin's loop thread) and how an opened session is handed out
+    (``_hand_out``); ``tests/unit/test_twins.py`` keeps the rest in step."""
 
-    Args:
-        pairs: the pairs (at least one, unique names).
-        model: the served model name, as sent in requests.
-        **options: ``ClusterOptions``: ``transport`` or ``http_client``, ``timeout``,
-            ``policy`` (sessions' default ``CachePolicy``), ``retry``, ``clock``,
-            ``block_size``, ``load_factor``, ``health_recheck_s``, ``prefill_pool`` (xPyD),
-            ``prefill_weights``.
-
-    >>> async def main():  # doctest: +SKIP
-    ...     async with AsyncCluster.from_file(".agentkv/cluster.json") as cluster:
-    ...         async with cluster.session() as s:
-    ...             print((await s.send("Hello!")).text)
-    """
+    _pool: PairPool
 
     def __init__(
         self, pairs: Iterable[Pair], *, model: str, **options: Unpack[ClusterOptions]
     ) -> None:
         self._pool = PairPool(pairs, model=model, **options)
+        self._started()
 
     @classmethod
-    def from_dict(cls, spec: Mapping[str, Any], **options: Unpack[ClusterOptions]) -> AsyncCluster:
+    def from_dict(cls, spec: Mapping[str, Any], **options: Unpack[ClusterOptions]) -> Self:
         """From a cluster spec ``{"model": ..., "pairs": [{"name", "prefill", "decode"}]}``;
         ``options`` win over the spec's."""
         pairs, model, extra = _parse_spec(spec, "cluster spec")
         return cls(pairs, model=model, **_merge(extra, options))
 
     @classmethod
-    def from_file(cls, path: str | Path, **options: Unpack[ClusterOptions]) -> AsyncCluster:
+    def from_file(cls, path: str | Path, **options: Unpack[ClusterOptions]) -> Self:
         """From a cluster file, as ``agentkv up`` writes it."""
         pairs, model, extra = _parse_spec(_read_spec(path), str(path))
         return cls(pairs, model=model, **_merge(extra, options))
+
+    def _started(self) -> None:
+        """The twin's own setup, once the pool exists."""
+
+    def _run(self, fn: Callable[[], T]) -> T:
+        raise NotImplementedError
+
+    def _hand_out(self, open_: Callable[[], AsyncSession]) -> SessionT:
+        raise NotImplementedError
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -196,16 +199,8 @@ class AsyncCluster:
         return self._pool.pairs
 
     @property
-    def http_client(self) -> httpx.AsyncClient:
-        return self._pool.http_client
-
-    @property
     def closed(self) -> bool:
         return self._pool.closed
-
-    def loads(self) -> dict[str, int]:
-        """Open sessions per pair (in a pool: per decode server)."""
-        return self._pool.loads()
 
     @property
     def pooled(self) -> bool:
@@ -217,15 +212,21 @@ class AsyncCluster:
         """Prefill servers, name -> URL (without a pool, each pair's, named as the pair)."""
         return self._pool.prefills
 
+    # Load and health change on the pool's loop: the sync twin reads them there.
+
+    def loads(self) -> dict[str, int]:
+        """Open sessions per pair (in a pool: per decode server)."""
+        return self._run(self._pool.loads)
+
     def prefill_loads(self) -> dict[str, int]:
         """Outstanding tokens per prefill: prompt tokens in flight that it computes."""
-        return self._pool.prefill_loads()
+        return self._run(self._pool.prefill_loads)
 
     def is_healthy(self, pair: str) -> bool:
-        return self._pool.is_healthy(pair)
+        return self._run(lambda: self._pool.is_healthy(pair))
 
     def is_prefill_healthy(self, prefill: str) -> bool:
-        return self._pool.is_prefill_healthy(prefill)
+        return self._run(lambda: self._pool.is_prefill_healthy(prefill))
 
     # --- sessions ------------------------------------------------------------------------------
 
@@ -240,8 +241,9 @@ class AsyncCluster:
         tool_choice: Any = None,
         extra_body: Mapping[str, Any] | None = None,
         placement_key: str | None = None,
-    ) -> AsyncSession:
-        """Open a session, placed on a pair by its id. Use it as an async context manager.
+    ) -> SessionT:
+        """Open a session, placed on a pair by its id. Use it as a context manager (``async
+        with`` on ``AsyncCluster``).
 
         ``max_tokens``, ``temperature``, ``tools``, ``tool_choice`` and ``extra_body`` (more
         sampling fields for the decode request) are defaults that each turn can override.
@@ -257,15 +259,18 @@ class AsyncCluster:
             tool_choice=tool_choice,
             extra_body=types.MappingProxyType(dict(extra_body or {})),
         )
-        return open_session(
-            self._pool,
-            session_id=session_id,
-            policy=policy or self._pool.policy,
-            options=options,
-            placement_key=placement_key,
+        resolved = policy or self._pool.policy
+        return self._hand_out(
+            lambda: open_session(
+                self._pool,
+                session_id=session_id,
+                policy=resolved,
+                options=options,
+                placement_key=placement_key,
+            )
         )
 
-    def load_session(self, path: str | os.PathLike[str]) -> AsyncSession:
+    def load_session(self, path: str | os.PathLike[str]) -> SessionT:
         """Continue a session saved with ``session.save(path)``; its handle is reused if decode
         confirms it still holds it.
 
@@ -275,7 +280,7 @@ class AsyncCluster:
 
         >>> session = cluster.load_session("run.json")  # doctest: +SKIP
         """
-        return load_session(self._pool, path)
+        return self._hand_out(lambda: load_session(self._pool, path))
 
     def restore_session(
         self,
@@ -283,7 +288,7 @@ class AsyncCluster:
         *,
         confirmed: bool = False,
         drop_handle: str | None = None,
-    ) -> AsyncSession:
+    ) -> SessionT:
         """Continue a session from its ``session.snapshot()`` dict or ``snapshot_bytes()`` (as
         ``load_session`` does from a file): a store of sessions shared by processes keeps these.
 
@@ -296,11 +301,44 @@ class AsyncCluster:
         ``drop_handle``, a reason: another copy may be using the handle now (its holder stopped
         mid-turn): it is neither attached nor released, and the next turn says why.
         """
-        return restore_session(
-            self._pool, data, confirmed=confirmed, drop_handle=drop_handle
+        return self._hand_out(
+            lambda: restore_session(self._pool, data, confirmed=confirmed, drop_handle=drop_handle)
         )
 
-    # --- lifecycle -----------------------------------------------------------------------------
+
+class AsyncCluster(_Twin[AsyncSession]):
+    """Prefill/decode pairs serving one model; opens sessions on them.
+
+    Args:
+        pairs: the pairs (at least one, unique names).
+        model: the served model name, as sent in requests.
+        **options: ``ClusterOptions``: ``transport`` or ``http_client``, ``timeout``,
+            ``policy`` (sessions' default ``CachePolicy``), ``retry``, ``clock``,
+            ``block_size``, ``load_factor``, ``health_recheck_s``, ``prefill_pool`` (xPyD),
+            ``prefill_weights``.
+
+    >>> async def main():  # doctest: +SKIP
+    ...     async with AsyncCluster.from_file(".agentkv/cluster.json") as cluster:
+    ...         async with cluster.session() as s:
+    ...             print((await s.send("Hello!")).text)
+    """
+
+    @classmethod
+    def _over(cls, pool: PairPool) -> AsyncCluster:
+        """The async face of an existing pool (the sync twin's, for what runs on its loop)."""
+        cluster = cls.__new__(cls)
+        cluster._pool = pool
+        return cluster
+
+    def _run(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+    def _hand_out(self, open_: Callable[[], AsyncSession]) -> AsyncSession:
+        return open_()
+
+    @property
+    def http_client(self) -> httpx.AsyncClient:
+        return self._pool.http_client
 
     async def check_health(self) -> dict[str, bool]:
         """Probe every pair's ``/health`` now; returns pair name -> healthy."""
@@ -317,7 +355,7 @@ class AsyncCluster:
         await self.aclose()
 
 
-class Cluster:
+class Cluster(_Twin[Session]):
     """The sync twin of ``AsyncCluster``: same arguments, blocking calls.
 
     >>> with Cluster.from_file(".agentkv/cluster.json") as cluster:  # doctest: +SKIP
@@ -326,158 +364,28 @@ class Cluster:
     ...         print(s.turn().text)
     """
 
-    def __init__(
-        self, pairs: Iterable[Pair], *, model: str, **options: Unpack[ClusterOptions]
-    ) -> None:
-        self._async = AsyncCluster(pairs, model=model, **options)
+    def _started(self) -> None:
+        # The pool lives on this loop thread; ``_async`` is its async face there (the proxy's
+        # app that ``agentkv.OpenAI`` runs, the agent).
+        self._async = AsyncCluster._over(self._pool)
         self._portal = Portal()
 
-    @classmethod
-    def from_dict(cls, spec: Mapping[str, Any], **options: Unpack[ClusterOptions]) -> Cluster:
-        """From a cluster spec ``{"model": ..., "pairs": [{"name", "prefill", "decode"}]}``;
-        ``options`` win over the spec's."""
-        pairs, model, extra = _parse_spec(spec, "cluster spec")
-        return cls(pairs, model=model, **_merge(extra, options))
+    def _run(self, fn: Callable[[], T]) -> T:
+        return self._portal.call(_call(fn))
 
-    @classmethod
-    def from_file(cls, path: str | Path, **options: Unpack[ClusterOptions]) -> Cluster:
-        """From a cluster file, as ``agentkv up`` writes it."""
-        pairs, model, extra = _parse_spec(_read_spec(path), str(path))
-        return cls(pairs, model=model, **_merge(extra, options))
-
-    # --- reading (see AsyncCluster) ------------------------------------------------------------
-
-    @property
-    def policy(self) -> CachePolicy:
-        """The default ``CachePolicy`` of sessions (``session(policy=...)`` overrides it)."""
-        return self._async.policy
-
-    @policy.setter
-    def policy(self, policy: CachePolicy) -> None:
-        self._async.policy = policy
-
-    @property
-    def model(self) -> str:
-        """The served model name, as sent in requests."""
-        return self._async.model
-
-    @property
-    def retry(self) -> RetryPolicy:
-        return self._async.retry
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        """Monotonic seconds: every handle deadline is on this clock."""
-        return self._async.clock
-
-    @property
-    def block_size(self) -> int | None:
-        return self._async.block_size
-
-    @property
-    def prefill_weights(self) -> PrefillWeights:
-        return self._async.prefill_weights
-
-    @property
-    def pairs(self) -> tuple[Pair, ...]:
-        return self._async.pairs
-
-    @property
-    def closed(self) -> bool:
-        return self._async.closed
-
-    @property
-    def pooled(self) -> bool:
-        """Whether prefills form a pool that any session's turn may use."""
-        return self._async.pooled
-
-    @property
-    def prefills(self) -> dict[str, str]:
-        """Prefill servers, name -> URL (without a pool, each pair's, named as the pair)."""
-        return self._async.prefills
-
-    def is_healthy(self, pair: str) -> bool:
-        return self._portal.call(_call(lambda: self._async.is_healthy(pair)))
-
-    def is_prefill_healthy(self, prefill: str) -> bool:
-        return self._portal.call(_call(lambda: self._async.is_prefill_healthy(prefill)))
-
-    def loads(self) -> dict[str, int]:
-        """Open sessions per pair (in a pool: per decode server)."""
-        return self._portal.call(_call(self._async.loads))
-
-    def prefill_loads(self) -> dict[str, int]:
-        """Outstanding tokens per prefill."""
-        return self._portal.call(_call(self._async.prefill_loads))
-
-    def session(
-        self,
-        *,
-        session_id: str | None = None,
-        policy: CachePolicy | None = None,
-        max_tokens: int = defaults.MAX_TOKENS,
-        temperature: float | None = defaults.TEMPERATURE,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = None,
-        extra_body: Mapping[str, Any] | None = None,
-        placement_key: str | None = None,
-    ) -> Session:
-        """Open a session (see ``AsyncCluster.session``). Use it as a context manager."""
-        self._async._pool.check_open()
-
-        def _open() -> AsyncSession:
-            return self._async.session(
-                session_id=session_id,
-                policy=policy,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                tools=tools,
-                tool_choice=tool_choice,
-                extra_body=extra_body,
-                placement_key=placement_key,
-            )
-
-        return Session(self._portal.call(_call(_open)), portal=self._portal)
-
-    def load_session(self, path: str | os.PathLike[str]) -> Session:
-        """Continue a session saved with ``session.save(path)`` (see
-        ``AsyncCluster.load_session``).
-
-        >>> with cluster.load_session("run.json") as s:  # doctest: +SKIP
-        ...     print(s.send("Where were we?").text)
-        """
-        self._async._pool.check_open()
-        inner = self._portal.call(_call(lambda: self._async.load_session(path)))
-        return Session(inner, portal=self._portal)
-
-    def restore_session(
-        self,
-        data: Mapping[str, Any] | bytes,
-        *,
-        confirmed: bool = False,
-        drop_handle: str | None = None,
-    ) -> Session:
-        """Continue a session from its ``session.snapshot()`` dict or ``snapshot_bytes()`` (see
-        ``AsyncCluster.restore_session``)."""
-        self._async._pool.check_open()
-        inner = self._portal.call(
-            _call(
-                lambda: self._async.restore_session(
-                    data, confirmed=confirmed, drop_handle=drop_handle
-                )
-            )
-        )
-        return Session(inner, portal=self._portal)
+    def _hand_out(self, open_: Callable[[], AsyncSession]) -> Session:
+        self._pool.check_open()
+        return Session(self._portal.call(_call(open_)), portal=self._portal)
 
     def check_health(self) -> dict[str, bool]:
         """Probe every pair's ``/health`` now; returns pair name -> healthy."""
-        return self._portal.call(self._async.check_health())
+        return self._portal.call(self._pool.check_health())
 
     def close(self) -> None:
         """Close the HTTP client and stop the cluster's event-loop thread (idempotent)."""
-        if self._async.closed:
+        if self._pool.closed:
             return
-        self._portal.call(self._async.aclose())
+        self._portal.call(self._pool.aclose())
         self._portal.close()
 
     def __enter__(self) -> Cluster:

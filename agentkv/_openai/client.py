@@ -24,12 +24,12 @@ from a file is closed with it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 import httpx2
 import openai
 
-from agentkv import AsyncCluster, Cluster
+from agentkv._core import AsyncCluster, Cluster
 from agentkv._openai.transport import AppTransport, AsyncAppTransport
 from agentkv.proxy._app import create_app
 from agentkv.proxy._config import ProxyConfig
@@ -43,6 +43,7 @@ BASE_URL = "http://agentkv.in-process/v1"
 API_KEY = "agentkv-in-process"
 
 ClusterSource = str | Path
+ClusterT = TypeVar("ClusterT", AsyncCluster, Cluster)
 
 
 def _headers(session_id: str | None, options: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +70,54 @@ def _served_model(http_client: object) -> str:
     return transport.model if isinstance(transport, AppTransport | AsyncAppTransport) else ""
 
 
-class AsyncOpenAI(openai.AsyncOpenAI):
+class _InProcess(Generic[ClusterT]):
+    """The twins' constructor, written once: the openai client's arguments for a cluster (no
+    I/O but opening a cluster file). A twin says which cluster it takes and how its HTTP client
+    serves the proxy's app (``_http_client``); the openai client next in its MRO takes the rest.
+    """
+
+    model: str
+    _cluster_type: type[ClusterT]
+
+    def __init__(
+        self,
+        cluster: ClusterT | ClusterSource | None = None,
+        *,
+        session_id: str | None = None,
+        config: ProxyConfig | None = None,
+        **options: Any,
+    ) -> None:
+        if _is_copy(cluster, options):
+            self.model = _served_model(options["http_client"])
+            super().__init__(**options)
+            return
+        if cluster is None:
+            raise TypeError(f"{type(self).__name__} needs a cluster: {self._wanted}")
+        _check_options(options)
+        if isinstance(cluster, self._cluster_type):
+            source, owned = cluster, False
+        else:
+            source, owned = self._cluster_type.from_file(cast(ClusterSource, cluster)), True
+        self.model = source.model
+        options.setdefault("api_key", API_KEY)
+        options["base_url"] = BASE_URL
+        # The openai client next in the twin's MRO takes these (mypy sees only ``object``).
+        super().__init__(  # type: ignore[call-arg]
+            default_headers=_headers(session_id, options),
+            http_client=self._http_client(source, config, owned=owned),
+            **options,
+        )
+
+    @property
+    def _wanted(self) -> str:
+        name = self._cluster_type.__name__
+        return f"{'an' if name[0] in 'AEIOU' else 'a'} {name} or a cluster file path"
+
+    def _http_client(self, source: ClusterT, config: ProxyConfig | None, *, owned: bool) -> Any:
+        raise NotImplementedError
+
+
+class AsyncOpenAI(_InProcess[AsyncCluster], openai.AsyncOpenAI):
     """``openai.AsyncOpenAI`` on an agentkv cluster, in-process.
 
     Args:
@@ -85,25 +133,11 @@ class AsyncOpenAI(openai.AsyncOpenAI):
     ...         reply = await client.chat.completions.create(model=client.model, messages=[...])
     """
 
-    model: str
+    _cluster_type = AsyncCluster
 
-    def __init__(
-        self,
-        cluster: AsyncCluster | ClusterSource | None = None,
-        *,
-        session_id: str | None = None,
-        config: ProxyConfig | None = None,
-        **options: Any,
-    ) -> None:
-        if _is_copy(cluster, options):
-            self.model = _served_model(options["http_client"])
-            super().__init__(**options)
-            return
-        if cluster is None:
-            raise TypeError("AsyncOpenAI needs a cluster: an AsyncCluster or a cluster file path")
-        _check_options(options)
-        owned = not isinstance(cluster, AsyncCluster)
-        source = cluster if isinstance(cluster, AsyncCluster) else AsyncCluster.from_file(cluster)
+    def _http_client(
+        self, source: AsyncCluster, config: ProxyConfig | None, *, owned: bool
+    ) -> httpx2.AsyncClient:
         app = create_app(source, config)
         transport = AsyncAppTransport(
             app,
@@ -112,17 +146,10 @@ class AsyncOpenAI(openai.AsyncOpenAI):
             on_close=source.aclose if owned else None,
             direct=app.state.endpoints,
         )
-        self.model = source.model
-        options.setdefault("api_key", API_KEY)
-        options["base_url"] = BASE_URL
-        super().__init__(
-            default_headers=_headers(session_id, options),
-            http_client=httpx2.AsyncClient(transport=transport, base_url=BASE_URL),
-            **options,
-        )
+        return httpx2.AsyncClient(transport=transport, base_url=BASE_URL)
 
 
-class OpenAI(openai.OpenAI):
+class OpenAI(_InProcess[Cluster], openai.OpenAI):
     """``openai.OpenAI`` on an agentkv cluster, in-process (the sync twin of ``AsyncOpenAI``).
 
     Args:
@@ -136,25 +163,11 @@ class OpenAI(openai.OpenAI):
     ...     reply = client.chat.completions.create(model=client.model, messages=[...])
     """
 
-    model: str
+    _cluster_type = Cluster
 
-    def __init__(
-        self,
-        cluster: Cluster | ClusterSource | None = None,
-        *,
-        session_id: str | None = None,
-        config: ProxyConfig | None = None,
-        **options: Any,
-    ) -> None:
-        if _is_copy(cluster, options):
-            self.model = _served_model(options["http_client"])
-            super().__init__(**options)
-            return
-        if cluster is None:
-            raise TypeError("OpenAI needs a cluster: a Cluster or a cluster file path")
-        _check_options(options)
-        owned = not isinstance(cluster, Cluster)
-        source = cluster if isinstance(cluster, Cluster) else Cluster.from_file(cluster)
+    def _http_client(
+        self, source: Cluster, config: ProxyConfig | None, *, owned: bool
+    ) -> httpx2.Client:
         app = create_app(source._async, config)
         transport = AppTransport(
             app,
@@ -164,11 +177,4 @@ class OpenAI(openai.OpenAI):
             on_close=source.close if owned else None,
             direct=app.state.endpoints,
         )
-        self.model = source.model
-        options.setdefault("api_key", API_KEY)
-        options["base_url"] = BASE_URL
-        super().__init__(
-            default_headers=_headers(session_id, options),
-            http_client=httpx2.Client(transport=transport, base_url=BASE_URL),
-            **options,
-        )
+        return httpx2.Client(transport=transport, base_url=BASE_URL)

@@ -32,7 +32,7 @@ import httpx2
 from starlette.requests import Request
 from starlette.responses import Response
 
-from agentkv._client.portal import Portal
+from agentkv._core import Portal
 
 __all__ = ["AppTransport", "AsyncAppTransport", "AsyncLifespan", "DirectEndpoints"]
 

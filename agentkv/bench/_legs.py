@@ -27,8 +27,7 @@ from typing import Any
 
 import httpx
 
-from agentkv._wire.hints import PersistHint, with_hint
-from agentkv._wire.json import dumps, loads
+from agentkv._core import PersistHint, dumps, loads, with_hint
 
 __all__ = ["LegRewriter", "SaltSource"]
 

@@ -32,8 +32,7 @@ from typing import Any, Protocol
 import httpx
 
 from agentkv import AsyncCluster, AsyncSession, CachePolicy, Message, TurnResult
-from agentkv._wire.http import stream_events
-from agentkv._wire.json import dumps
+from agentkv._core import dumps, stream_events
 from agentkv.bench._config import Mode
 from agentkv.bench._legs import LegRewriter
 from agentkv.bench._samples import TurnSample

@@ -10,8 +10,7 @@ import httpx
 import structlog
 
 from agentkv import AgentKVError, MalformedResponseError
-from agentkv._wire.http import post_json
-from agentkv._wire.json import dumps
+from agentkv._core import dumps, post_json
 from agentkv.bench._config import BenchConfig, Mode
 from agentkv.bench._env import environment, server_cache
 from agentkv.bench._modes import ClusterTarget, NotOwned, SessionRunner, open_runner

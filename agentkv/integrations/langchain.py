@@ -72,7 +72,7 @@ from agentkv import (
     TurnOverrides,
     TurnResult,
 )
-from agentkv._wire.fields import AUTO, NONE, REQUIRED
+from agentkv._core import AUTO, NONE, REQUIRED
 
 __all__ = ["ChatAgentKV"]
 

@@ -197,7 +197,8 @@ def check_preconditions(plans: list[ServerPlan], config: LocalClusterConfig) -> 
         )
 
 
-def _healthy(url: str, timeout_s: float = 2.0) -> bool:
+def server_healthy(url: str, *, timeout_s: float = 2.0) -> bool:
+    """Whether the vLLM server at ``url`` answers its ``/health`` with 200 (``agentkv status``)."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:  # noqa: S310
             return bool(response.status == 200)
@@ -232,7 +233,7 @@ def existing_cluster(config: LocalClusterConfig) -> ClusterRecord | None:
     if record is None:
         return None
     servers = _servers(record)
-    if servers and all(pid_alive(s.pid) and _healthy(s.url) for _, _, s in servers):
+    if servers and all(pid_alive(s.pid) and server_healthy(s.url) for _, _, s in servers):
         return record
     return None
 
@@ -354,7 +355,7 @@ def _heal(
         sick = [
             f"{pair} {role} (pid {server.pid}, log {server.log})"
             for pair, role, server in _servers(record)
-            if not _healthy(server.url)
+            if not server_healthy(server.url)
         ]
         if sick:
             raise StartupError(
@@ -397,7 +398,7 @@ def _wait_ready(
                     f"{plan.pair} {plan.role} exited with code {process.returncode} while "
                     f"starting; see {plan.log}: {_log_tail(plan.log, 3)}"
                 )
-            if _healthy(plan.url, timeout_s=1.0):
+            if server_healthy(plan.url, timeout_s=1.0):
                 say(f"{plan.pair} {plan.role} ready after {elapsed:.0f} s")
                 pending.remove((plan, process))
         if elapsed > timeout_s:

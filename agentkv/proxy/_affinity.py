@@ -22,8 +22,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from agentkv import HistoryPlan, Message
-from agentkv._wire.json import dumps
+from agentkv._core import HistoryPlan, Message, dumps
 
 __all__ = ["HistoryIndex"]
 

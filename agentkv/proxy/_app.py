@@ -25,8 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from agentkv import AsyncCluster
-from agentkv._wire.json import JSONDecodeError, loads
+from agentkv._core import AsyncCluster, JSONDecodeError, loads
 from agentkv.proxy._chat import ChatService, json_response
 from agentkv.proxy._config import ProxyConfig, key_digest
 from agentkv.proxy._errors import ProxyError

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from agentkv import (
+from agentkv._core import (
     AsyncCluster,
     AsyncSession,
     HandleState,
@@ -32,8 +32,8 @@ from agentkv import (
     TextDelta,
     TurnOverrides,
     TurnResult,
+    dumps,
 )
-from agentkv._wire.json import dumps
 from agentkv.proxy._affinity import HistoryIndex
 from agentkv.proxy._config import ProxyConfig
 from agentkv.proxy._errors import ProxyError

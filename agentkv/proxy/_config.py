@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from agentkv import ConfigError
+from agentkv._core import ConfigError
 
 __all__ = ["ApiKeys", "ProxyConfig", "key_digest"]
 

@@ -7,8 +7,7 @@ import struct
 import time
 from typing import Any
 
-from agentkv import AsyncCluster, AsyncSession, Message
-from agentkv._wire.json import dumps, loads
+from agentkv._core import AsyncCluster, AsyncSession, Message, dumps, loads
 from agentkv.proxy._store import Claim
 
 __all__ = ["Key", "SessionEntry", "split_key", "store_key"]

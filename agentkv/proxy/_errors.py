@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentkv import (
+from agentkv._core import (
     AgentKVError,
     BadRequestError,
     InvalidMessageError,
+    JSONDecodeError,
     MalformedResponseError,
     PrefixDivergedError,
     RequestTimeoutError,
@@ -26,8 +27,8 @@ from agentkv import (
     TemplateError,
     TransportError,
     UpstreamStatusError,
+    loads,
 )
-from agentkv._wire.json import JSONDecodeError, loads
 
 __all__ = ["ProxyError"]
 

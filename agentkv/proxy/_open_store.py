@@ -16,7 +16,7 @@ def open_store(url: str, *, lease_s: float) -> SessionStore:
     try:
         from agentkv.proxy._redis_store import RedisSessions
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        from agentkv import ConfigError
+        from agentkv._core import ConfigError
 
         raise ConfigError(
             "--state redis://... needs the redis client: pip install 'agentkv[redis]'"

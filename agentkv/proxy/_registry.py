@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import structlog
 
-from agentkv import AsyncCluster, AsyncSession, SessionClosedError
+from agentkv._core import AsyncCluster, AsyncSession, SessionClosedError
 from agentkv.proxy._entry import Key, SessionEntry
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics

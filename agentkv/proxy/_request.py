@@ -24,8 +24,7 @@ from typing import Any
 
 import structlog
 
-from agentkv import InvalidMessageError, Message, PersistMode
-from agentkv._wire.fields import PASSED_FIELDS, refusal
+from agentkv._core import PASSED_FIELDS, InvalidMessageError, Message, PersistMode, refusal
 from agentkv.proxy._errors import ProxyError
 
 __all__ = ["ChatRequest", "parse_chat_request", "session_id_from"]

@@ -26,7 +26,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from agentkv import Message
+from agentkv._core import Message
 from agentkv.proxy._chat import ChatService
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._registry import SessionRegistry

@@ -11,8 +11,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from agentkv import Message, TurnResult, TurnStats
-from agentkv._wire.json import dumps
+from agentkv._core import Message, TurnResult, TurnStats, dumps
 from agentkv.proxy._request import ChatRequest
 
 __all__ = ["OnAnswer", "ResponsesShape"]

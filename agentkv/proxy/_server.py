@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 
-from agentkv import AsyncCluster
-from agentkv._client.portal import Portal
+from agentkv._core import AsyncCluster, Portal
 from agentkv.proxy._app import create_app
 from agentkv.proxy._config import ProxyConfig
 

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any
 
-from agentkv import HandleState, Message, TurnResult, TurnStats
+from agentkv._core import HandleState, Message, TurnResult, TurnStats
 
 __all__ = [
     "HEADER_FORKED",

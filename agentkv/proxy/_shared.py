@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import structlog
 
-from agentkv import AsyncCluster, AsyncSession
+from agentkv._core import AsyncCluster, AsyncSession
 from agentkv.proxy._entry import Key, SessionEntry, split_key, store_key
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics

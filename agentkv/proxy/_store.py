@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from agentkv import AgentKVError
+from agentkv._core import AgentKVError
 
 __all__ = ["Claim", "ClaimLostError", "SessionStore", "StoreUnavailableError", "Stored"]
 

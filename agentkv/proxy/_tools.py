@@ -31,7 +31,10 @@ from typing import Any
 
 import structlog
 
-from agentkv import (
+from agentkv._core import (
+    AUTO,
+    NONE,
+    REQUIRED,
     AsyncCluster,
     BadRequestError,
     JsonToolCalling,
@@ -40,9 +43,8 @@ from agentkv import (
     ToolDefinitionError,
     ToolSpec,
     TurnResult,
+    post_json,
 )
-from agentkv._wire.fields import AUTO, NONE, REQUIRED
-from agentkv._wire.http import post_json
 from agentkv.proxy._errors import ProxyError
 
 __all__ = ["ToolMode", "ToolModes", "ToolPlan", "plan_tools"]

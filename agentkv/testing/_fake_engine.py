@@ -28,8 +28,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
-from agentkv._wire.hints import HintError
-from agentkv._wire.tier import PersistRequest, TierDelete, TierLoadReport, TierRef, with_tier_load
+from agentkv._core import (
+    HintError,
+    PersistRequest,
+    TierDelete,
+    TierLoadReport,
+    TierRef,
+    with_tier_load,
+)
 from agentkv.connector._leases import LeaseBook, LeaseService, Outcome, apply_pin_policy
 from agentkv.testing._fake_kv import (
     ROOT_HASH,

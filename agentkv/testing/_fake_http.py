@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from agentkv._client.portal import Portal
+from agentkv._core import Portal
 from agentkv.testing._fake_server import FakeServer
 
 _T = TypeVar("_T")

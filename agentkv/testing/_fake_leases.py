@@ -14,16 +14,18 @@ import json
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from agentkv._wire.hints import (
+from agentkv._core import (
     ExtendRequest,
     ExtendResult,
     HintError,
     LeaseRef,
+    PersistRequest,
+    PersistResult,
     RequestRelease,
     ServerInfo,
+    TierDelete,
     lease_error,
 )
-from agentkv._wire.tier import PersistRequest, PersistResult, TierDelete
 from agentkv.testing._fake_engine import FakeEngine
 from agentkv.testing._fake_reply import Reply
 

@@ -6,14 +6,15 @@ import copy
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from agentkv._wire.hints import (
+from agentkv._core import (
     CLAIM_PATH,
     EXTEND_PATH,
     INFO_PATH,
+    PERSIST_PATH,
     RELEASE_PATH,
     RELEASE_REQUEST_PATH,
+    TIER_DELETE_PATH,
 )
-from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH
 from agentkv.testing import _fake_endpoints as endpoints
 from agentkv.testing import _fake_leases as leases
 from agentkv.testing._fake_chat import serve_chat

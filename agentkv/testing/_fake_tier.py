@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from agentkv._wire.tier import PersistResult, TierRef, TierUsage
+from agentkv._core import PersistResult, TierRef, TierUsage
 from agentkv.connector._tier import DEFAULT_TIER_MAX_TTL_S, DEFAULT_TIER_TTL_S
 from agentkv.connector._tier_store import granted_ttl, new_secret, salt_digest, secret_digest
 from agentkv.testing._fake_kv import BlockContent

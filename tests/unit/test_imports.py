@@ -1,4 +1,6 @@
-"""The package's modules import each other without a circle (imports for type checking count)."""
+"""The package's modules import each other without a circle (imports for type checking and
+imports written inside a function count), and the apps built on the core import it through one
+surface, ``agentkv._core``."""
 
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ ROOT = Path(agentkv.__file__).parent
 KNOWN: set[frozenset[str]] = set()
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = ROOT) -> dict[str, Path]:
     modules = {}
-    for path in ROOT.rglob("*.py"):
-        parts = ("agentkv", *path.relative_to(ROOT).with_suffix("").parts)
+    for path in root.rglob("*.py"):
+        parts = (root.name, *path.relative_to(root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         modules[".".join(parts)] = path
@@ -24,6 +26,10 @@ def _modules() -> dict[str, Path]:
 
 
 def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Each module's imports of the package's modules, wherever they are written (in a function,
+    under ``TYPE_CHECKING``): ``from agentkv import X`` is an edge to ``agentkv/__init__.py``."""
+    top = next(iter(modules)).partition(".")[0]
+
     def owner(name: str) -> str | None:
         while name and name not in modules:
             name = name.rpartition(".")[0]
@@ -47,7 +53,7 @@ def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
                     for alias in node.names
                 ]
             for target in targets:
-                found = owner(target) if target.startswith("agentkv") else None
+                found = owner(target) if target.partition(".")[0] == top else None
                 if found is not None and found != name:
                     graph[name].add(found)
     return graph
@@ -101,23 +107,31 @@ def test_the_circle_finder_finds_a_circle() -> None:
     assert _circles(graph) == [frozenset({"a", "b", "c"})]
 
 
-# ``agentkv.OpenAI`` is built on the proxy app, which imports the public package: the package
-# imports it on first use (``__getattr__``), never at import time, so that edge is no circle.
-LAZY_EXPORTS = {("agentkv", "agentkv._openai.client")}
+def test_the_circle_finder_sees_a_circle_through_a_package_face(tmp_path: Path) -> None:
+    """A lazy export (imported in ``__getattr__``) whose module imports the package back."""
+    package = tmp_path / "pkg"
+    (package / "front").mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "def __getattr__(name):\n    from pkg.front import client\n    return client.Client\n"
+    )
+    (package / "front" / "__init__.py").write_text("")
+    (package / "front" / "client.py").write_text("from pkg import Cluster\n")
+    (package / "core.py").write_text("from pkg.front.client import *\n")
+    assert _circles(_graph(_modules(package))) == [frozenset({"pkg", "pkg.front.client"})]
 
 
 def test_no_module_of_the_package_is_in_an_import_circle() -> None:
+    """``agentkv.OpenAI`` is served by the proxy's app: that app reaches the core through
+    ``agentkv._core``, never through the package that exports the drop-in."""
     modules = _modules()
     assert "agentkv._client.session" in modules
     graph = _graph(modules)
-    for source, target in LAZY_EXPORTS:
-        assert target in graph[source]
-        graph[source].discard(target)
+    assert "agentkv._openai.client" in graph["agentkv"]
     circles = set(_circles(graph))
     assert circles <= KNOWN, sorted(sorted(circle) for circle in circles - KNOWN)
 
 
-# The apps built on the SDK, and the layer they may share with it besides the public package.
+# The apps built on the core.
 APPS = (
     "agentkv.proxy",
     "agentkv.bench",
@@ -128,15 +142,20 @@ APPS = (
     "agentkv.cli",
     "agentkv._openai",
 )
-# Bytes on the wire (JSON, the handoff, the hints and lease routes, HTTP helpers) are a protocol
-# the apps speak with the SDK (the connector is its other end), not the SDK's core.
-SHARED = ("agentkv._wire",)
-# Core names an app still imports, each with its reason. Nothing may join this list unnoticed.
+# What an app may import of the core: the public package and the one internal surface.
+SURFACE = ("agentkv", "agentkv._core")
+# Core modules an app still imports, each with its reason. Nothing may join this list unnoticed.
 ALLOWED = {
-    # The one event loop on a thread (sync twins, the proxy server, the fake pair's HTTP host).
-    ("agentkv.proxy._server", "agentkv._client.portal"),
-    ("agentkv.testing._fake_http", "agentkv._client.portal"),
-    ("agentkv._openai.transport", "agentkv._client.portal"),
+    # The vLLM side is the wire protocol's other end (it runs inside vLLM, not on the SDK): it
+    # imports the protocol's modules themselves.
+    ("agentkv.connector._connector", "agentkv._wire.hints"),
+    ("agentkv.connector._connector", "agentkv._wire.tier"),
+    ("agentkv.connector._endpoint", "agentkv._wire.hints"),
+    ("agentkv.connector._endpoint", "agentkv._wire.tier"),
+    ("agentkv.connector._leases", "agentkv._wire.hints"),
+    ("agentkv.connector._tier", "agentkv._wire.hints"),
+    ("agentkv.connector._tier", "agentkv._wire.tier"),
+    ("agentkv.connector._tier_store", "agentkv._wire.tier"),
 }
 
 
@@ -144,17 +163,55 @@ def _app(name: str) -> str | None:
     return next((app for app in APPS if name == app or name.startswith(f"{app}.")), None)
 
 
-def test_the_apps_import_the_public_package_not_the_core() -> None:
-    modules = _modules()
-    graph = _graph(modules)
-    reached_in = set()
-    for name, targets in graph.items():
-        app = _app(name)
-        if app is None:
-            continue
-        for target in targets:
-            public = target == "agentkv" or target.startswith(SHARED)
-            own = _app(target) == app
-            if not public and not own and _app(target) is None:
-                reached_in.add((name, target))
+def _reach_ins(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(app module, core module) for each import of the core other than through its surface."""
+    return {
+        (name, target)
+        for name, targets in graph.items()
+        if _app(name) is not None
+        for target in targets
+        if target not in SURFACE and _app(target) is None
+    }
+
+
+def test_the_reach_in_finder_sees_an_app_importing_a_core_module() -> None:
+    graph = {
+        "agentkv.proxy._tools": {"agentkv._wire.http", "agentkv._core", "agentkv.proxy._errors"},
+        "agentkv.bench._run": {"agentkv", "agentkv.local._config"},
+        "agentkv._client.pool": {"agentkv._wire.http"},
+    }
+    assert _reach_ins(graph) == {("agentkv.proxy._tools", "agentkv._wire.http")}
+
+
+def test_the_apps_import_the_core_through_its_one_surface() -> None:
+    reached_in = _reach_ins(_graph(_modules()))
     assert reached_in == ALLOWED, sorted(reached_in ^ ALLOWED)
+
+
+def test_the_core_imports_no_app_and_the_package_only_its_drop_in() -> None:
+    """The apps sit on top: the core never imports one; the package's face exports the drop-in."""
+    graph = _graph(_modules())
+    imported = {
+        (name, target)
+        for name, targets in graph.items()
+        if _app(name) is None
+        for target in targets
+        if _app(target) is not None
+    }
+    assert imported == {("agentkv", "agentkv._openai.client")}
+
+
+def test_no_module_imports_a_private_name_of_another_package() -> None:
+    """A name another package uses is public in its own (``agentkv.local``'s ``server_healthy``)."""
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            if node.module == "agentkv" or not node.module.startswith("agentkv."):
+                continue  # the package's own ``_constants`` module is imported by name
+            if node.module.split(".")[:2] == name.split(".")[:2]:
+                continue
+            found += [f"{name}: {alias.name}" for alias in node.names if alias.name[0] == "_"]
+    assert found == []

@@ -79,3 +79,54 @@ def test_the_twin_check_sees_a_missing_call_and_a_different_parameter() -> None:
 
     assert sorted(_members(Sync)) != sorted(_members(Async))
     assert _parameters(_members(Sync)["turn"]) != _parameters(_members(Async)["turn"])
+
+
+# Twins whose common calls are written once, in a base both take: each twin's own body holds
+# only what differs by side (an ``async def`` and its blocking counterpart), never a second copy
+# of a parameter list. (The sessions' twins are another step's.)
+WRITTEN_ONCE = [("Cluster", "AsyncCluster"), ("OpenAI", "AsyncOpenAI")]
+
+
+def _own(cls: type) -> dict[str, Any]:
+    """Public members and the constructor that the class's own body defines, by sync name."""
+    return {
+        RENAMED.get(name, name): value
+        for name, value in vars(cls).items()
+        if not name.startswith("_")
+        or name == "__init__"
+        or name in RENAMED
+        or name in RENAMED.values()
+    }
+
+
+def _written_twice(sync: type, async_: type) -> list[str]:
+    sync_own, async_own = _own(sync), _own(async_)
+    return sorted(
+        name
+        for name in sync_own.keys() & async_own.keys()
+        if not inspect.iscoroutinefunction(async_own[name])
+        or inspect.iscoroutinefunction(sync_own[name])
+    )
+
+
+@pytest.mark.parametrize(("sync", "async_"), WRITTEN_ONCE)
+def test_twins_write_their_common_calls_once(sync: str, async_: str) -> None:
+    assert _written_twice(getattr(agentkv, sync), getattr(agentkv, async_)) == []
+
+
+def test_the_written_once_check_sees_a_call_in_both_twins() -> None:
+    class Sync:
+        def __init__(self, *, name: str) -> None: ...
+
+        def close(self) -> None: ...
+
+        def session(self) -> None: ...
+
+    class Async:
+        def __init__(self, *, name: str) -> None: ...
+
+        async def aclose(self) -> None: ...
+
+        def session(self) -> None: ...
+
+    assert _written_twice(Sync, Async) == ["__init__", "session"]

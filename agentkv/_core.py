@@ -1,0 +1,154 @@
+"""The one internal surface the apps import the core through.
+
+The apps (``agentkv.proxy``, ``agentkv.cli``, ``agentkv.bench``, ``agentkv.local``,
+``agentkv.integrations``, ``agentkv.testing`` and the drop-in ``agentkv._openai``) are built on
+the SDK. They may use the public package and, besides it, exactly the names below; never a core
+module (``agentkv._client``, ``agentkv._wire``, ...) directly, so that the core's layout can change
+without touching them (``tests/unit/test_imports.py`` fails on a reach-in).
+
+The public names are repeated here for the apps that the public package itself imports (the
+proxy app that ``agentkv.OpenAI`` serves in-process): they must not import ``agentkv`` back, or
+the package would import itself through them. This module imports core modules only.
+
+The rest is not public, and is here for a reason each:
+
+- ``Portal``: the one event loop on a thread (the proxy's server, the drop-in's sync transport,
+  the fake pair's HTTP host run on it as the sync twins do).
+- ``dumps``/``loads``/``JSONDecodeError``/``tools_key``: orjson in and out, and the key of a
+  tool list (the proxy's and the SDK's agree on it).
+- ``post_json``/``stream_events``: one exchange with a server, its errors mapped onto agentkv's
+  tree (the proxy's tool-parser probe, the benchmark's baselines).
+- ``AUTO``/``NONE``/``REQUIRED``/``PASSED_FIELDS``/``refusal``: the request-field table (what a
+  front end passes to decode, what it refuses and why).
+- the hint and file-tier wire values and routes: the benchmark's legs, ``agentkv status`` and the
+  protocol-faithful fakes in ``agentkv.testing`` speak them. (The vLLM side, ``agentkv.connector``,
+  is the protocol's other end and imports ``agentkv._wire`` itself.)
+"""
+
+from agentkv._agent.tool_calling import JsonToolCalling
+from agentkv._agent.tools import ToolDefinitionError, ToolSpec
+from agentkv._client.cluster import AsyncCluster, Cluster
+from agentkv._client.portal import Portal
+from agentkv._client.session import AsyncSession
+from agentkv._exceptions import (
+    AgentKVError,
+    BadRequestError,
+    ConfigError,
+    InvalidMessageError,
+    MalformedResponseError,
+    PrefixDivergedError,
+    RequestTimeoutError,
+    RoutingError,
+    SessionBusyError,
+    SessionClosedError,
+    TemplateError,
+    TransportError,
+    UpstreamStatusError,
+)
+from agentkv._policy import PersistMode
+from agentkv._prompt.history import HistoryPlan
+from agentkv._types import (
+    HandleState,
+    Message,
+    TextDelta,
+    ToolCall,
+    TurnOverrides,
+    TurnResult,
+    TurnStats,
+)
+from agentkv._wire.fields import AUTO, NONE, PASSED_FIELDS, REQUIRED, refusal
+from agentkv._wire.hints import (
+    CLAIM_PATH,
+    EXTEND_PATH,
+    INFO_PATH,
+    RELEASE_PATH,
+    RELEASE_REQUEST_PATH,
+    ExtendRequest,
+    ExtendResult,
+    HintError,
+    LeaseRef,
+    PersistHint,
+    RequestRelease,
+    ServerInfo,
+    lease_error,
+    with_hint,
+)
+from agentkv._wire.http import post_json, stream_events
+from agentkv._wire.json import JSONDecodeError, dumps, loads, tools_key
+from agentkv._wire.tier import (
+    PERSIST_PATH,
+    TIER_DELETE_PATH,
+    PersistRequest,
+    PersistResult,
+    TierDelete,
+    TierLoadReport,
+    TierRef,
+    TierUsage,
+    with_tier_load,
+)
+
+__all__ = [
+    "AUTO",
+    "CLAIM_PATH",
+    "EXTEND_PATH",
+    "INFO_PATH",
+    "NONE",
+    "PASSED_FIELDS",
+    "PERSIST_PATH",
+    "RELEASE_PATH",
+    "RELEASE_REQUEST_PATH",
+    "REQUIRED",
+    "TIER_DELETE_PATH",
+    "AgentKVError",
+    "AsyncCluster",
+    "AsyncSession",
+    "BadRequestError",
+    "Cluster",
+    "ConfigError",
+    "ExtendRequest",
+    "ExtendResult",
+    "HandleState",
+    "HintError",
+    "HistoryPlan",
+    "InvalidMessageError",
+    "JSONDecodeError",
+    "JsonToolCalling",
+    "LeaseRef",
+    "MalformedResponseError",
+    "Message",
+    "PersistHint",
+    "PersistMode",
+    "PersistRequest",
+    "PersistResult",
+    "Portal",
+    "PrefixDivergedError",
+    "RequestRelease",
+    "RequestTimeoutError",
+    "RoutingError",
+    "ServerInfo",
+    "SessionBusyError",
+    "SessionClosedError",
+    "TemplateError",
+    "TextDelta",
+    "TierDelete",
+    "TierLoadReport",
+    "TierRef",
+    "TierUsage",
+    "ToolCall",
+    "ToolDefinitionError",
+    "ToolSpec",
+    "TransportError",
+    "TurnOverrides",
+    "TurnResult",
+    "TurnStats",
+    "UpstreamStatusError",
+    "dumps",
+    "lease_error",
+    "loads",
+    "post_json",
+    "refusal",
+    "stream_events",
+    "tools_key",
+    "with_hint",
+    "with_tier_load",
+]
