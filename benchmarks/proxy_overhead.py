@@ -34,11 +34,12 @@ as this process's client and the proxy (proxied). Columns:
         [--server-ms 100] [--context 1000] [--min-samples 120] [--min-rounds 3]
         [--start staggered|lockstep] [--pin|--no-pin]
 
-Every process here sends with the SDK's default transport (``agentkv._wire.transport``, on aiohttp
-since issue 16). The transport before it (a hand-written HTTP/1.1 client, up to commit a898df9)
-is measured by running this file against that tree: ``git archive a898df9 | tar -x -C
-/tmp/base``, then ``PYTHONPATH=/tmp/base .venv/bin/python benchmarks/proxy_overhead.py``
-(``docs/proxy.md``, "Overhead", has both).
+Every process here sends with the SDK's default transport (``agentkv._wire.transport``, on
+aiohttp's public ``ClientSession`` since issue 28). An earlier transport (aiohttp's private
+modules up to 0ee2cfd, a hand-written HTTP/1.1 client up to a898df9) is measured by running this
+file against that tree: ``git archive 0ee2cfd | tar -x -C /tmp/base``, then
+``PYTHONPATH=/tmp/base .venv/bin/python /tmp/base/benchmarks/proxy_overhead.py``
+(``docs/proxy.md``, "Overhead", has the figures).
 """
 
 from __future__ import annotations

@@ -1,34 +1,37 @@
-"""CPU per request of the SDK's HTTP client against a local server, transport by transport.
+"""CPU per request of the SDK's HTTP client against a local server, stack by stack.
 
 A uvicorn server in its own process answers every POST with a ~2 KB JSON body after SERVER_MS
 (so requests overlap, as a turn's legs do); this process sends CONCURRENCY loops of REQUESTS
 POSTs of a ~3 KB JSON body each and reports its own CPU time per request for:
 
 * ``httpx``: ``httpx.AsyncClient`` on httpx's default transport (httpcore's pool);
-* ``aiohttp``: a bare ``aiohttp.ClientSession`` (its pool, the same limits), reading each JSON
-  answer: the floor under ``ServerPools``, which puts httpx's interface on aiohttp's pool;
+* ``httpx2``: ``httpx2.AsyncClient`` on its own pool (httpcore2), the openai SDK's client;
+* ``aiohttp``: a bare ``aiohttp.ClientSession`` reading each JSON answer: the floor under any
+  httpx interface on aiohttp;
+* ``httpx-aiohttp``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport`` (PyPI
+  ``httpx-aiohttp``: httpx's interface on a ``ClientSession``), when installed;
 * ``pools``: ``httpx.AsyncClient`` on ``agentkv._wire.transport.ServerPools``;
-* ``cluster``: ``agentkv._wire.transport.ClusterClient`` on ``ServerPools``, what a cluster builds.
+* ``cluster``: ``agentkv._wire.transport.ClusterClient`` on ``ServerPools``, what a cluster builds;
+* ``base-pools``, ``base-cluster``: the same on the ``ServerPools`` of another tree's
+  ``transport.py`` (``--base FILE``, a module that imports nothing of agentkv's), to compare two
+  versions of the transport in one run: ``git show REV:agentkv/_wire/transport.py > /tmp/t.py``.
 
     .venv/bin/python benchmarks/transport_cpu.py [--concurrency 64] [--requests 30]
-        [--server-ms 100] [--clients httpx,aiohttp,pools,cluster]
-
-The transport before aiohttp (a hand-written HTTP/1.1 client, up to commit a898df9) is measured
-by running this file against that tree: ``git archive a898df9 | tar -x -C /tmp/base`` and
-``PYTHONPATH=/tmp/base .venv/bin/python benchmarks/transport_cpu.py`` (``pools`` and ``cluster``
-are then the old transport; ``docs/proxy.md``, "Overhead", has both).
+        [--server-ms 100] [--clients httpx,httpx2,aiohttp,pools,cluster] [--base FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import aiohttp
@@ -68,14 +71,39 @@ def _serve(port: int, delay_s: float) -> None:
     )
 
 
-def _client(kind: str) -> httpx.AsyncClient:
+def _load(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("base_transport", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _client(kind: str, args: argparse.Namespace) -> Any:
     if kind == "httpx":
         return httpx.AsyncClient(limits=LIMITS)
-    if kind == "pools":
-        return httpx.AsyncClient(transport=ServerPools(LIMITS))
-    if kind == "cluster":
-        return ClusterClient(transport=ServerPools(LIMITS))
-    raise SystemExit(f"unknown client {kind!r}")
+    if kind == "httpx2":
+        import httpx2
+
+        return httpx2.AsyncClient(
+            limits=httpx2.Limits(max_connections=512, max_keepalive_connections=512)
+        )
+    if kind == "httpx-aiohttp":
+        from httpx_aiohttp import AiohttpTransport
+
+        return httpx.AsyncClient(transport=AiohttpTransport(limits=LIMITS))
+    if kind in ("pools", "cluster"):
+        client = httpx.AsyncClient if kind == "pools" else ClusterClient
+        return client(transport=ServerPools(LIMITS))
+    if kind not in ("base-pools", "base-cluster"):
+        raise SystemExit(f"unknown client {kind!r}")
+    if args.base is None:
+        raise SystemExit(f"{kind} needs --base FILE")
+    base = _load(args.base)
+    if kind == "base-pools":
+        return httpx.AsyncClient(transport=base.ServerPools(LIMITS))
+    return base.ClusterClient(transport=base.ServerPools(LIMITS))
 
 
 async def _measure_aiohttp(url: str, args: argparse.Namespace) -> tuple[float, float]:
@@ -101,7 +129,7 @@ async def _measure(kind: str, url: str, args: argparse.Namespace) -> tuple[float
     """(CPU microseconds per request, wall seconds) of one timed pass, after a warm-up pass."""
     if kind == "aiohttp":
         return await _measure_aiohttp(url, args)
-    async with _client(kind) as client:
+    async with _client(kind, args) as client:
 
         async def loop() -> None:
             for _ in range(args.requests):
@@ -123,7 +151,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=30, help="per concurrent loop")
     parser.add_argument("--server-ms", type=float, default=100.0)
-    parser.add_argument("--clients", default="httpx,aiohttp,pools,cluster")
+    parser.add_argument("--clients", default="httpx,httpx2,aiohttp,pools,cluster")
+    parser.add_argument("--base", help="another tree's transport.py, for base-pools/base-cluster")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -158,7 +187,7 @@ def main() -> int:
                 cpu_us, wall_s = asyncio.run(_measure(kind, url, args))
             else:
                 cpu_us, wall_s = uvloop.run(_measure(kind, url, args))
-            print(f"  {kind:8} {cpu_us:7.0f} us   (pass took {wall_s:.2f} s)", flush=True)
+            print(f"  {kind:13} {cpu_us:7.0f} us   (pass took {wall_s:.2f} s)", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
