@@ -5,9 +5,12 @@ and its OpenAI server (``chat_completion/protocol.py``, ``renderers/online_rende
 
 * P leg: ``max_tokens: 1``, ``stream: false`` and ``kv_transfer_params`` with
   ``do_remote_decode: true`` plus either nulls or the decode node's turn-end handle, and the
-  prompt as ``prompt_token_ids`` (vLLM pops it from the params and skips templating).
+  prompt as ``prompt_token_ids`` (vLLM pops it from the params and skips templating). No
+  messages: with the ids vLLM renders none (``_reused_prompt_token_ids``), and nothing else
+  reads them for a one-token answer that is dropped.
 * D leg: prefill's returned params plus ``prompt_token_ids``, and ``return_token_ids: true`` so the
-  answer carries the generated ids.
+  answer carries the generated ids (vLLM has no way to ask for them without the prompt's echo).
+  The messages go along: decode's tool parser counts the history's tool calls in them.
 * agentkv's extension (``_hints``): the D leg may carry a persist hint; decode's answer then holds a
   lease acknowledgement, whose secret stays here and in the lease calls (the P leg never sees it).
 
@@ -89,8 +92,8 @@ _PREFILL_FIELDS = ("cache_salt",)
 class TurnRequest:
     """What a turn asks the model for, apart from the prompt tokens.
 
-    ``messages`` are the OpenAI dicts of the conversation (or a pre-serialized fragment of them):
-    vLLM validates them, and its tool parser reads the request, even though ``prompt_token_ids``
+    ``messages`` are the OpenAI dicts of the conversation (or a pre-serialized fragment of them),
+    for the D leg only: decode's tool parser reads them, even though ``prompt_token_ids``
     replaces their rendering.
     """
 
@@ -152,7 +155,7 @@ def prefill_body(
     params["prompt_token_ids"] = prompt_ids
     body: dict[str, Any] = {
         "model": request.model,
-        "messages": request.messages,
+        "messages": [],
         "max_tokens": 1,
         "stream": False,
         "kv_transfer_params": params,

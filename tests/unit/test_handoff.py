@@ -115,6 +115,8 @@ def test_prefill_body_without_handle_sends_nulls_and_the_prompt_ids():
         "remote_port": None,
         "prompt_token_ids": [1, 2, 3],
     }
+    # vLLM renders nothing when it has the ids: the P leg carries no messages
+    assert body["messages"] == []
     # sampling and tools do not matter for a one-token prefill
     assert "tools" not in body
     assert "temperature" not in body
