@@ -391,9 +391,15 @@ class TurnResult:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TextDelta:
-    """A piece of assistant text, as ``session.stream()`` yields it before the ``TurnResult``."""
+    """A piece of assistant text, as ``session.stream()`` yields it before the ``TurnResult``.
+
+    A stream's first delta also says what the turn did with the stored handle
+    (``handle_state``, as the result's stats will), for a caller that answers before the turn
+    ends (the proxy's response headers); later deltas carry ``None``.
+    """
 
     text: str
+    handle_state: HandleState | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -121,6 +121,8 @@ class TurnRunner:
         self._prefill_name: str | None = None
         self._t_prefill = self._started
         self._ttft: float | None = None
+        # The attach decision of the attempt running now, told with the first text delta.
+        self._handle_state: HandleState | None = None
         # The turn sends the messages pending when it starts; later appends wait for the next.
         self._pending = state.transcript.pending
 
@@ -299,6 +301,7 @@ class TurnRunner:
         supported = await pool.leases.supported(pair.decode)
         await self._confirm_loaded(supported, len(prompt))
         sent, handle_state, reason, extends, unsent, tier = self._take_handle(prompt)
+        self._handle_state = handle_state
         if unsent is not None:
             await release_handle(pool, state, unsent, reason=handle_state.value)
         ids = fragment(prompt.tolist())
@@ -412,8 +415,11 @@ class TurnRunner:
                         if self._ttft is None and (text or acc.has_tokens):
                             self._ttft = time.perf_counter() - self._t_prefill
                         if text:
+                            first = not self._yielded
                             self._yielded = True
-                            yield TextDelta(text=text)
+                            yield TextDelta(
+                                text=text, handle_state=self._handle_state if first else None
+                            )
                 result = acc.result(pair=pair.name, issued_at=issued_at, deadline=deadline)
             else:
                 data = await post_json(client, decode_url, body, summary=summary, headers=headers)
