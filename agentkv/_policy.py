@@ -262,6 +262,18 @@ class CachePolicy:
         """
         return sent_at + ttl_s - min(self.ttl_margin_s, ttl_s / 2)
 
+    @staticmethod
+    def overdue_s(handle: KVHandle | None, *, now: float) -> float | None:
+        """Seconds ``handle`` is past our deadline at ``now``; ``None`` while it is live (or
+        there is none). The one expiry rule: attach, extend, persist and the agent all ask it.
+
+        >>> CachePolicy.overdue_s(None, now=5.0) is None
+        True
+        """
+        if handle is None or now < handle.deadline:
+            return None
+        return now - handle.deadline
+
     def decide_persist(self, *, final: bool) -> PersistHint:
         """The hint for a D leg: pin for the next turn, or nothing on a turn no other follows."""
         if final:
@@ -286,11 +298,9 @@ class CachePolicy:
             return ExtendDecision(
                 extend=False, ttl_s=None, reason="decode has no agentkv extension (stock vLLM)"
             )
-        if now >= handle.deadline:
+        if (overdue := self.overdue_s(handle, now=now)) is not None:
             return ExtendDecision(
-                extend=False,
-                ttl_s=None,
-                reason=f"handle passed its deadline {now - handle.deadline:.1f}s ago",
+                extend=False, ttl_s=None, reason=f"handle passed its deadline {overdue:.1f}s ago"
             )
         ends = now + expected_wait_s + self.extend_slack_s
         if ends < handle.deadline:
@@ -325,11 +335,11 @@ class CachePolicy:
         """Attach ``handle`` to a prefill of ``prompt_len`` tokens at time ``now``?"""
         if handle is None:
             return AttachDecision(attach=False, state=HandleState.NONE, reason="no stored handle")
-        if now >= handle.deadline:
+        if (overdue := self.overdue_s(handle, now=now)) is not None:
             return AttachDecision(
                 attach=False,
                 state=HandleState.EXPIRED,
-                reason=f"handle passed its deadline {now - handle.deadline:.1f}s ago",
+                reason=f"handle passed its deadline {overdue:.1f}s ago",
             )
         if handle.num_tokens >= prompt_len:
             # The pull is positional: the decode KV must cover a strict prefix of the prompt.
@@ -377,10 +387,9 @@ class CachePolicy:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if handle is None:
             return TierDecision(action="drop", reason="no stored handle")
-        if now >= handle.deadline:
+        if (overdue := self.overdue_s(handle, now=now)) is not None:
             return TierDecision(
-                action="drop",
-                reason=f"handle passed its deadline {now - handle.deadline:.1f}s ago",
+                action="drop", reason=f"handle passed its deadline {overdue:.1f}s ago"
             )
         if not handle.leased:
             return TierDecision(

@@ -279,6 +279,9 @@ class KVHandle:
     ``lease_ttl_s`` is set when decode runs agentkv's extension and leased the pin to this
     session: the seconds it granted (after an extend, what was left then). Such a handle can be
     released and extended; ``extends`` counts the extensions. On stock vLLM it is ``None``.
+
+    The fields are the handle; only ``agentkv._wire.handoff`` renders them as the next P leg's
+    ``kv_transfer_params`` (``extra`` holds the engine's fields agentkv does not read).
     """
 
     pair: str
@@ -293,8 +296,10 @@ class KVHandle:
     server_expiry: float | None = None
     lease_ttl_s: float | None = None
     extends: int = 0
-    # The params exactly as decode sent them, for re-sending; read only by agentkv._wire.handoff.
-    _params: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # The secret that, with request_id and block_ids, authorizes lease calls (None: not leased).
+    lease: str | None = field(default=None, repr=False)
+    # The engine's other kv_transfer_params (tp_size, ...): not interpreted, sent back verbatim.
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def remaining_s(self, now: float) -> float:
         """Seconds until ``deadline`` (negative once past)."""
@@ -386,9 +391,15 @@ class TurnResult:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TextDelta:
-    """A piece of assistant text, as ``session.stream()`` yields it before the ``TurnResult``."""
+    """A piece of assistant text, as ``session.stream()`` yields it before the ``TurnResult``.
+
+    A stream's first delta also says what the turn did with the stored handle
+    (``handle_state``, as the result's stats will), for a caller that answers before the turn
+    ends (the proxy's response headers); later deltas carry ``None``.
+    """
 
     text: str
+    handle_state: HandleState | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -206,7 +206,7 @@ class _AgentCore:
         done = tuple(r for r in results if r is not None)
         session.append(*(self.tool_calling.result_message(r) for r in done))
         tools_s = time.perf_counter() - started
-        overdue = _overdue(session, _clock(session)())
+        overdue = session.policy.overdue_s(session.handle, now=_clock(session)())
         if overdue is not None:
             logger.warning(
                 "agentkv.handle_expired_during_tools",
@@ -340,14 +340,6 @@ class _Box:
 def _clock(session: AsyncSession) -> Callable[[], float]:
     # The session's handle deadlines are on its cluster's clock (injectable in tests).
     return session.clock
-
-
-def _overdue(session: AsyncSession, now: float) -> float | None:
-    """Seconds past the handle's deadline, or ``None`` if there is none or it is still good."""
-    handle = session.handle
-    if handle is None or now < handle.deadline:
-        return None
-    return now - handle.deadline
 
 
 async def _last(items: _Items) -> RunResult:

@@ -172,7 +172,11 @@ async def persist_handle(pool: PairPool, state: SessionState, *, reason: str) ->
     holds is dropped, as ``extend_handle`` does.
     """
     handle = state.handle
-    if handle is None or not handle.leased or pool.clock() >= handle.deadline:
+    if (
+        handle is None
+        or not handle.leased
+        or state.policy.overdue_s(handle, now=pool.clock()) is not None
+    ):
         return None
     started = time.perf_counter()
     result = await pool.leases.persist(
@@ -378,7 +382,8 @@ def end_wait(pool: PairPool, state: SessionState, wait: ToolWait) -> None:
     now = pool.clock()
     handle = state.handle
     wait.ended_at = now
-    wait.survived = (handle is not None and now < handle.deadline) or (
+    live = handle is not None and state.policy.overdue_s(handle, now=now) is None
+    wait.survived = live or (
         wait.persisted and state.tier is not None
     )
     if wait.had_handle:

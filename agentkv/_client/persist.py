@@ -1,11 +1,12 @@
 """Saving a session to a JSON file and loading it back, so that an agent process can restart.
 
-The file (``"format": "agentkv.session"``, ``"version": 2``) holds everything the next turn needs
+The file (``"format": "agentkv.session"``, ``"version": 3``) holds everything the next turn needs
 to stay token-exact: the transcript's messages, token ids and spans, the pending messages, the
 session id, pair, policy, options and turn stats, the model and a fingerprint of the tokenizer
-and chat template the token ids come from, and the stored decode handle with the params decode
-sent, or the reference of the session's turn-end KV persisted to the file tier (``"tier"``: its
-id, token count, secret, the pair whose decode persisted it and a digest of its tokens; files
+and chat template the token ids come from, and the stored decode handle (its fields, lease
+secret and the engine's params agentkv does not read; older files hold the params decode sent),
+or the reference of the session's turn-end KV persisted to the file tier (``"tier"``: its id,
+token count, secret, the pair whose decode persisted it and a digest of its tokens; files
 written before the tier have none and load as without one, and files written before tier
 secrets load a reference without one, which resumes but cannot delete its entry: that entry
 lives until its TTL on decode). A loaded tier reference is not trusted on its word either:
@@ -24,7 +25,7 @@ Handle deadlines live on the session's monotonic clock, which means nothing to a
 the file stores them as wall-clock times and ``load`` converts them back, so a handle that ran out
 while the agent was down is not attached (the turn recomputes).
 
-The handle's params may hold a lease secret, and the tier reference its entry's secret: the
+The handle may hold a lease secret, and the tier reference its entry's secret: the
 file is created readable by its owner only.
 A save writes a temporary file in the same folder and renames it over the target, so a crash in
 the middle of a save leaves the previous file (or none), never a half-written one.
@@ -57,6 +58,7 @@ from agentkv._exceptions import AgentKVError, SessionLoadError
 from agentkv._policy import CachePolicy
 from agentkv._prompt.transcript import TOKEN_TYPECODE, Span, Transcript
 from agentkv._types import HandleState, KVHandle, Message, SessionOptions
+from agentkv._wire.handoff import split_params
 from agentkv._wire.hints import HintError
 from agentkv._wire.json import dumps, loads
 from agentkv._wire.tier import TierRef
@@ -74,9 +76,11 @@ __all__ = [
 ]
 
 FORMAT = "agentkv.session"
-VERSION = 2
+# Version 3 saves a handle's lease secret and its engine fields (``extra``) instead of the
+# params decode sent (``params``); older files' params are read into both.
+VERSION = 3
 # Version 1 lacks the model and tokenizer fingerprint; it is read as if they matched.
-_READABLE = (1, 2)
+_READABLE = (1, 2, 3)
 # snapshot_bytes: this, the JSON's length, the JSON, then the token ids.
 _BINARY_MAGIC = b"agentkv.session.bin\x00"
 _HEAD_LENGTH = struct.Struct(">I")
@@ -100,7 +104,8 @@ def _handle_json(handle: KVHandle, *, now: float, wall: float) -> dict[str, Any]
         "server_expiry": handle.server_expiry,
         "lease_ttl_s": handle.lease_ttl_s,
         "extends": handle.extends,
-        "params": dict(handle._params),
+        "lease": handle.lease,
+        "extra": dict(handle.extra),
     }
 
 
@@ -301,6 +306,11 @@ def _transcript(data: Mapping[str, Any], tokens: array[int] | None = None) -> Tr
 
 
 def _handle(data: Mapping[str, Any], *, now: float, wall: float) -> KVHandle:
+    if "params" in data:  # version 2 and older: decode's params as sent, lease secret inside
+        extra, lease = split_params(_field(data, "params", dict))
+    else:
+        extra = MappingProxyType(dict(_field(data, "extra", dict)))
+        lease = _optional(data, "lease", str)
     return KVHandle(
         pair=_field(data, "pair", str),
         engine_id=_field(data, "engine_id", str),
@@ -314,7 +324,8 @@ def _handle(data: Mapping[str, Any], *, now: float, wall: float) -> KVHandle:
         server_expiry=_optional(data, "server_expiry", (int, float)),
         lease_ttl_s=_optional(data, "lease_ttl_s", (int, float)),
         extends=_field(data, "extends", int),
-        _params=MappingProxyType(dict(_field(data, "params", dict))),
+        lease=lease,
+        extra=extra,
     )
 
 

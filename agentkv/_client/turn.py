@@ -26,7 +26,6 @@ pinned until its TTL.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
@@ -35,10 +34,8 @@ import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_exponential, wait_random
 
-from agentkv import _constants as defaults
 from agentkv._client.leasing import (
     delete_tier_soon,
-    extend_handle,
     persist_handle,
     release_handle,
     release_lost,
@@ -46,6 +43,12 @@ from agentkv._client.leasing import (
 )
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState, TurnOutcome
+from agentkv._client.turn_handle import (
+    confirm_loaded,
+    dated_by_lease,
+    release_unsent,
+    take_handle,
+)
 from agentkv._exceptions import (
     ConnectError,
     InvalidMessageError,
@@ -80,7 +83,6 @@ T = TypeVar("T")
 logger = structlog.get_logger("agentkv")
 
 _CHAT_PATH = "/v1/chat/completions"
-_CONFIRM_TTL_S = defaults.CONFIRM_TTL_S
 
 
 def _unexplained(result: DecodeResult) -> bool:
@@ -121,6 +123,8 @@ class TurnRunner:
         self._prefill_name: str | None = None
         self._t_prefill = self._started
         self._ttft: float | None = None
+        # The attach decision of the attempt running now, told with the first text delta.
+        self._handle_state: HandleState | None = None
         # The turn sends the messages pending when it starts; later appends wait for the next.
         self._pending = state.transcript.pending
 
@@ -180,7 +184,7 @@ class TurnRunner:
             handle, tier, tier_pair = state.handle, state.tier, state.tier_pair
             state.move_to(pair)
             # The old pair's decode may be alive (its prefill was the one that failed).
-            await self._release_unsent(handle, reason="moved")
+            await release_unsent(self._pool, self._state, handle, reason="moved")
             if tier is not None and tier_pair is not None and state.tier is None:
                 delete_tier_soon(pool, state, tier, pair=tier_pair, reason="moved")
         try:
@@ -194,7 +198,7 @@ class TurnRunner:
             handle = state.handle
             state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} was unreachable")
             # Never sent (prefill refused before the P leg carried it): decode may still pin it.
-            await self._release_unsent(handle, reason="pair_unreachable")
+            await release_unsent(self._pool, self._state, handle, reason="pair_unreachable")
             raise
         except (TransportError, ServerError):
             # Lost, timed out or 5xx mid-turn (a vLLM API server whose engine died answers 500
@@ -204,7 +208,7 @@ class TurnRunner:
                 handle = state.handle
                 state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} stopped answering")
                 # Unsent; the one that stopped answering may be the pair's prefill.
-                await self._release_unsent(handle, reason="pair_down")
+                await release_unsent(self._pool, self._state, handle, reason="pair_down")
             if pool.pooled and self._prefill_name is not None:
                 await pool.probe_prefill(self._prefill_name)
             raise
@@ -232,13 +236,13 @@ class TurnRunner:
             )
         except ConnectError:
             # No prefill got the P leg, so none read the handle: free it on decode.
-            await self._release_unsent(sent, reason="prefill_unreachable")
+            await release_unsent(self._pool, self._state, sent, reason="prefill_unreachable")
             raise
         except (UpstreamStatusError, MalformedResponseError):
             # Prefill answered, so it is done with the handle: it pulled the blocks (decode then
             # freed them, and the release finds nothing) or never will. A lost P leg (timeout,
             # reset) may still be reading: its handle is left to decode's TTL.
-            await self._release_unsent(sent, reason="prefill_failed")
+            await release_unsent(self._pool, self._state, sent, reason="prefill_failed")
             raise
         assert self._prefill_name is not None
         return prefill, self._prefill_name
@@ -297,10 +301,12 @@ class TurnRunner:
         self._request = request
         # Asked once per decode server, then cached: whether to send hints at all.
         supported = await pool.leases.supported(pair.decode)
-        await self._confirm_loaded(supported, len(prompt))
-        sent, handle_state, reason, extends, unsent, tier = self._take_handle(prompt)
-        if unsent is not None:
-            await release_handle(pool, state, unsent, reason=handle_state.value)
+        await confirm_loaded(pool, state, supported, len(prompt))
+        taken = take_handle(pool, state, prompt)
+        sent, handle_state, reason, tier = taken.sent, taken.state, taken.reason, taken.tier
+        self._handle_state = handle_state
+        if taken.unsent is not None:
+            await release_handle(pool, state, taken.unsent, reason=handle_state.value)
         ids = fragment(prompt.tolist())
 
         t_prefill = self._t_prefill = time.perf_counter()
@@ -337,7 +343,7 @@ class TurnRunner:
         # The first token's time, from the P leg's start: all of it on the servers (non-streamed,
         # the whole answer arrives at once).
         server_ttft = self._ttft if self._ttft is not None else t_end - t_prefill
-        result = self._leased(result, issued_at=issued_at)
+        result = dated_by_lease(state, result, issued_at=issued_at)
         outcome = TurnOutcome(
             prompt=prompt,
             result=result,
@@ -354,7 +360,7 @@ class TurnRunner:
             decode_s=t_end - t_decode,
             total_s=t_end - self._started,
             retries=self._attempts - 1,
-            extends=extends,
+            extends=taken.extends,
             final=self._final,
             tools=self._options.tools,
             tier=tier,
@@ -412,8 +418,11 @@ class TurnRunner:
                         if self._ttft is None and (text or acc.has_tokens):
                             self._ttft = time.perf_counter() - self._t_prefill
                         if text:
+                            first = not self._yielded
                             self._yielded = True
-                            yield TextDelta(text=text)
+                            yield TextDelta(
+                                text=text, handle_state=self._handle_state if first else None
+                            )
                 result = acc.result(pair=pair.name, issued_at=issued_at, deadline=deadline)
             else:
                 data = await post_json(client, decode_url, body, summary=summary, headers=headers)
@@ -435,100 +444,6 @@ class TurnRunner:
                     reason="no_handle" if result is not None else "answer_lost",
                 )
         yield result
-
-    async def _release_unsent(self, handle: KVHandle | None, *, reason: str) -> None:
-        state, pool = self._state, self._pool
-        if handle is not None and state.policy.decide_release(handle, now=pool.clock()):
-            await release_handle(pool, state, handle, reason=reason)
-
-    async def _confirm_loaded(self, supported: bool | None, prompt_len: int) -> None:
-        """A handle read from a save file is attached only once decode confirms it still holds it.
-
-        The file may outlive the pin: the session was closed (which released it), a later turn
-        of the saved session consumed it, or the same file was loaded before. Decode has freed
-        those blocks and may have handed them to other requests; the pull is positional and
-        checks nothing, so attaching such a handle would load another tenant's KV. Nor may two
-        holders of the file (two loads, or a load beside the session that saved it) both attach
-        it, even at the same moment: the first pull frees what the second reads. With agentkv's
-        extension, a claim call is the check: decode answers only for the exact request id,
-        block ids and lease secret it still holds, keeps the pin past prefill's expiry margin,
-        and rotates the secret, so of concurrent claims exactly one succeeds and every other
-        holder recomputes. On stock vLLM nothing can confirm it, so it is never attached.
-        """
-        state = self._state
-        handle = state.handle
-        if handle is None or handle is not state.unconfirmed:
-            return
-        now = self._pool.clock()
-        if not state.policy.decide_attach(handle, prompt_len=prompt_len, now=now).attach:
-            return  # not attached anyway (expired, diverged, ...): the turn says why
-        state.unconfirmed = None
-        if supported is not True or not handle.leased:
-            state.drop_handle(
-                HandleState.INVALIDATED,
-                "a handle from a save file is never attached on stock vLLM: decode cannot "
-                "confirm it still holds the blocks",
-            )
-            return
-        await extend_handle(
-            self._pool, state, _CONFIRM_TTL_S, reason="confirm_loaded", claim=True
-        )
-        if state.handle is handle:  # not extended, not dropped: the call failed
-            state.drop_handle(
-                HandleState.INVALIDATED,
-                "decode could not confirm the handle (it is also in a save file)",
-            )
-
-    def _leased(self, result: DecodeResult, *, issued_at: float) -> DecodeResult:
-        """Base a leased handle's deadline on the TTL decode granted, not on our assumption."""
-        handle = result.handle
-        if handle is None or handle.lease_ttl_s is None:
-            return result
-        deadline = self._state.policy.lease_deadline(sent_at=issued_at, ttl_s=handle.lease_ttl_s)
-        return dataclasses.replace(result, handle=dataclasses.replace(handle, deadline=deadline))
-
-    def _take_handle(
-        self, prompt: TurnPrompt
-    ) -> tuple[KVHandle | None, HandleState, str, int, KVHandle | None, TierRef | None]:
-        """Take the stored handle off the session.
-
-        Returns the handle if it is to be sent, the handle state and reason for the stats, how
-        often it was extended, a handle to release because it is dropped unsent, and the tier
-        reference to send instead of a handle (a persisted turn whose tokens the prompt starts
-        with). The reference stays on the session until the turn commits (a prefill only reads
-        the tier, so a retry may send it again).
-        """
-        state = self._state
-        handle = state.handle
-        now = self._pool.clock()
-        prompt_len = len(prompt)
-        decision = state.policy.decide_attach(handle, prompt_len=prompt_len, now=now)
-        handle_state, reason = decision.state, decision.reason
-        unsent: KVHandle | None = None
-        tier: TierRef | None = None
-        if handle is None and state.tier is not None:
-            tier_decision = state.policy.decide_tier_attach(
-                state.tier,
-                prompt_len=prompt_len,
-                prefix_matches=state.tier_matches(prompt.token_ids),
-            )
-            handle_state, reason = tier_decision.state, tier_decision.reason
-            tier = state.tier if tier_decision.attach else None
-        elif handle is None and state.lost is not None:
-            handle_state, reason = state.lost
-        elif decision.attach:
-            # Single use: once a prefill may have read it, it is gone whatever happens next.
-            state.drop_handle(HandleState.CONSUMED, "a failed turn may have read the handle")
-        else:
-            state.drop_handle(decision.state, decision.reason)
-            if state.policy.decide_release(handle, now=now):
-                unsent = handle
-        note, state.wait_note = state.wait_note, None
-        if note:
-            reason = f"{reason}; {note}" if reason else note
-        extends = handle.extends if handle is not None else 0
-        sent = handle if decision.attach else None
-        return sent, handle_state, reason, extends, unsent, tier
 
     async def _prefill(
         self,

@@ -5,14 +5,18 @@ and its OpenAI server (``chat_completion/protocol.py``, ``renderers/online_rende
 
 * P leg: ``max_tokens: 1``, ``stream: false`` and ``kv_transfer_params`` with
   ``do_remote_decode: true`` plus either nulls or the decode node's turn-end handle, and the
-  prompt as ``prompt_token_ids`` (vLLM pops it from the params and skips templating).
+  prompt as ``prompt_token_ids`` (vLLM pops it from the params and skips templating). No
+  messages: with the ids vLLM renders none (``_reused_prompt_token_ids``), and nothing else
+  reads them for a one-token answer that is dropped.
 * D leg: prefill's returned params plus ``prompt_token_ids``, and ``return_token_ids: true`` so the
-  answer carries the generated ids.
+  answer carries the generated ids (vLLM has no way to ask for them without the prompt's echo).
+  The messages go along: decode's tool parser counts the history's tool calls in them.
 * agentkv's extension (``_hints``): the D leg may carry a persist hint; decode's answer then holds a
   lease acknowledgement, whose secret stays here and in the lease calls (the P leg never sees it).
 
 Raw parameter dicts are built and read here only; the rest of agentkv sees ``PrefillResult``,
-``DecodeResult`` and ``KVHandle``.
+``DecodeResult`` and ``KVHandle``. A handle is parsed from decode's params by ``_handle`` (and a
+saved one's by ``split_params``) and rendered for the next P leg by ``handle_params``, nowhere else.
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ import structlog
 from agentkv._exceptions import InvalidMessageError, MalformedResponseError, ServerError
 from agentkv._types import KVHandle, Message, ToolCall
 from agentkv._wire.hints import (
+    HINTS_KEY,
     ExtendResult,
     HintError,
     LeaseAck,
     LeaseRef,
     PersistHint,
     for_prefill,
-    with_expiry,
     with_hint,
 )
 from agentkv._wire.json import dumps
@@ -49,11 +53,13 @@ __all__ = [
     "TurnRequest",
     "decode_body",
     "extended_handle",
+    "handle_params",
     "lease_ref",
     "no_handle_cause",
     "parse_decode",
     "parse_prefill",
     "prefill_body",
+    "split_params",
 ]
 
 _NO_HANDLE: Mapping[str, Any] = MappingProxyType(
@@ -67,6 +73,16 @@ _NO_HANDLE: Mapping[str, Any] = MappingProxyType(
     }
 )
 _LOCATION_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host")
+# The params a KVHandle holds as typed fields; the rest of decode's params travel as its extra.
+_HANDLE_FIELDS = frozenset(
+    {
+        *_NO_HANDLE,
+        "remote_request_id",
+        "remote_num_tokens",
+        "remote_blocks_expiry_time",
+        HINTS_KEY,
+    }
+)
 # extra_body fields that change what prefill computes or may reuse (vLLM's cache_salt isolates
 # prefix-cache hits per tenant: sent only to decode it would silently be ignored by prefill).
 _PREFILL_FIELDS = ("cache_salt",)
@@ -76,8 +92,8 @@ _PREFILL_FIELDS = ("cache_salt",)
 class TurnRequest:
     """What a turn asks the model for, apart from the prompt tokens.
 
-    ``messages`` are the OpenAI dicts of the conversation (or a pre-serialized fragment of them):
-    vLLM validates them, and its tool parser reads the request, even though ``prompt_token_ids``
+    ``messages`` are the OpenAI dicts of the conversation (or a pre-serialized fragment of them),
+    for the D leg only: decode's tool parser reads them, even though ``prompt_token_ids``
     replaces their rendering.
     """
 
@@ -104,7 +120,8 @@ class PrefillResult:
 
     prompt_tokens: int
     cached_tokens: int
-    _params: Mapping[str, Any] = field(repr=False, compare=False)
+    # Prefill's params for the D leg: opaque outside this module, read only by decode_body.
+    kv_params: Mapping[str, Any] = field(repr=False, compare=False)
     tier_load: TierLoadReport | None = None
 
 
@@ -132,17 +149,13 @@ def prefill_body(
     handle, ``tier`` (a persisted turn's reference) lets prefill load the prompt's prefix from
     the file tier instead.
     """
-    # The lease secret is for decode's lease routes only: prefill need not see it.
-    params = for_prefill(handle._params) if handle is not None else dict(_NO_HANDLE)
+    params = handle_params(handle) if handle is not None else dict(_NO_HANDLE)
     if handle is None and tier is not None:
         params = with_tier(params, tier)
-    # A decode handle comes back with do_remote_decode already true; make the intent explicit.
-    params["do_remote_decode"] = True
-    params["do_remote_prefill"] = False
     params["prompt_token_ids"] = prompt_ids
     body: dict[str, Any] = {
         "model": request.model,
-        "messages": request.messages,
+        "messages": [],
         "max_tokens": 1,
         "stream": False,
         "kv_transfer_params": params,
@@ -167,7 +180,8 @@ def decode_body(
 
     ``hint`` tells agentkv's extension on decode whether and how long to pin the turn-end KV.
     """
-    params = with_hint(prefill._params, hint) if hint is not None else dict(prefill._params)
+    kv = prefill.kv_params
+    params = with_hint(kv, hint) if hint is not None else dict(kv)
     params["prompt_token_ids"] = prompt_ids
     body: dict[str, Any] = {
         **request.extra,
@@ -277,7 +291,7 @@ def parse_prefill(data: Any, *, url: str) -> PrefillResult:
         prompt_tokens=prompt_tokens,
         cached_tokens=cached or 0,
         # agentkv's key in prefill's answer is for this client only: decode gets its own hint.
-        _params=MappingProxyType(for_prefill(params)),
+        kv_params=MappingProxyType(for_prefill(params)),
         tier_load=_tier_load(params, url),
     )
 
@@ -307,11 +321,15 @@ def _handle(
     expiry = params.get("remote_blocks_expiry_time")
     if expiry is not None and not isinstance(expiry, int | float):
         raise _bad(url, leg, "kv_transfer_params.remote_blocks_expiry_time is not a number")
+    request_id = params["remote_request_id"]
+    ack = _lease_ack(params, blocks, url=url, request_id=request_id)
+    extra, _ = split_params(params)
     return KVHandle(
-        lease_ttl_s=_lease_ttl(params, url=url, request_id=params["remote_request_id"]),
+        lease_ttl_s=ack.ttl_s if ack is not None else None,
+        lease=ack.lease if ack is not None else None,
         pair=pair,
         engine_id=params["remote_engine_id"],
-        request_id=params["remote_request_id"],
+        request_id=request_id,
         block_ids=blocks,
         host=params["remote_host"],
         port=params["remote_port"],
@@ -319,20 +337,58 @@ def _handle(
         issued_at=issued_at,
         deadline=deadline,
         server_expiry=float(expiry) if expiry is not None else None,
-        _params=MappingProxyType(dict(params)),
+        extra=extra,
     )
 
 
-def _lease_ttl(params: Mapping[str, Any], *, url: str, request_id: str) -> float | None:
-    """The TTL agentkv's extension granted this pin; ``None`` without a usable lease.
+def split_params(params: Mapping[str, Any]) -> tuple[Mapping[str, Any], str | None]:
+    """A decode handle's params as a ``KVHandle`` keeps them: the fields agentkv does not read
+    (its ``extra``), and the lease secret in agentkv's acknowledgement, if any (unchecked: a
+    saved file's, whose lease the first turn confirms with decode anyway)."""
+    extra = MappingProxyType({k: v for k, v in params.items() if k not in _HANDLE_FIELDS})
+    ack = params.get(HINTS_KEY)
+    lease = ack.get("lease") if isinstance(ack, Mapping) else None
+    return extra, lease if isinstance(lease, str) else None
+
+
+def handle_params(handle: KVHandle) -> dict[str, Any]:
+    """``handle`` as the next P leg's ``kv_transfer_params`` (without the prompt ids).
+
+    The lease secret is for decode's lease routes only: prefill never sees it.
+    """
+    return {
+        **handle.extra,
+        # A decode handle comes back with do_remote_decode already true; the intent, explicit.
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": handle.engine_id,
+        "remote_request_id": handle.request_id,
+        "remote_block_ids": [list(group) for group in handle.block_ids],
+        "remote_host": handle.host,
+        "remote_port": handle.port,
+        "remote_num_tokens": handle.num_tokens,
+        # Prefill declines a pull within 5 s of it, so an extended handle carries the new one.
+        "remote_blocks_expiry_time": handle.server_expiry,
+    }
+
+
+def _lease_ack(
+    params: Mapping[str, Any],
+    blocks: tuple[tuple[int, ...], ...],
+    *,
+    url: str,
+    request_id: str,
+) -> LeaseAck | None:
+    """agentkv's lease on this pin, with its TTL and secret; ``None`` without a usable one.
 
     A bad acknowledgement costs the lease (the pin then lives out the server's TTL), never the
     turn: the answer itself is fine.
     """
     try:
         ack = LeaseAck.from_params(params)
-        if ack is not None and ack.pinned:
-            LeaseRef.from_handle(params)  # a lease we could not present later is no lease
+        if ack is not None and ack.pinned and ack.lease is not None:
+            # A lease we could not present later is no lease.
+            LeaseRef(request_id=request_id, block_ids=blocks, lease=ack.lease)
     except HintError as exc:
         _logger.warning("agentkv.bad_lease_ack", url=url, request_id=request_id, detail=str(exc))
         return None
@@ -348,24 +404,26 @@ def _lease_ttl(params: Mapping[str, Any], *, url: str, request_id: str) -> float
             detail="a pinned acknowledgement without ttl_s",
         )
         return None
-    return ack.ttl_s
+    return ack
 
 
 def lease_ref(handle: KVHandle) -> LeaseRef:
     """The capability to release or extend a leased handle (``HintError`` if it has none)."""
-    return LeaseRef.from_handle(handle._params)
+    if handle.lease is None:
+        raise HintError("this handle carries no agentkv lease (stock decode, or not pinned)")
+    return LeaseRef(request_id=handle.request_id, block_ids=handle.block_ids, lease=handle.lease)
 
 
 def extended_handle(handle: KVHandle, result: ExtendResult, *, deadline: float) -> KVHandle:
     """``handle`` after decode extended it: the next P leg must carry the new expiry (prefill
-    declines a pull within 5 s of the old one)."""
+    declines a pull within 5 s of the old one); after a claim, the new lease secret."""
     return dataclasses.replace(
         handle,
         deadline=deadline,
         server_expiry=result.expiry,
         lease_ttl_s=result.ttl_s,
         extends=handle.extends + 1,
-        _params=MappingProxyType(with_expiry(handle._params, result)),
+        lease=result.lease if result.lease is not None else handle.lease,
     )
 
 

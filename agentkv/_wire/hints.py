@@ -176,6 +176,9 @@ def _version(data: Mapping[str, Any], what: str) -> None:
         raise HintError(f"{what} has wire version {version!r}; this agentkv speaks {WIRE_VERSION}")
 
 
+_INT_ONLY = frozenset({int})  # bool is an int subclass; a JSON true is never a block id
+
+
 def _block_ids(value: object) -> tuple[tuple[int, ...], ...]:
     """vLLM's ``remote_block_ids``: one list of block ids per KV cache group."""
     if not isinstance(value, list | tuple) or not value:
@@ -183,11 +186,12 @@ def _block_ids(value: object) -> tuple[tuple[int, ...], ...]:
     groups = value if isinstance(value[0], list | tuple) else [value]  # a flat list: one group
     out = []
     for group in groups:
-        if not isinstance(group, list | tuple) or not all(
-            type(block) is int and block >= 0 for block in group
+        # Checked in C (types as a set, then the minimum): a handle holds hundreds of blocks.
+        if not isinstance(group, list | tuple) or not (
+            set(map(type, group)) <= _INT_ONLY and (not group or min(group) >= 0)
         ):
             raise HintError("remote_block_ids must hold lists of non-negative integers")
-        out.append(tuple(group))
+        out.append(group if type(group) is tuple else tuple(group))
     if not any(out):
         raise HintError("remote_block_ids names no block")
     return tuple(out)

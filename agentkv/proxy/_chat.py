@@ -423,19 +423,13 @@ class ChatService:
             raise
         return _Lease(entry.session, entry=entry, registry=registry, plan=plan)
 
-    def _predicted_handle(self, session: AsyncSession) -> HandleState:
-        """Whether the coming turn sends the stored handle, decided as the SDK will decide it.
-
-        A stream's headers go out before its stats exist; the prompt is at least one token longer
-        than the handle (the request extends the session), which is all the policy needs.
-        """
-        handle = session.handle
-        if handle is None:
-            return HandleState.NONE
-        decision = session.policy.decide_attach(
-            handle, prompt_len=handle.num_tokens + 1, now=self._cluster.clock()
-        )
-        return decision.state
+    @staticmethod
+    def _handle_state(first: TextDelta | TurnResult) -> HandleState:
+        """What the turn did with the stored handle, as the SDK decided it: a stream's headers
+        go out with its first event, before its stats exist, and that event says."""
+        if isinstance(first, TurnResult):
+            return first.stats.handle_state
+        return first.handle_state or HandleState.NONE
 
     async def _stream(
         self,
@@ -450,7 +444,6 @@ class ChatService:
         persist: PersistMode = "auto",
     ) -> Response:
         session = lease.session
-        handle = self._predicted_handle(session)
         try:
             events = session.stream(final=lease.entry is None, persist=persist, **overrides)
         except BaseException:
@@ -462,6 +455,7 @@ class ChatService:
             await _aclose(events)
             await lease.release(failed=True)
             raise
+        handle = self._handle_state(first)
         state: dict[str, TurnResult] = {}
 
         async def chunks() -> AsyncGenerator[bytes, None]:

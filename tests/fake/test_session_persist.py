@@ -77,6 +77,38 @@ def test_a_loaded_session_reuses_the_saved_handle_and_answers_as_if_never_stoppe
     assert fake.wrong_reuse_events == 0
 
 
+def test_a_file_saved_before_version_3_loads_its_handle_from_decodes_params(
+    fake, clock, tmp_path
+):
+    """Version 2 files stored the params decode sent; their lease secret still confirms."""
+    path = tmp_path / "session.json"
+    two_turns_saved(fake, clock, path)
+    data = json.loads(path.read_text())
+    handle = data["handle"]
+    handle["params"] = {
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_block_ids": handle["block_ids"],
+        "remote_engine_id": handle["engine_id"],
+        "remote_request_id": handle["request_id"],
+        "remote_host": handle["host"],
+        "remote_port": handle["port"],
+        "remote_num_tokens": handle["num_tokens"],
+        "remote_blocks_expiry_time": handle["server_expiry"],
+        **handle.pop("extra"),
+        "agentkv": {"v": 1, "pinned": True, "lease": handle.pop("lease"), "ttl_s": 60.0},
+    }
+    data["version"] = 2
+    path.write_text(json.dumps(data))
+    with open_cluster(fake, clock) as cluster, Session.load(path, cluster) as s:
+        assert s.handle is not None
+        assert "agentkv" not in s.handle.extra
+        result = s.send(QUESTIONS[2])
+        assert result.stats.handle_state is HandleState.ATTACHED
+    assert result.token_ids == uninterrupted(clock)[2]
+    assert fake.wrong_reuse_events == 0
+
+
 def test_a_handle_past_its_deadline_by_wall_clock_is_not_attached_and_the_turn_recomputes(
     fake, clock, tmp_path
 ):

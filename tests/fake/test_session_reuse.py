@@ -114,6 +114,20 @@ def test_a_streamed_turn_stores_the_handle_and_the_next_turn_reuses_it(cluster, 
     assert fake.wrong_reuse_events == 0
 
 
+def test_a_streams_first_delta_says_what_the_turn_did_with_the_handle(cluster, fake):
+    """A caller answering before the turn ends (the proxy's headers) reads the real decision."""
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        states = []
+        for question in QUESTIONS[:2]:
+            s.append(Message.user(question))
+            *deltas, result = list(s.stream())
+            assert [d.handle_state for d in deltas[1:]] == [None] * (len(deltas) - 1)
+            assert deltas[0].handle_state is result.stats.handle_state
+            states.append(deltas[0].handle_state)
+    assert states == [HandleState.NONE, HandleState.ATTACHED]
+
+
 def test_streamed_and_plain_turns_give_the_same_answer(clock):
     outputs = []
     for stream in (False, True):

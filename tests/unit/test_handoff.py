@@ -13,10 +13,13 @@ from agentkv._wire.handoff import (
     StreamAccumulator,
     TurnRequest,
     decode_body,
+    extended_handle,
+    lease_ref,
     parse_decode,
     parse_prefill,
     prefill_body,
 )
+from agentkv._wire.hints import ExtendResult
 from agentkv._wire.json import fragment
 
 URL = "http://p:8000/v1/chat/completions"
@@ -112,6 +115,8 @@ def test_prefill_body_without_handle_sends_nulls_and_the_prompt_ids():
         "remote_port": None,
         "prompt_token_ids": [1, 2, 3],
     }
+    # vLLM renders nothing when it has the ids: the P leg carries no messages
+    assert body["messages"] == []
     # sampling and tools do not matter for a one-token prefill
     assert "tools" not in body
     assert "temperature" not in body
@@ -220,7 +225,35 @@ def test_parse_decode_builds_message_ids_and_handle():
     assert handle.num_tokens == 502
     assert handle.server_expiry == 12345.5
     assert (handle.issued_at, handle.deadline, handle.pair) == (10.0, 460.0, "p0")
-    assert "_params" not in repr(handle)
+    assert handle.extra["tp_size"] == 1  # the engine's own fields, kept for the next P leg
+
+
+def test_a_leased_handle_keeps_its_secret_from_prefill_and_from_repr():
+    ack = {"v": 1, "pinned": True, "lease": "s3cret-lease", "ttl_s": 60.0}
+    handle = decode(_with(DECODE_ANSWER, ack, "kv_transfer_params", "agentkv")).handle
+    assert handle is not None
+    assert handle.lease_ttl_s == 60.0
+    assert lease_ref(handle).lease == "s3cret-lease"
+    assert "s3cret" not in repr(handle)
+    params = json.loads(prefill_body(REQUEST, prompt_ids=[1], handle=handle))["kv_transfer_params"]
+    assert "agentkv" not in params
+    assert params == dict(DECODE_ANSWER["kv_transfer_params"], prompt_token_ids=[1])
+
+
+def test_an_extended_handle_sends_its_new_expiry_and_presents_its_new_secret():
+    """Prefill declines a pull near the old expiry; after a claim only the new secret works."""
+    ack = {"v": 1, "pinned": True, "lease": "old-secret", "ttl_s": 60.0}
+    handle = decode(_with(DECODE_ANSWER, ack, "kv_transfer_params", "agentkv")).handle
+    assert handle is not None
+    claimed = extended_handle(
+        handle, ExtendResult(expiry=99999.0, ttl_s=300.0, lease="new-secret"), deadline=700.0
+    )
+    assert (claimed.deadline, claimed.lease_ttl_s, claimed.extends) == (700.0, 300.0, 1)
+    assert lease_ref(claimed).lease == "new-secret"
+    params = json.loads(prefill_body(REQUEST, prompt_ids=[1], handle=claimed))["kv_transfer_params"]
+    assert params["remote_blocks_expiry_time"] == 99999.0
+    again = extended_handle(claimed, ExtendResult(expiry=99999.5, ttl_s=200.0), deadline=800.0)
+    assert lease_ref(again).lease == "new-secret"  # a plain extend keeps the secret
 
 
 def test_parse_decode_accepts_a_flat_block_list_and_tool_calls():

@@ -40,6 +40,18 @@ def test_a_valid_handle_is_attached_until_its_deadline():
     assert "deadline" in late.reason
 
 
+def test_expiry_is_one_rule_that_every_decision_agrees_with():
+    """Attach, extend and the tier drop a handle at the same instant overdue_s reports it."""
+    policy = CachePolicy(server_ttl_s=480, ttl_margin_s=30)
+    h = handle(policy=policy)
+    for now, overdue in ((449.9, None), (450.0, 0.0), (452.5, 2.5)):
+        assert policy.overdue_s(h, now=now) == overdue
+        expired = overdue is not None
+        assert policy.decide_attach(h, prompt_len=600, now=now).attach is not expired
+        tier = policy.decide_tier(h, now=now, tier_available=False)
+        assert (tier.action == "drop") is expired
+
+
 def test_below_the_recompute_threshold_is_not_attached():
     policy = CachePolicy(recompute_threshold=64)
     decision = policy.decide_attach(handle(num_tokens=63), prompt_len=100, now=0.0)

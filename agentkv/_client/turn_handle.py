@@ -1,0 +1,137 @@
+"""A turn's stored handle: taken off the session (single use), confirmed, released, re-dated.
+
+The decisions are ``CachePolicy``'s; these functions apply them to a session's state, and call
+the pool for the lease calls they need. ``TurnRunner`` (``turn.py``) calls them around its legs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from agentkv import _constants as defaults
+from agentkv._client.leasing import extend_handle, release_handle
+from agentkv._client.pool import PairPool
+from agentkv._client.state import SessionState
+from agentkv._prompt.transcript import TurnPrompt
+from agentkv._types import HandleState, KVHandle
+from agentkv._wire.handoff import DecodeResult
+from agentkv._wire.tier import TierRef
+
+__all__ = ["TakenHandle", "confirm_loaded", "dated_by_lease", "release_unsent", "take_handle"]
+
+_CONFIRM_TTL_S = defaults.CONFIRM_TTL_S
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TakenHandle:
+    """What a turn does with the session's stored handle.
+
+    ``sent``: the handle the P leg carries (or ``None``); ``state`` and ``reason``: what the
+    stats say; ``extends``: how often it was extended; ``unsent``: a handle dropped unsent, to
+    release; ``tier``: the file-tier reference to send instead of a handle.
+    """
+
+    sent: KVHandle | None
+    state: HandleState
+    reason: str
+    extends: int
+    unsent: KVHandle | None
+    tier: TierRef | None
+
+
+def take_handle(pool: PairPool, state: SessionState, prompt: TurnPrompt) -> TakenHandle:
+    """Take the stored handle off the session for a turn of ``prompt``.
+
+    The tier reference (a persisted turn whose tokens the prompt starts with) stays on the
+    session until the turn commits: a prefill only reads the tier, so a retry may send it again.
+    """
+    handle = state.handle
+    now = pool.clock()
+    prompt_len = len(prompt)
+    decision = state.policy.decide_attach(handle, prompt_len=prompt_len, now=now)
+    handle_state, reason = decision.state, decision.reason
+    unsent: KVHandle | None = None
+    tier: TierRef | None = None
+    if handle is None and state.tier is not None:
+        tier_decision = state.policy.decide_tier_attach(
+            state.tier,
+            prompt_len=prompt_len,
+            prefix_matches=state.tier_matches(prompt.token_ids),
+        )
+        handle_state, reason = tier_decision.state, tier_decision.reason
+        tier = state.tier if tier_decision.attach else None
+    elif handle is None and state.lost is not None:
+        handle_state, reason = state.lost
+    elif decision.attach:
+        # Single use: once a prefill may have read it, it is gone whatever happens next.
+        state.drop_handle(HandleState.CONSUMED, "a failed turn may have read the handle")
+    else:
+        state.drop_handle(decision.state, decision.reason)
+        if state.policy.decide_release(handle, now=now):
+            unsent = handle
+    note, state.wait_note = state.wait_note, None
+    if note:
+        reason = f"{reason}; {note}" if reason else note
+    return TakenHandle(
+        sent=handle if decision.attach else None,
+        state=handle_state,
+        reason=reason,
+        extends=handle.extends if handle is not None else 0,
+        unsent=unsent,
+        tier=tier,
+    )
+
+
+async def release_unsent(
+    pool: PairPool, state: SessionState, handle: KVHandle | None, *, reason: str
+) -> None:
+    """Release a handle no prefill read, if decode may still hold it."""
+    if handle is not None and state.policy.decide_release(handle, now=pool.clock()):
+        await release_handle(pool, state, handle, reason=reason)
+
+
+async def confirm_loaded(
+    pool: PairPool, state: SessionState, supported: bool | None, prompt_len: int
+) -> None:
+    """A handle read from a save file is attached only once decode confirms it still holds it.
+
+    The file may outlive the pin: the session was closed (which released it), a later turn
+    of the saved session consumed it, or the same file was loaded before. Decode has freed
+    those blocks and may have handed them to other requests; the pull is positional and
+    checks nothing, so attaching such a handle would load another tenant's KV. Nor may two
+    holders of the file (two loads, or a load beside the session that saved it) both attach
+    it, even at the same moment: the first pull frees what the second reads. With agentkv's
+    extension, a claim call is the check: decode answers only for the exact request id,
+    block ids and lease secret it still holds, keeps the pin past prefill's expiry margin,
+    and rotates the secret, so of concurrent claims exactly one succeeds and every other
+    holder recomputes. On stock vLLM nothing can confirm it, so it is never attached.
+    """
+    handle = state.handle
+    if handle is None or handle is not state.unconfirmed:
+        return
+    if not state.policy.decide_attach(handle, prompt_len=prompt_len, now=pool.clock()).attach:
+        return  # not attached anyway (expired, diverged, ...): the turn says why
+    state.unconfirmed = None
+    if supported is not True or not handle.leased:
+        state.drop_handle(
+            HandleState.INVALIDATED,
+            "a handle from a save file is never attached on stock vLLM: decode cannot "
+            "confirm it still holds the blocks",
+        )
+        return
+    await extend_handle(pool, state, _CONFIRM_TTL_S, reason="confirm_loaded", claim=True)
+    if state.handle is handle:  # not extended, not dropped: the call failed
+        state.drop_handle(
+            HandleState.INVALIDATED,
+            "decode could not confirm the handle (it is also in a save file)",
+        )
+
+
+def dated_by_lease(state: SessionState, result: DecodeResult, *, issued_at: float) -> DecodeResult:
+    """Base a leased handle's deadline on the TTL decode granted, not on our assumption."""
+    handle = result.handle
+    if handle is None or handle.lease_ttl_s is None:
+        return result
+    deadline = state.policy.lease_deadline(sent_at=issued_at, ttl_s=handle.lease_ttl_s)
+    return dataclasses.replace(result, handle=dataclasses.replace(handle, deadline=deadline))
