@@ -68,13 +68,12 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
+from agentkv._placement import PrefillWeights, RetryPolicy
 from agentkv._policy import (
     AttachDecision,
     CachePolicy,
     ExtendDecision,
     PersistMode,
-    PrefillWeights,
-    RetryPolicy,
     TierCostModel,
     TierDecision,
 )

@@ -1,4 +1,4 @@
-"""Pure decisions about cached KV and retries: immutable inputs in, a decision out, no I/O.
+"""Pure decisions about cached KV: immutable inputs in, a decision out, no I/O.
 
 The clock is always passed in (``now``), so every rule is a plain function to test:
 
@@ -15,29 +15,13 @@ longer while a tool runs (``decide_extend``), or free it now (``decide_release``
 >>> policy.decide_persist(final=True)
 PersistHint(persist=False, ttl_s=None)
 
-Placement is the same kind of decision: where a session lives and where each turn prefills, as
-pure functions of ids and observed load.
-
-A session is pinned to a decode server (a pair's, or one of a pool's): between turns its KV lives
-there. Each turn's prefill is chosen by ``choose_prefill`` over the prefills' outstanding tokens;
-any prefill can pull from any decode (the handle names decode's engine id, host and port, and
-vLLM's NIXL connector handshakes with a new remote engine on first use).
-
-Rendezvous (highest-random-weight) hashing ranks the pairs per session id, so a session's pair
-does not change when unrelated pairs come and go; the bounded-load rule skips a pair that already
-holds more than ``ceil(load_factor * average)`` sessions, so no pair gets a hot spot.
-
->>> place("session-1", ["a", "b"], loads={}, healthy={"a", "b"}) in {"a", "b"}
-True
->>> place("session-1", ["a", "b"], loads={}, healthy=set()) is None
-True
+Where a session lives and where each turn prefills are decided the same way in ``_placement``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias, cast
 
@@ -52,14 +36,9 @@ __all__ = [
     "CachePolicy",
     "ExtendDecision",
     "PersistMode",
-    "PrefillWeights",
-    "RetryPolicy",
     "TierCostModel",
     "TierDecision",
     "check_persist_mode",
-    "choose_prefill",
-    "place",
-    "rank",
 ]
 
 
@@ -450,127 +429,3 @@ class CachePolicy:
                 reason=f"the tier holds {ref.n_tokens} tokens, below {self.min_reuse_tokens}",
             )
         return AttachDecision(attach=True, state=HandleState.TIER, reason="")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RetryPolicy:
-    """How often and how patiently a turn is retried after transport errors and 5xx answers.
-
-    ``max_attempts`` counts whole attempts at a turn (first try included). Waits grow
-    exponentially from ``initial_backoff_s`` to at most ``max_backoff_s``, with up to ``jitter_s``
-    of random jitter so that many sessions do not retry in lockstep.
-
-    >>> RetryPolicy(max_attempts=1)  # never retry
-    RetryPolicy(max_attempts=1, initial_backoff_s=0.05, max_backoff_s=1.0, jitter_s=0.05)
-    """
-
-    max_attempts: int = defaults.RETRY_ATTEMPTS
-    initial_backoff_s: float = defaults.RETRY_INITIAL_BACKOFF_S
-    max_backoff_s: float = defaults.RETRY_MAX_BACKOFF_S
-    jitter_s: float = defaults.RETRY_JITTER_S
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ConfigError(f"max_attempts must be at least 1, got {self.max_attempts}")
-        if min(self.initial_backoff_s, self.max_backoff_s, self.jitter_s) < 0:
-            raise ConfigError("backoff and jitter must not be negative")
-
-
-# --- placement ------------------------------------------------------------------------------------
-def _score(session_id: str, pair: str) -> int:
-    # blake2b, not hash(): placement must agree across processes (PYTHONHASHSEED varies).
-    digest = hashlib.blake2b(session_id.encode() + b"\x00" + pair.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-def rank(session_id: str, pairs: Sequence[str]) -> list[str]:
-    """``pairs`` in this session's rendezvous order, best first."""
-    return sorted(pairs, key=lambda pair: (_score(session_id, pair), pair), reverse=True)
-
-
-def place(
-    session_id: str,
-    pairs: Sequence[str],
-    *,
-    loads: Mapping[str, int],
-    healthy: Collection[str],
-    load_factor: float = defaults.LOAD_FACTOR,
-) -> str | None:
-    """The pair for a new (or moving) session, or ``None`` when no pair is healthy.
-
-    ``loads`` counts the sessions already on each pair (not this one). A healthy pair is
-    eligible while its load is under ``ceil(load_factor * (total + 1) / healthy pairs)``; the
-    eligible pair ranked highest for ``session_id`` wins.
-    """
-    candidates = [pair for pair in pairs if pair in healthy]
-    if not candidates:
-        return None
-    total = sum(loads.get(pair, 0) for pair in candidates) + 1
-    capacity = math.ceil(load_factor * total / len(candidates))
-    ranked = rank(session_id, candidates)
-    for pair in ranked:
-        if loads.get(pair, 0) < capacity:
-            return pair
-    return ranked[0]  # unreachable for load_factor >= 1: capacities sum past total
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PrefillWeights:
-    """How much load a prefill that still caches the session's prefix may carry and still win.
-
-    A prefill's load is its outstanding tokens: prompt tokens it has been sent and has not
-    answered yet, less the tokens those requests pull from decode (``AsyncCluster.
-    prefill_loads``). The warm prefill (the one that served the session's previous turn, whose
-    prefix cache still holds the session's blocks and so pulls less from decode) is kept while
-    its load exceeds the least loaded prefill's by less than ``max(slack_tokens, slack_ratio *
-    least)``; otherwise the least loaded prefill wins. ``slack_tokens=0, slack_ratio=0`` is pure
-    load (warmth counts for nothing, not even between equals).
-
-    What warmth saves is transfer, not compute: a prefill that lacks the prefix pulls all of it
-    from decode (every turn's cached tokens are the same either way). On GPUs with RDMA a pull of
-    a long context takes a few tens of milliseconds, about what 512 queued tokens of prefill cost,
-    so the defaults keep the warm prefill while it is at most 512 tokens (or 10% on a busy pool)
-    behind the least loaded. ``benchmarks/placement_sim.py`` measures the balance they give.
-    """
-
-    slack_tokens: int = defaults.PREFILL_SLACK_TOKENS
-    slack_ratio: float = defaults.PREFILL_SLACK_RATIO
-
-    def __post_init__(self) -> None:
-        if self.slack_tokens < 0 or self.slack_ratio < 0:
-            raise ValueError("prefill weights must be non-negative")
-
-    def slack(self, least: int) -> float:
-        return max(float(self.slack_tokens), self.slack_ratio * least)
-
-
-def choose_prefill(
-    key: str,
-    prefills: Sequence[str],
-    *,
-    loads: Mapping[str, int],
-    healthy: Collection[str],
-    warm: str | None = None,
-    weights: PrefillWeights = PrefillWeights(),
-) -> str | None:
-    """The prefill for one turn, or ``None`` when no candidate is healthy.
-
-    The warm prefill wins while its load is less than ``weights.slack`` above the least loaded;
-    otherwise the least loaded wins, ties broken by the rendezvous rank of ``key`` (pass the
-    session id and turn number, so that equal loads spread turns and sessions over the pool).
-
-    >>> choose_prefill("s/1", ["p0", "p1"], loads={"p0": 100, "p1": 0}, healthy={"p0", "p1"},
-    ...                warm="p0")
-    'p0'
-    >>> choose_prefill("s/1", ["p0", "p1"], loads={"p0": 9000, "p1": 0}, healthy={"p0", "p1"},
-    ...                warm="p0")
-    'p1'
-    """
-    candidates = [name for name in prefills if name in healthy]
-    if not candidates:
-        return None
-    least = min(loads.get(name, 0) for name in candidates)
-    if warm in candidates and loads.get(warm, 0) - least < weights.slack(least):
-        return warm
-    ranked = rank(key, candidates)
-    return min(ranked, key=lambda name: loads.get(name, 0))  # min keeps the first of equals

@@ -33,7 +33,8 @@ from agentkv._client.session import (
     restore_session,
 )
 from agentkv._exceptions import ConfigError
-from agentkv._policy import CachePolicy, PrefillWeights, RetryPolicy
+from agentkv._placement import PrefillWeights, RetryPolicy
+from agentkv._policy import CachePolicy
 from agentkv._types import Pair, SessionOptions
 from agentkv._wire.fields import check_extra_body
 from agentkv._wire.json import JSONDecodeError, loads

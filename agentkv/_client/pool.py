@@ -22,7 +22,8 @@ import structlog
 
 from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError, NoHealthyPairError, SessionClosedError
-from agentkv._policy import CachePolicy, PrefillWeights, RetryPolicy, choose_prefill, place
+from agentkv._placement import PrefillWeights, RetryPolicy, choose_prefill, place
+from agentkv._policy import CachePolicy
 from agentkv._prompt.template import ChatTemplate, ServerRenderer
 from agentkv._types import Pair
 from agentkv._wire.http import get_ok

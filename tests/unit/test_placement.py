@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv._policy import PrefillWeights, choose_prefill, place, rank
+from agentkv._placement import PrefillWeights, choose_prefill, place, rank
 
 PAIRS = ["pair0", "pair1", "pair2", "pair3"]
 ids = st.text(min_size=1, max_size=30)
