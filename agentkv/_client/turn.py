@@ -83,6 +83,8 @@ T = TypeVar("T")
 logger = structlog.get_logger("agentkv")
 
 _CHAT_PATH = "/v1/chat/completions"
+# Decode echoes the prompt's ids (``return_token_ids``, asked for the generated ones): never read.
+_ECHO = "prompt_token_ids"
 
 
 def _unexplained(result: DecodeResult) -> bool:
@@ -411,7 +413,9 @@ class TurnRunner:
         try:
             if self._stream:
                 acc = StreamAccumulator(url=decode_url)
-                chunks = stream_events(client, decode_url, body, summary=summary, headers=headers)
+                chunks = stream_events(
+                    client, decode_url, body, summary=summary, headers=headers, unread=_ECHO
+                )
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
                         text = acc.feed(chunk)
@@ -425,7 +429,9 @@ class TurnRunner:
                             )
                 result = acc.result(pair=pair.name, issued_at=issued_at, deadline=deadline)
             else:
-                data = await post_json(client, decode_url, body, summary=summary, headers=headers)
+                data = await post_json(
+                    client, decode_url, body, summary=summary, headers=headers, unread=_ECHO
+                )
                 result = parse_decode(
                     data, url=decode_url, pair=pair.name, issued_at=issued_at, deadline=deadline
                 )

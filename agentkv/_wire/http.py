@@ -22,7 +22,7 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
-from agentkv._wire.json import JSONDecodeError, loads
+from agentkv._wire.json import JSONDecodeError, loads, loads_without
 
 __all__ = ["exchange", "get_ok", "post_json", "raise_transport_error", "stream_events"]
 
@@ -70,9 +70,9 @@ def _raise_status(response: httpx.Response, url: str, summary: str) -> NoReturn:
     )
 
 
-def _parse(content: bytes, url: str, summary: str) -> Any:
+def _parse(content: bytes, url: str, summary: str, unread: str | None = None) -> Any:
     try:
-        return loads(content)
+        return loads(content) if unread is None else loads_without(content, unread)
     except JSONDecodeError as exc:
         raise MalformedResponseError(
             f"{summary}: the answer is not JSON", url=url, detail=f"{exc}; starts {content[:80]!r}"
@@ -86,8 +86,13 @@ async def post_json(
     *,
     summary: str,
     headers: Mapping[str, str] | None = None,
+    unread: str | None = None,
 ) -> Any:
-    """POST a JSON body and return the parsed JSON answer."""
+    """POST a JSON body and return the parsed JSON answer.
+
+    ``unread``: a key whose list of integers the answer echoes and nobody reads; it is parsed as
+    ``null`` (``loads_without``).
+    """
     try:
         response = await client.post(
             _parsed(url), content=body, headers={**_JSON_HEADERS, **(headers or {})}
@@ -96,7 +101,7 @@ async def post_json(
         raise_transport_error(exc, url)
     if response.status_code >= 300:
         _raise_status(response, url, summary)
-    return _parse(response.content, url, summary)
+    return _parse(response.content, url, summary, unread)
 
 
 async def stream_events(
@@ -106,8 +111,11 @@ async def stream_events(
     *,
     summary: str,
     headers: Mapping[str, str] | None = None,
+    unread: str | None = None,
 ) -> AsyncGenerator[Any, None]:
     """POST a JSON body and yield each server-sent event's parsed ``data`` until ``[DONE]``.
+
+    ``unread`` as for ``post_json``, in each event.
 
     Closing the iterator early closes the connection (vLLM then aborts the request).
     """
@@ -124,7 +132,7 @@ async def stream_events(
                 data = line[5:].strip()
                 if data == "[DONE]":
                     return
-                yield _parse(data.encode(), url, summary)
+                yield _parse(data.encode(), url, summary, unread)
     except httpx.HTTPError as exc:
         raise_transport_error(exc, url)
     raise MalformedResponseError(f"{summary}: the stream ended before [DONE]", url=url)
