@@ -73,7 +73,7 @@ from agentkv._wire.handoff import (
 )
 from agentkv._wire.hints import new_request_secret, request_tag
 from agentkv._wire.http import post_json, stream_events
-from agentkv._wire.json import fragment
+from agentkv._wire.json import json_fragment
 from agentkv._wire.tier import TierRef
 
 __all__ = ["TurnRunner"]
@@ -309,7 +309,7 @@ class TurnRunner:
         self._handle_state = handle_state
         if taken.unsent is not None:
             await release_handle(pool, state, taken.unsent, reason=handle_state.value)
-        ids = fragment(prompt.tolist())
+        ids = json_fragment(prompt.json_ids())
 
         t_prefill = self._t_prefill = time.perf_counter()
         prefill, prefill_name = await self._p_leg(pair, request, ids, sent, len(prompt), tier=tier)

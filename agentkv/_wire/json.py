@@ -19,7 +19,15 @@ from typing import Any
 
 import orjson
 
-__all__ = ["JSONDecodeError", "dumps", "fragment", "loads", "loads_without", "tools_key"]
+__all__ = [
+    "JSONDecodeError",
+    "dumps",
+    "fragment",
+    "json_fragment",
+    "loads",
+    "loads_without",
+    "tools_key",
+]
 
 # A subclass of the standard library's json.JSONDecodeError (and of ValueError).
 JSONDecodeError = orjson.JSONDecodeError
@@ -60,6 +68,11 @@ def loads_without(data: bytes, key: str) -> Any:
 def fragment(obj: Any) -> Any:
     """``obj`` serialized once, embeddable in later ``dumps`` calls."""
     return orjson.Fragment(orjson.dumps(obj))
+
+
+def json_fragment(data: bytes) -> Any:
+    """``data`` (JSON already serialized) embeddable in later ``dumps`` calls as it is."""
+    return orjson.Fragment(data)
 
 
 def tools_key(tools: Sequence[Mapping[str, Any]] | None) -> str:
