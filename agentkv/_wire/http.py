@@ -41,16 +41,16 @@ def _parsed(url: str) -> httpx.URL:
 @functools.lru_cache(maxsize=512)
 def _template(
     url: str, client_headers: tuple[tuple[bytes, bytes], ...], names: tuple[str, ...]
-) -> tuple[httpx.URL, list[tuple[bytes, bytes]]] | None:
-    """The URL and the headers httpx builds for a JSON POST to ``url``, less those named and
-    Content-Length; ``None`` if a named header would replace one of them."""
+) -> tuple[httpx.URL, httpx.Headers] | None:
+    """The URL and the headers httpx builds for a JSON POST to ``url``, less Content-Length;
+    ``None`` if a header in ``names`` would replace one of them."""
     merged = httpx.Headers(list(client_headers))
     merged.update(_JSON_HEADERS)  # as httpx merges them
     built = httpx.Request("POST", url, headers=merged)
-    raw = [(key, value) for key, value in built.headers.raw if key.lower() != b"content-length"]
-    if {name.lower().encode() for name in names} & {key.lower() for key, _ in raw}:
+    del built.headers["Content-Length"]
+    if any(name in built.headers for name in names):
         return None
-    return built.url, raw
+    return built.url, built.headers
 
 
 def _request(
@@ -68,21 +68,19 @@ def _request(
         return client.build_request(
             "POST", _parsed(url), content=body, headers={**_JSON_HEADERS, **(headers or {})}
         )
-    parsed, raw = template
-    return httpx.Request(
+    parsed, template_headers = template
+    # Copying an ``httpx.Headers`` skips the normalizing; the template is never changed.
+    request = httpx.Request(
         "POST",
         parsed,
-        headers=[
-            *raw,
-            *(
-                (key.encode("ascii"), value.encode("ascii"))
-                for key, value in (headers or {}).items()
-            ),
-            (b"Content-Length", b"%d" % len(body)),
-        ],
+        headers=template_headers,
         stream=httpx.ByteStream(body),
         extensions={"timeout": client.timeout.as_dict()},
     )
+    for name, value in (headers or {}).items():
+        request.headers[name] = value
+    request.headers["Content-Length"] = str(len(body))
+    return request
 
 
 def raise_transport_error(exc: httpx.HTTPError, url: str) -> NoReturn:
