@@ -45,7 +45,6 @@ from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState, TurnOutcome
 from agentkv._client.turn_handle import (
     confirm_loaded,
-    dated_by_lease,
     release_unsent,
     take_handle,
 )
@@ -345,7 +344,6 @@ class TurnRunner:
         # The first token's time, from the P leg's start: all of it on the servers (non-streamed,
         # the whole answer arrives at once).
         server_ttft = self._ttft if self._ttft is not None else t_end - t_prefill
-        result = dated_by_lease(state, result, issued_at=issued_at)
         outcome = TurnOutcome(
             prompt=prompt,
             result=result,
@@ -400,7 +398,11 @@ class TurnRunner:
         """The D leg: text deltas (streaming), then the parsed answer."""
         state = self._state
         decode_url = pair.decode + _CHAT_PATH
-        deadline = state.policy.deadline(issued_at)
+        dates = {"issued_at": issued_at, "deadline": state.policy.deadline(issued_at)}
+
+        def lease_deadline(ttl_s: float) -> float:  # from the TTL decode granted
+            return state.policy.lease_deadline(sent_at=issued_at, ttl_s=ttl_s)
+
         summary = request.summary("decode")
         client = self._pool.http_client
         # A request id of our choosing (vLLM honours X-Request-Id): if the answer, and with it
@@ -427,13 +429,13 @@ class TurnRunner:
                             yield TextDelta(
                                 text=text, handle_state=self._handle_state if first else None
                             )
-                result = acc.result(pair=pair.name, issued_at=issued_at, deadline=deadline)
+                result = acc.result(pair=pair.name, **dates, lease_deadline=lease_deadline)
             else:
                 data = await post_json(
                     client, decode_url, body, summary=summary, headers=headers, unread=_ECHO
                 )
                 result = parse_decode(
-                    data, url=decode_url, pair=pair.name, issued_at=issued_at, deadline=deadline
+                    data, url=decode_url, pair=pair.name, **dates, lease_deadline=lease_deadline
                 )
         except ConnectError:
             refused = True  # decode never got the leg

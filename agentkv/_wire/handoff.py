@@ -22,7 +22,7 @@ saved one's by ``split_params``) and rendered for the next P leg by ``handle_par
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeGuard
@@ -45,6 +45,9 @@ from agentkv._wire.json import dumps
 from agentkv._wire.tier import TierLoadReport, TierRef, with_tier
 
 _logger = structlog.get_logger("agentkv")
+
+# A leased handle's deadline for the TTL decode granted (``CachePolicy.lease_deadline``).
+LeaseDeadline = Callable[[float], float]
 
 __all__ = [
     "DecodeResult",
@@ -306,7 +309,13 @@ def _tier_load(params: Mapping[str, Any], url: str) -> TierLoadReport | None:
 
 
 def _handle(
-    params: Mapping[str, Any], *, url: str, pair: str, issued_at: float, deadline: float
+    params: Mapping[str, Any],
+    *,
+    url: str,
+    pair: str,
+    issued_at: float,
+    deadline: float,
+    lease_deadline: LeaseDeadline | None = None,
 ) -> KVHandle | None:
     leg = "decode"
     blocks = _block_ids(params, url, leg)
@@ -324,6 +333,8 @@ def _handle(
     request_id = params["remote_request_id"]
     ack = _lease_ack(params, blocks, url=url, request_id=request_id)
     extra, _ = split_params(params)
+    if ack is not None and ack.ttl_s is not None and lease_deadline is not None:
+        deadline = lease_deadline(ack.ttl_s)
     return KVHandle(
         lease_ttl_s=ack.ttl_s if ack is not None else None,
         lease=ack.lease if ack is not None else None,
@@ -469,9 +480,18 @@ def _assistant(content: object, tool_calls: tuple[ToolCall, ...], url: str) -> M
 
 
 def parse_decode(
-    data: Any, *, url: str, pair: str, issued_at: float, deadline: float
+    data: Any,
+    *,
+    url: str,
+    pair: str,
+    issued_at: float,
+    deadline: float,
+    lease_deadline: LeaseDeadline | None = None,
 ) -> DecodeResult:
-    """Parse a non-streamed D leg answer into the assistant message, ids and turn-end handle."""
+    """Parse a non-streamed D leg answer into the assistant message, ids and turn-end handle.
+
+    ``deadline``: the handle's; a leased one's is ``lease_deadline(ttl_s)`` when given.
+    """
     leg = "decode"
     if not isinstance(data, Mapping):
         raise _bad(url, leg, f"the body is {type(data).__name__}, not an object")
@@ -505,6 +525,7 @@ def parse_decode(
             pair=pair,
             issued_at=issued_at,
             deadline=deadline,
+            lease_deadline=lease_deadline,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             stream=False,
@@ -542,6 +563,7 @@ def _decode_handle(
     pair: str,
     issued_at: float,
     deadline: float,
+    lease_deadline: LeaseDeadline | None,
     finish_reason: str | None,
     stop_reason: object,
     stream: bool,
@@ -552,7 +574,14 @@ def _decode_handle(
     prefill's own prefix cache does not hold. The log event says why there was no handle.
     """
     if params is not None:
-        return _handle(params, url=url, pair=pair, issued_at=issued_at, deadline=deadline)
+        return _handle(
+            params,
+            url=url,
+            pair=pair,
+            issued_at=issued_at,
+            deadline=deadline,
+            lease_deadline=lease_deadline,
+        )
     cause = no_handle_cause(finish_reason, stop_reason)
     if cause is not None:
         _logger.info(
@@ -680,7 +709,14 @@ class StreamAccumulator:
             if isinstance(function.get("arguments"), str):
                 slot["arguments"] += function["arguments"]
 
-    def result(self, *, pair: str, issued_at: float, deadline: float) -> DecodeResult:
+    def result(
+        self,
+        *,
+        pair: str,
+        issued_at: float,
+        deadline: float,
+        lease_deadline: LeaseDeadline | None = None,
+    ) -> DecodeResult:
         url = self._url
         if self._finish is None:
             raise _bad(url, "decode", "the stream ended without a finish_reason")
@@ -699,21 +735,19 @@ class StreamAccumulator:
             token_ids=tuple(self._token_ids),
             finish_reason=self._finish,
             prompt_tokens=self._prompt_tokens,
-            handle=self._stream_handle(pair=pair, issued_at=issued_at, deadline=deadline),
+            # Without params the text has already reached the caller: failing the turn now
+            # would only lose it, so it ends without a handle (the log event says why).
+            handle=_decode_handle(
+                self._params,
+                url=url,
+                pair=pair,
+                issued_at=issued_at,
+                deadline=deadline,
+                lease_deadline=lease_deadline,
+                finish_reason=self._finish,
+                stop_reason=self._stop_reason,
+                stream=True,
+            ),
             logprobs=None if self._logprobs is None else tuple(self._logprobs),
             stop_reason=_stop_reason(self._stop_reason),
-        )
-
-    def _stream_handle(self, *, pair: str, issued_at: float, deadline: float) -> KVHandle | None:
-        # Without params the text has already reached the caller: failing the turn now would
-        # only lose it, so it ends without a handle (the log event says why).
-        return _decode_handle(
-            self._params,
-            url=self._url,
-            pair=pair,
-            issued_at=issued_at,
-            deadline=deadline,
-            finish_reason=self._finish,
-            stop_reason=self._stop_reason,
-            stream=True,
         )
