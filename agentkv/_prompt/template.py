@@ -140,6 +140,8 @@ class ChatTemplate:
     async def info(self, tools: Tools = None) -> TemplateInfo:
         key = tools_key(tools)
         future = self._info.get(key)
+        if future is not None and future.done():
+            return future.result()  # failures are never cached: a done one has its result
         if future is None:
             if len(self._info) >= _CACHE_LIMIT:
                 self._info.pop(next(iter(self._info)))
