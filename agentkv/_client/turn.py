@@ -43,11 +43,7 @@ from agentkv._client.leasing import (
 )
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState, TurnOutcome
-from agentkv._client.turn_handle import (
-    confirm_loaded,
-    release_unsent,
-    take_handle,
-)
+from agentkv._client.turn_handle import confirm_loaded, release_unsent, take_handle
 from agentkv._exceptions import (
     ConnectError,
     InvalidMessageError,
@@ -60,15 +56,16 @@ from agentkv._policy import PersistMode
 from agentkv._prompt.transcript import TurnPrompt
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TextDelta, TurnResult
 from agentkv._wire.handoff import (
+    DECODE_ECHO,
     DecodeResult,
     PrefillResult,
     StreamAccumulator,
     TurnRequest,
     decode_body,
-    no_handle_cause,
     parse_decode,
     parse_prefill,
     prefill_body,
+    unexplained,
 )
 from agentkv._wire.hints import new_request_secret, request_tag
 from agentkv._wire.http import post_json, stream_events
@@ -82,14 +79,6 @@ T = TypeVar("T")
 logger = structlog.get_logger("agentkv")
 
 _CHAT_PATH = "/v1/chat/completions"
-# Decode echoes the prompt's ids (``return_token_ids``, asked for the generated ones): never read.
-_ECHO = "prompt_token_ids"
-
-
-def _unexplained(result: DecodeResult) -> bool:
-    """An answer without a handle that vLLM would have pinned KV for (not a stop string)."""
-    cause = no_handle_cause(result.finish_reason, result.stop_reason)
-    return result.handle is None and cause is None
 
 
 class TurnRunner:
@@ -416,7 +405,7 @@ class TurnRunner:
             if self._stream:
                 acc = StreamAccumulator(url=decode_url)
                 chunks = stream_events(
-                    client, decode_url, body, summary=summary, headers=headers, unread=_ECHO
+                    client, decode_url, body, summary=summary, headers=headers, unread=DECODE_ECHO
                 )
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
@@ -432,7 +421,7 @@ class TurnRunner:
                 result = acc.result(pair=pair.name, **dates, lease_deadline=lease_deadline)
             else:
                 data = await post_json(
-                    client, decode_url, body, summary=summary, headers=headers, unread=_ECHO
+                    client, decode_url, body, summary=summary, headers=headers, unread=DECODE_ECHO
                 )
                 result = parse_decode(
                     data, url=decode_url, pair=pair.name, **dates, lease_deadline=lease_deadline
@@ -443,7 +432,7 @@ class TurnRunner:
         finally:
             # Lost (timeout, reset), unreadable, cancelled, or a stream left early: decode may
             # have finished and pinned the turn's KV for a handle nobody will ever send.
-            if releasable and not refused and (result is None or _unexplained(result)):
+            if releasable and not refused and (result is None or unexplained(result)):
                 release_lost(
                     self._pool,
                     state,

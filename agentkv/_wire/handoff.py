@@ -46,10 +46,13 @@ from agentkv._wire.tier import TierLoadReport, TierRef, with_tier
 
 _logger = structlog.get_logger("agentkv")
 
+# Decode echoes the prompt's ids (``return_token_ids``, asked for the generated ones): never read.
+DECODE_ECHO = "prompt_token_ids"
 # A leased handle's deadline for the TTL decode granted (``CachePolicy.lease_deadline``).
 LeaseDeadline = Callable[[float], float]
 
 __all__ = [
+    "DECODE_ECHO",
     "DecodeResult",
     "PrefillResult",
     "StreamAccumulator",
@@ -63,6 +66,7 @@ __all__ = [
     "parse_prefill",
     "prefill_body",
     "split_params",
+    "unexplained",
 ]
 
 _NO_HANDLE: Mapping[str, Any] = MappingProxyType(
@@ -554,6 +558,13 @@ def no_handle_cause(finish_reason: str | None, stop_reason: object) -> str | Non
     if finish_reason in ("repetition", "abort"):
         return finish_reason
     return None
+
+
+def unexplained(result: DecodeResult) -> bool:
+    """An answer without a handle that vLLM would have pinned KV for (not a stop string)."""
+    return (
+        result.handle is None and no_handle_cause(result.finish_reason, result.stop_reason) is None
+    )
 
 
 def _decode_handle(
