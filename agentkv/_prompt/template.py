@@ -91,7 +91,7 @@ class ServerRenderer:
         if tools:
             body["tools"] = tools
         data = await post_json(self._client, self._url, dumps(body), summary="tokenize")
-        tokens = data.get("tokens") if isinstance(data, Mapping) else None
+        tokens = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, list) or not set(map(type, tokens)) <= {int}:
             raise MalformedResponseError(
                 "unexpected tokenize answer", url=self._url, detail="no list of integer 'tokens'"

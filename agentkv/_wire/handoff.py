@@ -213,6 +213,8 @@ def decode_body(
 # --- parsing -------------------------------------------------------------------------------------
 
 
+# The parsers read JSON as ``loads`` parses it: objects are dicts, and ``isinstance(x, dict)``
+# skips the ABC instance check that ``Mapping`` costs on every field.
 def _bad(url: str, leg: str, detail: str) -> MalformedResponseError:
     return MalformedResponseError(f"unexpected {leg} answer", url=url, detail=detail)
 
@@ -238,7 +240,7 @@ def _kv_params(data: Mapping[str, Any], url: str, leg: str) -> Mapping[str, Any]
             else "is bidirectional_kv_xfer on for decode (and, for streams, the agentkv plugin)?"
         )
         raise _bad(url, leg, f"no kv_transfer_params; {hint}")
-    if not isinstance(params, Mapping):
+    if not isinstance(params, dict):
         raise _bad(url, leg, f"kv_transfer_params is {type(params).__name__}, not an object")
     return params
 
@@ -267,7 +269,7 @@ def _check_location(params: Mapping[str, Any], url: str, leg: str) -> None:
 
 def _usage(data: Mapping[str, Any], url: str, leg: str) -> Mapping[str, Any]:
     usage = data.get("usage")
-    if not isinstance(usage, Mapping):
+    if not isinstance(usage, dict):
         raise _bad(url, leg, "no usage object")
     return usage
 
@@ -275,7 +277,7 @@ def _usage(data: Mapping[str, Any], url: str, leg: str) -> Mapping[str, Any]:
 def parse_prefill(data: Any, *, url: str) -> PrefillResult:
     """Parse the P leg's answer; ``MalformedResponseError`` unless it is what vLLM sends."""
     leg = "prefill"
-    if not isinstance(data, Mapping):
+    if not isinstance(data, dict):
         raise _bad(url, leg, f"the body is {type(data).__name__}, not an object")
     params = _kv_params(data, url, leg)
     if params.get("do_remote_prefill") is not True:
@@ -289,7 +291,7 @@ def parse_prefill(data: Any, *, url: str) -> PrefillResult:
     # Reuse is prefill's own count. It needs --enable-prompt-tokens-details; without it vLLM
     # still reports prefill's hits in the params it hands to decode.
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     if cached is None:
         cached = params.get("remote_prefill_cached_tokens")
     if cached is not None and not _int(cached):
@@ -362,7 +364,7 @@ def split_params(params: Mapping[str, Any]) -> tuple[Mapping[str, Any], str | No
     saved file's, whose lease the first turn confirms with decode anyway)."""
     extra = MappingProxyType({k: v for k, v in params.items() if k not in _HANDLE_FIELDS})
     ack = params.get(HINTS_KEY)
-    lease = ack.get("lease") if isinstance(ack, Mapping) else None
+    lease = ack.get("lease") if isinstance(ack, dict) else None
     return extra, lease if isinstance(lease, str) else None
 
 
@@ -466,10 +468,10 @@ def _logprobs(choice: Mapping[str, Any], url: str) -> list[float] | None:
     raw = choice.get("logprobs")
     if raw is None:
         return None
-    content = raw.get("content") if isinstance(raw, Mapping) else None
+    content = raw.get("content") if isinstance(raw, dict) else None
     if not isinstance(content, list):
         raise _bad(url, "decode", "choices[0].logprobs.content is not a list")
-    values = [entry.get("logprob") if isinstance(entry, Mapping) else None for entry in content]
+    values = [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
     if not all(isinstance(v, int | float) for v in values):
         raise _bad(url, "decode", "a logprobs entry has no numeric logprob")
     return [float(v) for v in values]  # type: ignore[arg-type]
@@ -497,14 +499,14 @@ def parse_decode(
     ``deadline``: the handle's; a leased one's is ``lease_deadline(ttl_s)`` when given.
     """
     leg = "decode"
-    if not isinstance(data, Mapping):
+    if not isinstance(data, dict):
         raise _bad(url, leg, f"the body is {type(data).__name__}, not an object")
     choices = data.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise _bad(url, leg, "no choices")
     choice = choices[0]
     message = choice.get("message")
-    if not isinstance(message, Mapping):
+    if not isinstance(message, dict):
         raise _bad(url, leg, "choices[0].message is missing")
     finish_reason = choice.get("finish_reason")
     if not isinstance(finish_reason, str):
@@ -514,7 +516,7 @@ def parse_decode(
     raw_params = data.get("kv_transfer_params")
     params = None if raw_params is None else _kv_params(data, url, leg)
     usage = data.get("usage")
-    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, Mapping) else None
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     logprobs = _logprobs(choice, url)
     return DecodeResult(
         message=_assistant(
@@ -655,12 +657,12 @@ class StreamAccumulator:
 
     def feed(self, chunk: Any) -> str:
         url = self._url
-        if not isinstance(chunk, Mapping):
+        if not isinstance(chunk, dict):
             raise _bad(url, "decode", "a stream chunk is not an object")
         error = chunk.get("error")
         if error is not None:
             # vLLM reports failures inside a 200 stream as {"error": {...}}.
-            code = error.get("code") if isinstance(error, Mapping) else None
+            code = error.get("code") if isinstance(error, dict) else None
             raise ServerError(
                 "decode failed mid-stream",
                 status_code=code if _int(code) else 500,
@@ -671,12 +673,12 @@ class StreamAccumulator:
         if chunk.get("kv_transfer_params") is not None:
             self._params = _kv_params(chunk, url, "decode")
         usage = chunk.get("usage")
-        if isinstance(usage, Mapping) and _int(usage.get("prompt_tokens")):
+        if isinstance(usage, dict) and _int(usage.get("prompt_tokens")):
             self._prompt_tokens = usage["prompt_tokens"]
         choices = chunk.get("choices")
         if not choices:
             return ""
-        if not isinstance(choices, list) or not isinstance(choices[0], Mapping):
+        if not isinstance(choices, list) or not isinstance(choices[0], dict):
             raise _bad(url, "decode", "stream chunk choices are malformed")
         choice = choices[0]
         self._feed_tokens(choice)
@@ -687,7 +689,7 @@ class StreamAccumulator:
             self._finish = finish
             self._stop_reason = choice.get("stop_reason")
         delta = choice.get("delta")
-        if not isinstance(delta, Mapping):
+        if not isinstance(delta, dict):
             return ""
         for call in delta.get("tool_calls") or ():
             self._add_call(call)
@@ -708,13 +710,13 @@ class StreamAccumulator:
             self._logprobs = [*(self._logprobs or ()), *logprobs]
 
     def _add_call(self, call: object) -> None:
-        if not isinstance(call, Mapping) or not _int(call.get("index", 0)):
+        if not isinstance(call, dict) or not _int(call.get("index", 0)):
             raise _bad(self._url, "decode", "a streamed tool call is malformed")
         slot = self._calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": ""})
         if isinstance(call.get("id"), str):
             slot["id"] = call["id"]
         function = call.get("function")
-        if isinstance(function, Mapping):
+        if isinstance(function, dict):
             if isinstance(function.get("name"), str):
                 slot["name"] += function["name"]
             if isinstance(function.get("arguments"), str):
