@@ -80,6 +80,7 @@ def _request(
     for name, value in (headers or {}).items():
         request.headers[name] = value
     request.headers["Content-Length"] = str(len(body))
+    request.read()  # ``request.content`` readable, as for a request built with ``content=``
     return request
 
 

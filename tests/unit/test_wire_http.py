@@ -18,7 +18,7 @@ def _sent(client_type: type[httpx.AsyncClient], **client_options: object) -> lis
     sent: list[httpx.Request] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
-        request.read()
+        assert request.content == BODY  # readable without ``read()``, as httpx builds it
         sent.append(request)
         if request.headers.get("accept") == "text/event-stream":
             return httpx.Response(200, content=b"data: {}\n\ndata: [DONE]\n\n")
