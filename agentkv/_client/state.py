@@ -35,7 +35,27 @@ def tokens_digest(tokens: Iterable[int]) -> str:
     """A digest of exact token ids: what a tier entry holds, checked against the next prompt."""
     return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest()
 
+
 logger = structlog.get_logger("agentkv")
+_turn_logger: tuple[tuple[object, ...], Any] | None = None
+
+
+def turn_logger() -> Any:
+    """``logger`` bound once per structlog configuration, for the event of every turn.
+
+    The module's lazy proxy binds a new logger on every call (~4 us) unless structlog caches on
+    first use; rebinding when the configuration changes (``configure``, ``capture_logs``) logs
+    the same events through the same processors.
+    """
+    global _turn_logger  # noqa: PLW0603 - one cache for the process, as structlog's own
+    config = structlog.get_config()
+    key = tuple(
+        config[k] for k in ("processors", "wrapper_class", "context_class", "logger_factory")
+    )
+    cached = _turn_logger
+    if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
+        cached = _turn_logger = (key, logger.bind())
+    return cached[1]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -339,7 +359,7 @@ class SessionState:
             )
         self.ideal_base = prompt_len + len(result.token_ids) - 1
         self.prefilled = prompt_len
-        logger.info(
+        turn_logger().info(
             "agentkv.turn",
             session_id=self.session_id,
             turn=stats.turn,

@@ -43,12 +43,7 @@ from agentkv._client.leasing import (
 )
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState, TurnOutcome
-from agentkv._client.turn_handle import (
-    confirm_loaded,
-    dated_by_lease,
-    release_unsent,
-    take_handle,
-)
+from agentkv._client.turn_handle import confirm_loaded, release_unsent, take_handle
 from agentkv._exceptions import (
     ConnectError,
     InvalidMessageError,
@@ -61,19 +56,20 @@ from agentkv._policy import PersistMode
 from agentkv._prompt.transcript import TurnPrompt
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TextDelta, TurnResult
 from agentkv._wire.handoff import (
+    DECODE_ECHO,
     DecodeResult,
     PrefillResult,
     StreamAccumulator,
     TurnRequest,
     decode_body,
-    no_handle_cause,
     parse_decode,
     parse_prefill,
     prefill_body,
+    unexplained,
 )
 from agentkv._wire.hints import new_request_secret, request_tag
 from agentkv._wire.http import post_json, stream_events
-from agentkv._wire.json import fragment
+from agentkv._wire.json import json_fragment
 from agentkv._wire.tier import TierRef
 
 __all__ = ["TurnRunner"]
@@ -83,12 +79,6 @@ T = TypeVar("T")
 logger = structlog.get_logger("agentkv")
 
 _CHAT_PATH = "/v1/chat/completions"
-
-
-def _unexplained(result: DecodeResult) -> bool:
-    """An answer without a handle that vLLM would have pinned KV for (not a stop string)."""
-    cause = no_handle_cause(result.finish_reason, result.stop_reason)
-    return result.handle is None and cause is None
 
 
 class TurnRunner:
@@ -307,7 +297,7 @@ class TurnRunner:
         self._handle_state = handle_state
         if taken.unsent is not None:
             await release_handle(pool, state, taken.unsent, reason=handle_state.value)
-        ids = fragment(prompt.tolist())
+        ids = json_fragment(prompt.json_ids())
 
         t_prefill = self._t_prefill = time.perf_counter()
         prefill, prefill_name = await self._p_leg(pair, request, ids, sent, len(prompt), tier=tier)
@@ -343,7 +333,6 @@ class TurnRunner:
         # The first token's time, from the P leg's start: all of it on the servers (non-streamed,
         # the whole answer arrives at once).
         server_ttft = self._ttft if self._ttft is not None else t_end - t_prefill
-        result = dated_by_lease(state, result, issued_at=issued_at)
         outcome = TurnOutcome(
             prompt=prompt,
             result=result,
@@ -398,7 +387,11 @@ class TurnRunner:
         """The D leg: text deltas (streaming), then the parsed answer."""
         state = self._state
         decode_url = pair.decode + _CHAT_PATH
-        deadline = state.policy.deadline(issued_at)
+        dates = {"issued_at": issued_at, "deadline": state.policy.deadline(issued_at)}
+
+        def lease_deadline(ttl_s: float) -> float:  # from the TTL decode granted
+            return state.policy.lease_deadline(sent_at=issued_at, ttl_s=ttl_s)
+
         summary = request.summary("decode")
         client = self._pool.http_client
         # A request id of our choosing (vLLM honours X-Request-Id): if the answer, and with it
@@ -411,7 +404,9 @@ class TurnRunner:
         try:
             if self._stream:
                 acc = StreamAccumulator(url=decode_url)
-                chunks = stream_events(client, decode_url, body, summary=summary, headers=headers)
+                chunks = stream_events(
+                    client, decode_url, body, summary=summary, headers=headers, unread=DECODE_ECHO
+                )
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
                         text = acc.feed(chunk)
@@ -423,11 +418,13 @@ class TurnRunner:
                             yield TextDelta(
                                 text=text, handle_state=self._handle_state if first else None
                             )
-                result = acc.result(pair=pair.name, issued_at=issued_at, deadline=deadline)
+                result = acc.result(pair=pair.name, **dates, lease_deadline=lease_deadline)
             else:
-                data = await post_json(client, decode_url, body, summary=summary, headers=headers)
+                data = await post_json(
+                    client, decode_url, body, summary=summary, headers=headers, unread=DECODE_ECHO
+                )
                 result = parse_decode(
-                    data, url=decode_url, pair=pair.name, issued_at=issued_at, deadline=deadline
+                    data, url=decode_url, pair=pair.name, **dates, lease_deadline=lease_deadline
                 )
         except ConnectError:
             refused = True  # decode never got the leg
@@ -435,7 +432,7 @@ class TurnRunner:
         finally:
             # Lost (timeout, reset), unreadable, cancelled, or a stream left early: decode may
             # have finished and pinned the turn's KV for a handle nobody will ever send.
-            if releasable and not refused and (result is None or _unexplained(result)):
+            if releasable and not refused and (result is None or unexplained(result)):
                 release_lost(
                     self._pool,
                     state,

@@ -6,7 +6,6 @@ the pool for the lease calls they need. ``TurnRunner`` (``turn.py``) calls them 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from agentkv import _constants as defaults
@@ -15,10 +14,9 @@ from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
 from agentkv._prompt.transcript import TurnPrompt
 from agentkv._types import HandleState, KVHandle
-from agentkv._wire.handoff import DecodeResult
 from agentkv._wire.tier import TierRef
 
-__all__ = ["TakenHandle", "confirm_loaded", "dated_by_lease", "release_unsent", "take_handle"]
+__all__ = ["TakenHandle", "confirm_loaded", "release_unsent", "take_handle"]
 
 _CONFIRM_TTL_S = defaults.CONFIRM_TTL_S
 
@@ -126,12 +124,3 @@ async def confirm_loaded(
             HandleState.INVALIDATED,
             "decode could not confirm the handle (it is also in a save file)",
         )
-
-
-def dated_by_lease(state: SessionState, result: DecodeResult, *, issued_at: float) -> DecodeResult:
-    """Base a leased handle's deadline on the TTL decode granted, not on our assumption."""
-    handle = result.handle
-    if handle is None or handle.lease_ttl_s is None:
-        return result
-    deadline = state.policy.lease_deadline(sent_at=issued_at, ttl_s=handle.lease_ttl_s)
-    return dataclasses.replace(result, handle=dataclasses.replace(handle, deadline=deadline))

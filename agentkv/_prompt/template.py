@@ -91,7 +91,7 @@ class ServerRenderer:
         if tools:
             body["tools"] = tools
         data = await post_json(self._client, self._url, dumps(body), summary="tokenize")
-        tokens = data.get("tokens") if isinstance(data, Mapping) else None
+        tokens = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, list) or not set(map(type, tokens)) <= {int}:
             raise MalformedResponseError(
                 "unexpected tokenize answer", url=self._url, detail="no list of integer 'tokens'"
@@ -140,6 +140,8 @@ class ChatTemplate:
     async def info(self, tools: Tools = None) -> TemplateInfo:
         key = tools_key(tools)
         future = self._info.get(key)
+        if future is not None and future.done():
+            return future.result()  # failures are never cached: a done one has its result
         if future is None:
             if len(self._info) >= _CACHE_LIMIT:
                 self._info.pop(next(iter(self._info)))

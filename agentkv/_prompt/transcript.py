@@ -25,6 +25,7 @@ from types import MappingProxyType
 from agentkv._exceptions import InvalidMessageError, PrefixDivergedError
 from agentkv._prompt.history import HistoryPlan, plan_history
 from agentkv._types import Message
+from agentkv._wire.json import dumps
 
 __all__ = ["TOKEN_TYPECODE", "Delta", "Span", "Transcript", "TranscriptView", "TurnPrompt"]
 
@@ -69,12 +70,29 @@ class TurnPrompt:
     messages: tuple[Message, ...]
     spans: tuple[Span, ...]
     generation_start: int
+    #: ``token_ids`` as JSON list items (``b"1,2,3"``), when the transcript had them at hand.
+    ids_json: bytes | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def tolist(self) -> list[int]:
         return self.token_ids.tolist()
+
+    def json_ids(self) -> bytes:
+        """``token_ids`` as a JSON list: ``json.dumps(self.tolist())``, compact."""
+        if self.ids_json is None:
+            return dumps(self.token_ids.tolist())
+        return b"[" + self.ids_json + b"]"
+
+
+def _items(ids: Sequence[int]) -> bytes:
+    """``ids`` as JSON list items, without the brackets."""
+    return dumps(ids if isinstance(ids, list) else list(ids))[1:-1]
+
+
+def _joined(*parts: bytes) -> bytes:
+    return b",".join(part for part in parts if part)
 
 
 # No slots: a frozen dataclass with slots raises TypeError, not FrozenInstanceError, on setting a
@@ -145,6 +163,7 @@ class Transcript:
     __slots__ = (
         "_finish_reason",
         "_generated",
+        "_json",
         "_messages",
         "_pending",
         "_spans",
@@ -161,6 +180,9 @@ class Transcript:
         # ``token_ids`` as a tuple, made once per length: the tokens only ever grow (a commit
         # checks that the new ids extend them), so one length is one content.
         self._token_tuple: tuple[int, ...] = ()
+        # ``_tokens`` as JSON list items, for the array it was made from: every turn sends the
+        # whole prompt's ids, and serializing only what a turn adds saves ~30 us at 2k tokens.
+        self._json: tuple[array[int], bytes] | None = None
         self._messages: list[Message] = []
         self._spans: list[Span] = []
         self._pending: list[Message] = []
@@ -340,6 +362,7 @@ class Transcript:
         ids = array(TOKEN_TYPECODE, self._tokens)
         ids.extend(suffix)
         ids.extend(delta.token_ids)
+        ids_json = _joined(self._tokens_json(), _items(suffix), _items(delta.token_ids))
         ends = [*delta.offsets[1:], delta.generation_start]
         spans = [
             Span(base + start, base + max(start, end))
@@ -357,7 +380,14 @@ class Transcript:
             messages=sent,
             spans=tuple(spans),
             generation_start=base + delta.generation_start,
+            ids_json=ids_json,
         )
+
+    def _tokens_json(self) -> bytes:
+        tokens = self._tokens
+        if self._json is None or self._json[0] is not tokens:
+            self._json = (tokens, _items(tokens.tolist()))
+        return self._json[1]
 
     def commit_turn(
         self,
@@ -389,8 +419,11 @@ class Transcript:
         if self._tail_open and self._spans:
             last = self._spans[-1]
             self._spans[-1] = Span(last.start, last.end + prompt.closing_len)
-        self._tokens = array(TOKEN_TYPECODE, prompt.token_ids)
-        self._tokens.extend(generated)
+        tokens = array(TOKEN_TYPECODE, prompt.token_ids)
+        tokens.extend(generated)
+        self._tokens = tokens
+        if prompt.ids_json is not None:
+            self._json = (tokens, _joined(prompt.ids_json, _items(generated.tolist())))
         self._messages.extend(prompt.messages)
         self._spans.extend(prompt.spans)
         self._messages.append(message)

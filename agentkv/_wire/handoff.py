@@ -22,7 +22,7 @@ saved one's by ``split_params``) and rendered for the next P leg by ``handle_par
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeGuard
@@ -46,7 +46,13 @@ from agentkv._wire.tier import TierLoadReport, TierRef, with_tier
 
 _logger = structlog.get_logger("agentkv")
 
+# Decode echoes the prompt's ids (``return_token_ids``, asked for the generated ones): never read.
+DECODE_ECHO = "prompt_token_ids"
+# A leased handle's deadline for the TTL decode granted (``CachePolicy.lease_deadline``).
+LeaseDeadline = Callable[[float], float]
+
 __all__ = [
+    "DECODE_ECHO",
     "DecodeResult",
     "PrefillResult",
     "StreamAccumulator",
@@ -60,6 +66,7 @@ __all__ = [
     "parse_prefill",
     "prefill_body",
     "split_params",
+    "unexplained",
 ]
 
 _NO_HANDLE: Mapping[str, Any] = MappingProxyType(
@@ -206,6 +213,8 @@ def decode_body(
 # --- parsing -------------------------------------------------------------------------------------
 
 
+# The parsers read JSON as ``loads`` parses it: objects are dicts, and ``isinstance(x, dict)``
+# skips the ABC instance check that ``Mapping`` costs on every field.
 def _bad(url: str, leg: str, detail: str) -> MalformedResponseError:
     return MalformedResponseError(f"unexpected {leg} answer", url=url, detail=detail)
 
@@ -231,7 +240,7 @@ def _kv_params(data: Mapping[str, Any], url: str, leg: str) -> Mapping[str, Any]
             else "is bidirectional_kv_xfer on for decode (and, for streams, the agentkv plugin)?"
         )
         raise _bad(url, leg, f"no kv_transfer_params; {hint}")
-    if not isinstance(params, Mapping):
+    if not isinstance(params, dict):
         raise _bad(url, leg, f"kv_transfer_params is {type(params).__name__}, not an object")
     return params
 
@@ -260,7 +269,7 @@ def _check_location(params: Mapping[str, Any], url: str, leg: str) -> None:
 
 def _usage(data: Mapping[str, Any], url: str, leg: str) -> Mapping[str, Any]:
     usage = data.get("usage")
-    if not isinstance(usage, Mapping):
+    if not isinstance(usage, dict):
         raise _bad(url, leg, "no usage object")
     return usage
 
@@ -268,7 +277,7 @@ def _usage(data: Mapping[str, Any], url: str, leg: str) -> Mapping[str, Any]:
 def parse_prefill(data: Any, *, url: str) -> PrefillResult:
     """Parse the P leg's answer; ``MalformedResponseError`` unless it is what vLLM sends."""
     leg = "prefill"
-    if not isinstance(data, Mapping):
+    if not isinstance(data, dict):
         raise _bad(url, leg, f"the body is {type(data).__name__}, not an object")
     params = _kv_params(data, url, leg)
     if params.get("do_remote_prefill") is not True:
@@ -282,7 +291,7 @@ def parse_prefill(data: Any, *, url: str) -> PrefillResult:
     # Reuse is prefill's own count. It needs --enable-prompt-tokens-details; without it vLLM
     # still reports prefill's hits in the params it hands to decode.
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     if cached is None:
         cached = params.get("remote_prefill_cached_tokens")
     if cached is not None and not _int(cached):
@@ -306,7 +315,13 @@ def _tier_load(params: Mapping[str, Any], url: str) -> TierLoadReport | None:
 
 
 def _handle(
-    params: Mapping[str, Any], *, url: str, pair: str, issued_at: float, deadline: float
+    params: Mapping[str, Any],
+    *,
+    url: str,
+    pair: str,
+    issued_at: float,
+    deadline: float,
+    lease_deadline: LeaseDeadline | None = None,
 ) -> KVHandle | None:
     leg = "decode"
     blocks = _block_ids(params, url, leg)
@@ -324,6 +339,8 @@ def _handle(
     request_id = params["remote_request_id"]
     ack = _lease_ack(params, blocks, url=url, request_id=request_id)
     extra, _ = split_params(params)
+    if ack is not None and ack.ttl_s is not None and lease_deadline is not None:
+        deadline = lease_deadline(ack.ttl_s)
     return KVHandle(
         lease_ttl_s=ack.ttl_s if ack is not None else None,
         lease=ack.lease if ack is not None else None,
@@ -347,7 +364,7 @@ def split_params(params: Mapping[str, Any]) -> tuple[Mapping[str, Any], str | No
     saved file's, whose lease the first turn confirms with decode anyway)."""
     extra = MappingProxyType({k: v for k, v in params.items() if k not in _HANDLE_FIELDS})
     ack = params.get(HINTS_KEY)
-    lease = ack.get("lease") if isinstance(ack, Mapping) else None
+    lease = ack.get("lease") if isinstance(ack, dict) else None
     return extra, lease if isinstance(lease, str) else None
 
 
@@ -451,10 +468,10 @@ def _logprobs(choice: Mapping[str, Any], url: str) -> list[float] | None:
     raw = choice.get("logprobs")
     if raw is None:
         return None
-    content = raw.get("content") if isinstance(raw, Mapping) else None
+    content = raw.get("content") if isinstance(raw, dict) else None
     if not isinstance(content, list):
         raise _bad(url, "decode", "choices[0].logprobs.content is not a list")
-    values = [entry.get("logprob") if isinstance(entry, Mapping) else None for entry in content]
+    values = [entry.get("logprob") if isinstance(entry, dict) else None for entry in content]
     if not all(isinstance(v, int | float) for v in values):
         raise _bad(url, "decode", "a logprobs entry has no numeric logprob")
     return [float(v) for v in values]  # type: ignore[arg-type]
@@ -469,18 +486,27 @@ def _assistant(content: object, tool_calls: tuple[ToolCall, ...], url: str) -> M
 
 
 def parse_decode(
-    data: Any, *, url: str, pair: str, issued_at: float, deadline: float
+    data: Any,
+    *,
+    url: str,
+    pair: str,
+    issued_at: float,
+    deadline: float,
+    lease_deadline: LeaseDeadline | None = None,
 ) -> DecodeResult:
-    """Parse a non-streamed D leg answer into the assistant message, ids and turn-end handle."""
+    """Parse a non-streamed D leg answer into the assistant message, ids and turn-end handle.
+
+    ``deadline``: the handle's; a leased one's is ``lease_deadline(ttl_s)`` when given.
+    """
     leg = "decode"
-    if not isinstance(data, Mapping):
+    if not isinstance(data, dict):
         raise _bad(url, leg, f"the body is {type(data).__name__}, not an object")
     choices = data.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise _bad(url, leg, "no choices")
     choice = choices[0]
     message = choice.get("message")
-    if not isinstance(message, Mapping):
+    if not isinstance(message, dict):
         raise _bad(url, leg, "choices[0].message is missing")
     finish_reason = choice.get("finish_reason")
     if not isinstance(finish_reason, str):
@@ -490,7 +516,7 @@ def parse_decode(
     raw_params = data.get("kv_transfer_params")
     params = None if raw_params is None else _kv_params(data, url, leg)
     usage = data.get("usage")
-    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, Mapping) else None
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     logprobs = _logprobs(choice, url)
     return DecodeResult(
         message=_assistant(
@@ -505,6 +531,7 @@ def parse_decode(
             pair=pair,
             issued_at=issued_at,
             deadline=deadline,
+            lease_deadline=lease_deadline,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             stream=False,
@@ -535,6 +562,13 @@ def no_handle_cause(finish_reason: str | None, stop_reason: object) -> str | Non
     return None
 
 
+def unexplained(result: DecodeResult) -> bool:
+    """An answer without a handle that vLLM would have pinned KV for (not a stop string)."""
+    return (
+        result.handle is None and no_handle_cause(result.finish_reason, result.stop_reason) is None
+    )
+
+
 def _decode_handle(
     params: Mapping[str, Any] | None,
     *,
@@ -542,6 +576,7 @@ def _decode_handle(
     pair: str,
     issued_at: float,
     deadline: float,
+    lease_deadline: LeaseDeadline | None,
     finish_reason: str | None,
     stop_reason: object,
     stream: bool,
@@ -552,7 +587,14 @@ def _decode_handle(
     prefill's own prefix cache does not hold. The log event says why there was no handle.
     """
     if params is not None:
-        return _handle(params, url=url, pair=pair, issued_at=issued_at, deadline=deadline)
+        return _handle(
+            params,
+            url=url,
+            pair=pair,
+            issued_at=issued_at,
+            deadline=deadline,
+            lease_deadline=lease_deadline,
+        )
     cause = no_handle_cause(finish_reason, stop_reason)
     if cause is not None:
         _logger.info(
@@ -615,12 +657,12 @@ class StreamAccumulator:
 
     def feed(self, chunk: Any) -> str:
         url = self._url
-        if not isinstance(chunk, Mapping):
+        if not isinstance(chunk, dict):
             raise _bad(url, "decode", "a stream chunk is not an object")
         error = chunk.get("error")
         if error is not None:
             # vLLM reports failures inside a 200 stream as {"error": {...}}.
-            code = error.get("code") if isinstance(error, Mapping) else None
+            code = error.get("code") if isinstance(error, dict) else None
             raise ServerError(
                 "decode failed mid-stream",
                 status_code=code if _int(code) else 500,
@@ -631,12 +673,12 @@ class StreamAccumulator:
         if chunk.get("kv_transfer_params") is not None:
             self._params = _kv_params(chunk, url, "decode")
         usage = chunk.get("usage")
-        if isinstance(usage, Mapping) and _int(usage.get("prompt_tokens")):
+        if isinstance(usage, dict) and _int(usage.get("prompt_tokens")):
             self._prompt_tokens = usage["prompt_tokens"]
         choices = chunk.get("choices")
         if not choices:
             return ""
-        if not isinstance(choices, list) or not isinstance(choices[0], Mapping):
+        if not isinstance(choices, list) or not isinstance(choices[0], dict):
             raise _bad(url, "decode", "stream chunk choices are malformed")
         choice = choices[0]
         self._feed_tokens(choice)
@@ -647,7 +689,7 @@ class StreamAccumulator:
             self._finish = finish
             self._stop_reason = choice.get("stop_reason")
         delta = choice.get("delta")
-        if not isinstance(delta, Mapping):
+        if not isinstance(delta, dict):
             return ""
         for call in delta.get("tool_calls") or ():
             self._add_call(call)
@@ -668,19 +710,26 @@ class StreamAccumulator:
             self._logprobs = [*(self._logprobs or ()), *logprobs]
 
     def _add_call(self, call: object) -> None:
-        if not isinstance(call, Mapping) or not _int(call.get("index", 0)):
+        if not isinstance(call, dict) or not _int(call.get("index", 0)):
             raise _bad(self._url, "decode", "a streamed tool call is malformed")
         slot = self._calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": ""})
         if isinstance(call.get("id"), str):
             slot["id"] = call["id"]
         function = call.get("function")
-        if isinstance(function, Mapping):
+        if isinstance(function, dict):
             if isinstance(function.get("name"), str):
                 slot["name"] += function["name"]
             if isinstance(function.get("arguments"), str):
                 slot["arguments"] += function["arguments"]
 
-    def result(self, *, pair: str, issued_at: float, deadline: float) -> DecodeResult:
+    def result(
+        self,
+        *,
+        pair: str,
+        issued_at: float,
+        deadline: float,
+        lease_deadline: LeaseDeadline | None = None,
+    ) -> DecodeResult:
         url = self._url
         if self._finish is None:
             raise _bad(url, "decode", "the stream ended without a finish_reason")
@@ -699,21 +748,19 @@ class StreamAccumulator:
             token_ids=tuple(self._token_ids),
             finish_reason=self._finish,
             prompt_tokens=self._prompt_tokens,
-            handle=self._stream_handle(pair=pair, issued_at=issued_at, deadline=deadline),
+            # Without params the text has already reached the caller: failing the turn now
+            # would only lose it, so it ends without a handle (the log event says why).
+            handle=_decode_handle(
+                self._params,
+                url=url,
+                pair=pair,
+                issued_at=issued_at,
+                deadline=deadline,
+                lease_deadline=lease_deadline,
+                finish_reason=self._finish,
+                stop_reason=self._stop_reason,
+                stream=True,
+            ),
             logprobs=None if self._logprobs is None else tuple(self._logprobs),
             stop_reason=_stop_reason(self._stop_reason),
-        )
-
-    def _stream_handle(self, *, pair: str, issued_at: float, deadline: float) -> KVHandle | None:
-        # Without params the text has already reached the caller: failing the turn now would
-        # only lose it, so it ends without a handle (the log event says why).
-        return _decode_handle(
-            self._params,
-            url=self._url,
-            pair=pair,
-            issued_at=issued_at,
-            deadline=deadline,
-            finish_reason=self._finish,
-            stop_reason=self._stop_reason,
-            stream=True,
         )

@@ -139,6 +139,19 @@ def test_the_deadline_follows_the_ttl_decode_granted(clock, cap, granted):
         assert turn["leased"] is True
 
 
+def test_a_streamed_turn_s_deadline_follows_the_ttl_decode_granted(clock):
+    fake = FakeCluster(pairs=1, clock=clock, agentkv_max_ttl_s=60.0)
+    policy = CachePolicy(pin_ttl_s=120, ttl_margin_s=10)
+    clock.advance(1000.0)
+    with open_cluster(fake, clock, policy=policy) as cluster, cluster.session(**LONG) as s:
+        s.append(SYSTEM, Message.user(QUESTIONS[0]))
+        *_, result = list(s.stream())
+        assert result.text
+        assert s.handle is not None
+        assert s.handle.lease_ttl_s == 60.0
+        assert s.handle.deadline == 1000.0 + 60.0 - 10
+
+
 # --- extend: keeping a handle through a tool call ---------------------------------------------
 
 
