@@ -1,6 +1,6 @@
-"""HTTP exchanges with the servers, and the mapping of httpx's errors onto agentkv's tree.
+"""HTTP exchanges with the servers, and the mapping of httpx2's errors onto agentkv's tree.
 
-Only this module catches ``httpx`` exceptions; everything above it sees ``agentkv`` errors.
+Only this module catches ``httpx2`` exceptions; everything above it sees ``agentkv`` errors.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import functools
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any, NoReturn
 
-import httpx
+import httpx2
 
 from agentkv._exceptions import (
     BadRequestError,
@@ -30,26 +30,26 @@ _JSON_HEADERS = {"content-type": "application/json"}
 
 
 @functools.lru_cache(maxsize=512)
-def _parsed(url: str) -> httpx.URL:
-    # httpx parses string URLs in pure Python on every request; a session talks to a handful of
+def _parsed(url: str) -> httpx2.URL:
+    # httpx2 parses string URLs in pure Python on every request; a session talks to a handful of
     # URLs, so parse each once (URL objects are immutable).
-    return httpx.URL(url)
+    return httpx2.URL(url)
 
 
-def raise_transport_error(exc: httpx.HTTPError, url: str) -> NoReturn:
-    """Re-raise an httpx error as the matching agentkv error."""
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+def raise_transport_error(exc: httpx2.HTTPError, url: str) -> NoReturn:
+    """Re-raise an httpx2 error as the matching agentkv error."""
+    if isinstance(exc, httpx2.ConnectError | httpx2.ConnectTimeout):
         raise ConnectError(f"cannot connect to {url}: {exc}", url=url) from exc
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, httpx2.TimeoutException):
         raise RequestTimeoutError(f"no answer from {url} in time: {exc!r}", url=url) from exc
-    if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
+    if isinstance(exc, httpx2.UnsupportedProtocol | httpx2.InvalidURL):
         raise ConfigError(f"bad server URL {url!r}: {exc}") from exc
-    if isinstance(exc, httpx.TransportError):
+    if isinstance(exc, httpx2.TransportError):
         raise ConnectionLostError(f"connection to {url} broke: {exc!r}", url=url) from exc
     raise TransportError(f"request to {url} failed: {exc!r}", url=url) from exc
 
 
-def _raise_status(response: httpx.Response, url: str, summary: str) -> NoReturn:
+def _raise_status(response: httpx2.Response, url: str, summary: str) -> NoReturn:
     status = response.status_code
     body = response.text
     cls: type[UpstreamStatusError]
@@ -80,7 +80,7 @@ def _parse(content: bytes, url: str, summary: str) -> Any:
 
 
 async def post_json(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     url: str,
     body: bytes,
     *,
@@ -92,7 +92,7 @@ async def post_json(
         response = await client.post(
             _parsed(url), content=body, headers={**_JSON_HEADERS, **(headers or {})}
         )
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         raise_transport_error(exc, url)
     if response.status_code >= 300:
         _raise_status(response, url, summary)
@@ -100,7 +100,7 @@ async def post_json(
 
 
 async def stream_events(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     url: str,
     body: bytes,
     *,
@@ -125,22 +125,22 @@ async def stream_events(
                 if data == "[DONE]":
                     return
                 yield _parse(data.encode(), url, summary)
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         raise_transport_error(exc, url)
     raise MalformedResponseError(f"{summary}: the stream ended before [DONE]", url=url)
 
 
-async def get_ok(client: httpx.AsyncClient, url: str, *, timeout_s: float) -> bool:
+async def get_ok(client: httpx2.AsyncClient, url: str, *, timeout_s: float) -> bool:
     """True when ``GET url`` answers 200 within ``timeout_s``; never raises for transport errors."""
     try:
         response = await client.get(url, timeout=timeout_s)
-    except httpx.HTTPError:
+    except httpx2.HTTPError:
         return False
     return response.status_code == 200
 
 
 async def exchange(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     method: str,
     url: str,
     *,
@@ -160,7 +160,7 @@ async def exchange(
             headers=_JSON_HEADERS if body is not None else None,
             timeout=timeout_s,
         )
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         raise_transport_error(exc, url)
     try:
         data = loads(response.content) if response.content else None
