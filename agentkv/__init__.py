@@ -187,7 +187,7 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - a source tree that 
 
 def _public(obj: object) -> None:
     # Public names live at the top (``agentkv.Message``, not ``agentkv._types.Message``): in
-    # reprs, tracebacks, pickles and docs, as httpx does. Only classes and functions: type
+    # reprs, tracebacks, pickles and docs, as httpx2 does. Only classes and functions: type
     # aliases and constants (``FINAL_ANSWER``) are values, left as they are.
     if isinstance(obj, type) or _inspect.isfunction(obj):
         obj.__module__ = "agentkv"

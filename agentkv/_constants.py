@@ -6,16 +6,16 @@ The modules that use a default import it from here; a setting a caller can chang
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 
 # --- HTTP to the servers -------------------------------------------------------------------------
 
 # Long reads on purpose: a cold multi-thousand-token prefill on CPU takes minutes.
-TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0)
+TIMEOUT = httpx2.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0)
 # vLLM's API server (uvicorn) closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by
 # default; keeping ours for less means we never send on a connection the server is closing (a
 # failed P leg costs the turn its handle). The limits apply to each server.
-LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0)
+LIMITS = httpx2.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=4.0)
 # A health probe (GET /health) answers at once on a live server.
 HEALTH_TIMEOUT_S = 2.0
 # How long a pair marked down waits before it is probed again.

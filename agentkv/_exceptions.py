@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from agentkv import _constants as defaults
 
 if TYPE_CHECKING:
-    import httpx
+    import httpx2
 
 __all__ = [
     "AgentKVError",
@@ -117,8 +117,8 @@ class UpstreamStatusError(AgentKVError):
         url: where the request went.
         request_summary: a short description of the request (never the whole prompt).
         response_body: the start of the server's answer.
-        request: the ``httpx.Request`` sent, when the error came from an exchange.
-        response: the ``httpx.Response`` (its headers: ``retry-after``, ``x-request-id``, ...),
+        request: the ``httpx2.Request`` sent, when the error came from an exchange.
+        response: the ``httpx2.Response`` (its headers: ``retry-after``, ``x-request-id``, ...),
             as openai-python's ``APIStatusError`` carries it.
     """
 
@@ -130,8 +130,8 @@ class UpstreamStatusError(AgentKVError):
         url: str = "",
         request_summary: str = "",
         response_body: str = "",
-        request: httpx.Request | None = None,
-        response: httpx.Response | None = None,
+        request: httpx2.Request | None = None,
+        response: httpx2.Response | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code

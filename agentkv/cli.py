@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
+import httpx2
 import structlog
 
 from agentkv import AgentKVError
@@ -74,7 +74,7 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def tier_usage(client: httpx.Client, url: str) -> TierUsage | None:
+def tier_usage(client: httpx2.Client, url: str) -> TierUsage | None:
     """A server's file tier usage from ``GET /v1/agentkv/info``; ``None`` without a tier (or
     without agentkv's extension, or when it cannot be asked)."""
     try:
@@ -83,7 +83,7 @@ def tier_usage(client: httpx.Client, url: str) -> TierUsage | None:
             return None
         info = ServerInfo.from_wire(response.json())
         return None if info.tier is None else TierUsage.from_wire(info.tier)
-    except (httpx.HTTPError, ValueError, HintError):
+    except (httpx2.HTTPError, ValueError, HintError):
         return None
 
 
@@ -101,7 +101,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     alive = [s.pid for _, _, s in servers if pid_alive(s.pid)]
     cpu = group_cpu_percent(alive, window_s=args.window) if alive else {}
     rows: list[dict[str, object]] = []
-    with httpx.Client() as client:
+    with httpx2.Client() as client:
         for name, role, server in servers:
             healthy = server_healthy(server.url)
             tier = tier_usage(client, server.url) if healthy else None

@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 
 import agentkv
 from agentkv import CachePolicy, HandleState, Message
@@ -159,7 +159,7 @@ def _wrong_kv_drift(cluster_file: Path, server: str, model: str) -> dict[str, An
             "turn1_prompt_tokens": first.stats.prompt_tokens}
 
 
-def _cold_prefill_tps(record: ClusterRecord, client: httpx.Client, repeats: int) -> float:
+def _cold_prefill_tps(record: ClusterRecord, client: httpx2.Client, repeats: int) -> float:
     url = record.pairs[0].prefill.url
     ids = client.post(url + "/tokenize", json={"model": record.model, "prompt": WORDS * 80})
     prompt = ids.json()["tokens"][:1024]
@@ -173,7 +173,7 @@ def _cold_prefill_tps(record: ClusterRecord, client: httpx.Client, repeats: int)
     return statistics.median(rates)
 
 
-def _decode_tps(record: ClusterRecord, client: httpx.Client) -> float:
+def _decode_tps(record: ClusterRecord, client: httpx2.Client) -> float:
     url = record.pairs[0].decode.url
     body = {"model": record.model, "prompt": "Once upon a time", "max_tokens": 64,
             "ignore_eos": True, "cache_salt": uuid.uuid4().hex}
@@ -196,7 +196,7 @@ def measure(dtype: str, isa: str | None, *, workdir: Path, repeats: int) -> dict
     start_s = time.perf_counter() - started
     try:
         server = record.pairs[0].prefill.url
-        with httpx.Client(timeout=600) as client:
+        with httpx2.Client(timeout=600) as client:
             cold = _cold_prefill_tps(record, client, repeats)
             decode = _decode_tps(record, client)
         with_reuse = _conversation(config.cluster_file, CachePolicy())

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 
 import agentkv
 from agentkv import CachePolicy
@@ -129,7 +129,7 @@ def conversation(index: int, words: int) -> str:
 
 
 class Sampler:
-    def __init__(self, client: httpx.AsyncClient, decode: str) -> None:
+    def __init__(self, client: httpx2.AsyncClient, decode: str) -> None:
         self.client, self.decode = client, decode
         self.samples: list[dict[str, float]] = []
 
@@ -147,14 +147,14 @@ class Sampler:
                 self.samples.append(
                     {"t": round(time.monotonic() - t0, 3), "usage": usage, "running": running}
                 )
-            except httpx.HTTPError:
+            except httpx2.HTTPError:
                 pass
             next_at += period
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
 
 async def warm_prefill(
-    client: httpx.AsyncClient, prefill: str, model: str, prompts: list[str]
+    client: httpx2.AsyncClient, prefill: str, model: str, prompts: list[str]
 ) -> float:
     started = time.monotonic()
 
@@ -331,7 +331,7 @@ async def amain(args: argparse.Namespace) -> int:
     prompts = [conversation(i, args.words) for i in range(args.sessions)]
     load_before = os.getloadavg()
     async with (
-        httpx.AsyncClient() as client,
+        httpx2.AsyncClient() as client,
         agentkv.AsyncCluster.from_dict(spec, block_size=args.block_size) as cluster,
     ):
         info = (await client.get(f"{pair['decode']}/v1/agentkv/info")).json()

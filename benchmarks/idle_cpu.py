@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 
 from agentkv.local._config import ClusterRecord, LocalClusterConfig
 from agentkv.local._launch import start_cluster, stop_cluster
@@ -76,7 +76,7 @@ def _cpu(record: ClusterRecord, window: float) -> float:
     return round(sum(group_cpu_percent(pids, window_s=window).values()), 1)
 
 
-def _metric_sum(client: httpx.Client, url: str, name: str) -> float:
+def _metric_sum(client: httpx2.Client, url: str, name: str) -> float:
     text = client.get(f"{url}/metrics").text
     return sum(
         float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
@@ -84,7 +84,7 @@ def _metric_sum(client: httpx.Client, url: str, name: str) -> float:
 
 
 def _tokenize(
-    client: httpx.Client, url: str, messages: list[dict[str, str]], gen: bool
+    client: httpx2.Client, url: str, messages: list[dict[str, str]], gen: bool
 ) -> list[int]:
     body = {"messages": messages, "add_generation_prompt": gen, "add_special_tokens": False}
     tokens: list[int] = client.post(f"{url}/tokenize", json=body).json()["tokens"]
@@ -92,7 +92,7 @@ def _tokenize(
 
 
 def _leg(  # noqa: PLR0917 - a private helper mirroring the wire fields
-    client: httpx.Client,
+    client: httpx2.Client,
     url: str,
     model: str,
     messages: list[dict[str, str]],
@@ -124,7 +124,7 @@ def measure(record: ClusterRecord, seed: int) -> dict[str, Any]:
     time.sleep(10)
     out["idle_cpu_percent"] = _cpu(record, 10)
     _say(f"idle CPU {out['idle_cpu_percent']}%")
-    with httpx.Client(timeout=600) as client:
+    with httpx2.Client(timeout=600) as client:
         text = " ".join(rng.choice(WORDS) for _ in range(900))
         cold = [{"role": "user", "content": f"{rng.random()} {text}"}]
         ids = _tokenize(client, p_url, cold, gen=True)

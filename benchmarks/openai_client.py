@@ -22,7 +22,7 @@ alternating in rounds so that drifting machine load weighs on both alike. Column
   api.openai.com too): validating and transforming ``messages`` grows with the history;
 * agentkv added: added minus the floor: what the drop-in costs beyond the openai SDK itself
   (the transport, Starlette, the proxy's parsing and session mapping);
-* the second table splits each call at its transport, timed per call by the httpx client's own
+* the second table splits each call at its transport, timed per call by the httpx2 client's own
   event hooks (which run right before and after the transport): the transport side (its time
   minus the turn in it: the in-process transport and the proxy app; for the floor, the canned
   app) and the SDK side (the latency minus the transport's time: the openai SDK building the
@@ -78,7 +78,7 @@ async def _received(response: httpx2.Response) -> None:
 
 
 def _time_transport(client: openai.AsyncOpenAI) -> None:
-    """Time each call's transport with the httpx client's own event hooks."""
+    """Time each call's transport with the httpx2 client's own event hooks."""
     client._client.event_hooks = {"request": [_sent], "response": [_received]}
 
 

@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from typing import Any
 
-import httpx
+import httpx2
 import structlog
 
 from agentkv import AsyncCluster, HandleState, Message, PrefillWeights, RetryPolicy
@@ -46,13 +46,13 @@ from agentkv.testing import FakeCluster
 _PREFILL_S_PER_TOKEN = 2e-6
 
 
-class _PrefillTime(httpx.AsyncBaseTransport):
+class _PrefillTime(httpx2.AsyncBaseTransport):
     """The fake's transport, with prefill time proportional to the tokens a P leg computes."""
 
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
         self._inner = inner
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         response = await self._inner.handle_async_request(request)
         if request.url.host.startswith("fake-p") and request.url.path.endswith("/completions"):
             await response.aread()

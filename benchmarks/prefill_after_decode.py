@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 
 from agentkv.local._config import ClusterRecord, default_cluster_file
 
@@ -31,7 +31,7 @@ def main() -> int:
     cluster = ClusterRecord.read(Path(args.cluster_file))
     pair = cluster.pairs[0]
     model = cluster.model
-    with httpx.Client(timeout=300) as client:
+    with httpx2.Client(timeout=300) as client:
         messages = [
             {"role": "system", "content": "You are a coding agent. " + WORDS * 180},
             {"role": "user", "content": "Start."},

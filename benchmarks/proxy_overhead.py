@@ -5,7 +5,7 @@ SERVER_MS of simulated server time on every chat leg, so that sessions overlap t
 do), the proxy (uvicorn, ``agentkv.proxy.serve`` on a cluster file), and this one, which runs
 
 * direct: ``AsyncSession.send`` against the fake pair, and
-* proxy: an ``httpx`` client re-sending each session's whole history to the proxy, as OpenAI
+* proxy: an ``httpx2`` client re-sending each session's whole history to the proxy, as OpenAI
   clients do, with ``X-Session-ID``.
 
 Same conversations on both paths: a ~CONTEXT-token system prompt, then TURNS user turns, with
@@ -28,7 +28,7 @@ as this process's client and the proxy (proxied). Columns:
   arrival to answer, minus the SDK's turn): the part the proxy's code controls;
 * CPU/turn: CPU seconds per turn of the process running the SDK (this one for direct, the proxy
   for proxy): their difference is the proxy's CPU cost, whatever else the machine is doing; the
-  client's (an httpx client re-sending the history) and the fake pair's, for the proxied turns.
+  client's (an httpx2 client re-sending the history) and the fake pair's, for the proxied turns.
 
     .venv/bin/python benchmarks/proxy_overhead.py [--concurrency 1,16,64] [--turns 6]
         [--server-ms 100] [--context 1000] [--min-samples 120] [--min-rounds 3]
@@ -60,7 +60,7 @@ from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
+import httpx2
 import orjson
 import structlog
 
@@ -163,7 +163,7 @@ async def _serve_fake(args: argparse.Namespace) -> None:
             log_level="warning",
             lifespan="off",
             access_log=False,
-            # Not the default 5 s: the SDK's httpx pool also keeps idle connections 5 s, and the
+            # Not the default 5 s: the SDK's httpx2 pool also keeps idle connections 5 s, and the
             # race between the two closes makes turns retry (see the closing note).
             timeout_keep_alive=75,
         )
@@ -209,8 +209,8 @@ def _spawn(
 
 def _healthy(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
+        return httpx2.get(url, timeout=1).status_code == 200
+    except httpx2.HTTPError:
         return False
 
 
@@ -311,7 +311,7 @@ async def _measure(
 ) -> list[tuple[int, Samples, Samples]]:
     rows = []
     _pin(0, APP_CORE, args)  # after starting the children, which pin themselves
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    limits = httpx2.Limits(max_connections=512, max_keepalive_connections=512)
     # The client stands for an OpenAI client (the application); it gets the SDK's client and
     # transport, as the direct path's application does.
     async with (

@@ -44,7 +44,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 
 # Run as a script: this folder is on sys.path.
 from proxy_overhead import (  # type: ignore[import-not-found]
@@ -88,7 +88,7 @@ async def _round(
     ``redis-2`` does it find its session's last turn there."""
     run_id = uuid.uuid4().hex[:8]
     group = 1 if mode == "redis-2" else 2
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx2.AsyncClient(timeout=30) as client:
         for first in range(0, args.sessions, group):
             sessions = [i for i in range(first, first + group) if i < args.sessions]
             histories: dict[int, list[dict[str, Any]]] = {
@@ -114,7 +114,7 @@ async def _round(
 
 
 async def _ask(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     url: str,
     session: str,
     messages: list[dict[str, Any]],

@@ -1,7 +1,7 @@
 """The Redis session store's cost per turn: the proxy with ``--state redis://`` versus in memory.
 
 In-process, in front of the fake pair (which answers at once, so the numbers are the proxy's own
-work): SESSIONS conversations of TURNS turns each, CONCURRENCY at a time, sent by an httpx client
+work): SESSIONS conversations of TURNS turns each, CONCURRENCY at a time, sent by an httpx2 client
 that re-sends each session's whole history with ``X-Session-ID`` (as OpenAI clients do), through
 
 * memory: one proxy app, sessions in its memory (the default);
@@ -38,7 +38,7 @@ import time
 import uuid
 from typing import Any
 
-import httpx
+import httpx2
 import redis
 import structlog
 
@@ -97,7 +97,7 @@ def _calls(url: str) -> int:
 
 
 async def _end(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     store: RedisSessions | None,
     cluster: AsyncCluster,
     session_ids: list[str],
@@ -129,7 +129,7 @@ async def _run(
         cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
         store = RedisSessions.from_url(url) if url else None
         app = create_app(cluster, ProxyConfig(), store=store)
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p")
+        client = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://p")
         apps.append(client)
         closers.append((client, store, cluster, app))
     peek_store = closers[0][1]

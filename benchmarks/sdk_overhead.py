@@ -1,7 +1,7 @@
 """SDK overhead per turn against the fake cluster, and memory per idle session.
 
 Overhead is a turn's time minus the time spent inside the fake servers' handlers (measured by
-wrapping the fake's transport), so it is what agentkv itself (with httpx) costs a turn: the
+wrapping the fake's transport), so it is what agentkv itself (with httpx2) costs a turn: the
 template-delta request, building and parsing the legs' JSON, the transcript, the policy, stats
 and logs. Turns run one at a time so nothing else shares the loop.
 
@@ -23,22 +23,22 @@ import time
 import tracemalloc
 from collections.abc import Callable
 
-import httpx
+import httpx2
 import structlog
 
 from agentkv import AsyncCluster, Cluster, Message
 from agentkv.testing import FakeCluster, ManualClock
 
 
-class TimedTransport(httpx.AsyncBaseTransport):
+class TimedTransport(httpx2.AsyncBaseTransport):
     """Counts the wall and CPU seconds spent inside the wrapped (fake server) transport."""
 
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
         self.inner = inner
         self.server_s = 0.0
         self.server_cpu_s = 0.0
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             return await self.inner.handle_async_request(request)

@@ -4,20 +4,22 @@ A uvicorn server in its own process answers every POST with a ~2 KB JSON body af
 (so requests overlap, as a turn's legs do); this process sends CONCURRENCY loops of REQUESTS
 POSTs of a ~3 KB JSON body each and reports its own CPU time per request for:
 
-* ``httpx``: ``httpx.AsyncClient`` on httpx's default transport (httpcore's pool);
+* ``httpx``: ``httpx.AsyncClient`` (httpx 0.28, when installed) on its default transport
+  (httpcore's pool); agentkv's interface was httpx until it moved to httpx2 (its fork);
 * ``httpx2``: ``httpx2.AsyncClient`` on its own pool (httpcore2), the openai SDK's client;
 * ``aiohttp``: a bare ``aiohttp.ClientSession`` reading each JSON answer: the floor under any
   httpx interface on aiohttp;
 * ``httpx-aiohttp``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport`` (PyPI
   ``httpx-aiohttp``: httpx's interface on a ``ClientSession``), when installed;
-* ``pools``: ``httpx.AsyncClient`` on ``agentkv._wire.transport.ServerPools``;
+* ``pools``: ``httpx2.AsyncClient`` on ``agentkv._wire.transport.ServerPools``;
 * ``cluster``: ``agentkv._wire.transport.ClusterClient`` on ``ServerPools``, what a cluster builds;
 * ``base-pools``, ``base-cluster``: the same on the ``ServerPools`` of another tree's
-  ``transport.py`` (``--base FILE``, a module that imports nothing of agentkv's), to compare two
-  versions of the transport in one run: ``git show REV:agentkv/_wire/transport.py > /tmp/t.py``.
+  ``transport.py`` (``--base FILE``, a module that imports nothing of agentkv's, of a revision on
+  httpx, as 0ee2cfd), to compare two versions of the transport in one run:
+  ``git show REV:agentkv/_wire/transport.py > /tmp/t.py``.
 
     .venv/bin/python benchmarks/transport_cpu.py [--concurrency 64] [--requests 30]
-        [--server-ms 100] [--clients httpx,httpx2,aiohttp,pools,cluster] [--base FILE]
+        [--server-ms 100] [--clients httpx2,aiohttp,pools,cluster] [--base FILE]
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ from types import ModuleType
 from typing import Any
 
 import aiohttp
-import httpx
+import httpx2
 
 from agentkv._wire.transport import ClusterClient, ServerPools
 
 ANSWER = b'{"text": "' + b"a" * 2000 + b'"}'
 BODY = b'{"prompt": "' + b"1" * 3000 + b'"}'
-LIMITS = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+LIMITS = httpx2.Limits(max_connections=512, max_keepalive_connections=512)
 
 
 def _serve(port: int, delay_s: float) -> None:
@@ -81,29 +83,32 @@ def _load(path: str) -> ModuleType:
 
 
 def _client(kind: str, args: argparse.Namespace) -> Any:
-    if kind == "httpx":
-        return httpx.AsyncClient(limits=LIMITS)
     if kind == "httpx2":
-        import httpx2
+        return httpx2.AsyncClient(limits=LIMITS)
+    if kind in ("httpx", "httpx-aiohttp", "base-pools", "base-cluster"):
+        return _httpx_client(kind, args)  # httpx (0.28): no longer agentkv's, measured beside it
+    if kind in ("pools", "cluster"):
+        client = httpx2.AsyncClient if kind == "pools" else ClusterClient
+        return client(transport=ServerPools(LIMITS))
+    raise SystemExit(f"unknown client {kind!r}")
 
-        return httpx2.AsyncClient(
-            limits=httpx2.Limits(max_connections=512, max_keepalive_connections=512)
-        )
+
+def _httpx_client(kind: str, args: argparse.Namespace) -> Any:
+    import httpx  # only for these comparisons: agentkv does not depend on it
+
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    if kind == "httpx":
+        return httpx.AsyncClient(limits=limits)
     if kind == "httpx-aiohttp":
         from httpx_aiohttp import AiohttpTransport
 
-        return httpx.AsyncClient(transport=AiohttpTransport(limits=LIMITS))
-    if kind in ("pools", "cluster"):
-        client = httpx.AsyncClient if kind == "pools" else ClusterClient
-        return client(transport=ServerPools(LIMITS))
-    if kind not in ("base-pools", "base-cluster"):
-        raise SystemExit(f"unknown client {kind!r}")
+        return httpx.AsyncClient(transport=AiohttpTransport(limits=limits))
     if args.base is None:
-        raise SystemExit(f"{kind} needs --base FILE")
+        raise SystemExit(f"{kind} needs --base FILE (a transport.py of a revision on httpx)")
     base = _load(args.base)
     if kind == "base-pools":
-        return httpx.AsyncClient(transport=base.ServerPools(LIMITS))
-    return base.ClusterClient(transport=base.ServerPools(LIMITS))
+        return httpx.AsyncClient(transport=base.ServerPools(limits))
+    return base.ClusterClient(transport=base.ServerPools(limits))
 
 
 async def _measure_aiohttp(url: str, args: argparse.Namespace) -> tuple[float, float]:
@@ -151,7 +156,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=30, help="per concurrent loop")
     parser.add_argument("--server-ms", type=float, default=100.0)
-    parser.add_argument("--clients", default="httpx,httpx2,aiohttp,pools,cluster")
+    parser.add_argument("--clients", default="httpx2,aiohttp,pools,cluster")
     parser.add_argument("--base", help="another tree's transport.py, for base-pools/base-cluster")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -170,9 +175,9 @@ def main() -> int:
         deadline = time.monotonic() + 30
         while True:
             try:
-                httpx.post(url, content=b"{}")
+                httpx2.post(url, content=b"{}")
                 break
-            except httpx.TransportError:
+            except httpx2.TransportError:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise SystemExit("the server did not start") from None
                 time.sleep(0.2)

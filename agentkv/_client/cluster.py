@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, Self, TypeVar, Unpack
 
-import httpx
+import httpx2
 
 from agentkv import _constants as defaults
 from agentkv._client.pool import ClusterOptions, PairPool
@@ -338,7 +338,7 @@ class AsyncCluster(_Twin[AsyncSession]):
         return open_()
 
     @property
-    def http_client(self) -> httpx.AsyncClient:
+    def http_client(self) -> httpx2.AsyncClient:
         return self._pool.http_client
 
     async def check_health(self) -> dict[str, bool]:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TypedDict
 
-import httpx
+import httpx2
 import structlog
 
 from agentkv import _constants as defaults
@@ -44,7 +44,7 @@ class ClusterOptions(TypedDict, total=False):
     ``from_file``), all optional; the defaults are ``PairPool``'s.
 
     Attributes:
-        transport: an httpx async transport for the default client (tests pass a fake's).
+        transport: an httpx2 async transport for the default client (tests pass a fake's).
         http_client: use this client instead; the cluster does not close it.
         timeout: the default client's timeouts (``DEFAULT_TIMEOUT``: long reads, a cold prefill
             on CPU takes minutes).
@@ -59,9 +59,9 @@ class ClusterOptions(TypedDict, total=False):
         prefill_weights: how strongly a turn prefers the prefill that served the session last.
     """
 
-    transport: httpx.AsyncBaseTransport | None
-    http_client: httpx.AsyncClient | None
-    timeout: httpx.Timeout | float
+    transport: httpx2.AsyncBaseTransport | None
+    http_client: httpx2.AsyncClient | None
+    timeout: httpx2.Timeout | float
     policy: CachePolicy | None
     retry: RetryPolicy | None
     clock: Callable[[], float]
@@ -83,9 +83,9 @@ class PairPool:
         pairs: Iterable[Pair],
         *,
         model: str,
-        transport: httpx.AsyncBaseTransport | None = None,
-        http_client: httpx.AsyncClient | None = None,
-        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        transport: httpx2.AsyncBaseTransport | None = None,
+        http_client: httpx2.AsyncClient | None = None,
+        timeout: httpx2.Timeout | float = DEFAULT_TIMEOUT,
         policy: CachePolicy | None = None,
         retry: RetryPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -121,7 +121,7 @@ class PairPool:
         self._load_factor = load_factor
         self._health_recheck_s = health_recheck_s
         self._owns_client = http_client is None
-        self.http_client: httpx.AsyncClient = http_client or ClusterClient(
+        self.http_client: httpx2.AsyncClient = http_client or ClusterClient(
             transport=transport or ServerPools(DEFAULT_LIMITS), timeout=timeout
         )
         self._loads = dict.fromkeys(self._pairs, 0)

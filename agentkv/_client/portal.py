@@ -1,6 +1,6 @@
 """A private event loop on a thread, through which the sync API drives the async core.
 
-Why not a second, ``httpx.Client`` implementation: a turn is a small state machine (template
+Why not a second, ``httpx2.Client`` implementation: a turn is a small state machine (template
 renders, two legs, retries, failover, streaming) and writing it twice would let the twins drift.
 Running the one async core on a loop owned by the sync ``Cluster`` costs one thread hop per call
 (tens of microseconds, see ``benchmarks/sdk_overhead.py``) and lets both twins share one transport

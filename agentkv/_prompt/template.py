@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx
+import httpx2
 
 from agentkv import _constants as defaults
 from agentkv._exceptions import BadRequestError, MalformedResponseError, TemplateError
@@ -70,7 +70,7 @@ class ServerRenderer:
     produce; ``add_special_tokens`` is off because chat templates add their own.
     """
 
-    def __init__(self, client: httpx.AsyncClient, base_url: str, *, model: str) -> None:
+    def __init__(self, client: httpx2.AsyncClient, base_url: str, *, model: str) -> None:
         self._client = client
         self._url = base_url.rstrip("/") + "/tokenize"
         self._model = model

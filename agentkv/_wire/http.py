@@ -1,6 +1,6 @@
-"""HTTP exchanges with the servers, and the mapping of httpx's errors onto agentkv's tree.
+"""HTTP exchanges with the servers, and the mapping of httpx2's errors onto agentkv's tree.
 
-Only this module catches ``httpx`` exceptions; everything above it sees ``agentkv`` errors.
+Only this module catches ``httpx2`` exceptions; everything above it sees ``agentkv`` errors.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import functools
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any, NoReturn
 
-import httpx
+import httpx2
 
 from agentkv._exceptions import (
     BadRequestError,
@@ -32,21 +32,21 @@ _JSON_HEADERS = {"content-type": "application/json"}
 
 
 @functools.lru_cache(maxsize=512)
-def _parsed(url: str) -> httpx.URL:
-    # httpx parses string URLs in pure Python on every request; a session talks to a handful of
+def _parsed(url: str) -> httpx2.URL:
+    # httpx2 parses string URLs in pure Python on every request; a session talks to a handful of
     # URLs, so parse each once (URL objects are immutable).
-    return httpx.URL(url)
+    return httpx2.URL(url)
 
 
 @functools.lru_cache(maxsize=512)
 def _template(
     url: str, client_headers: tuple[tuple[bytes, bytes], ...], names: tuple[str, ...]
-) -> tuple[httpx.URL, httpx.Headers] | None:
-    """The URL and the headers httpx builds for a JSON POST to ``url``, less Content-Length;
+) -> tuple[httpx2.URL, httpx2.Headers] | None:
+    """The URL and the headers httpx2 builds for a JSON POST to ``url``, less Content-Length;
     ``None`` if a header in ``names`` would replace one of them."""
-    merged = httpx.Headers(list(client_headers))
-    merged.update(_JSON_HEADERS)  # as httpx merges them
-    built = httpx.Request("POST", url, headers=merged)
+    merged = httpx2.Headers(list(client_headers))
+    merged.update(_JSON_HEADERS)  # as httpx2 merges them
+    built = httpx2.Request("POST", url, headers=merged)
     del built.headers["Content-Length"]
     if any(name in built.headers for name in names):
         return None
@@ -54,10 +54,10 @@ def _template(
 
 
 def _request(
-    client: httpx.AsyncClient, url: str, body: bytes, headers: Mapping[str, str] | None
-) -> httpx.Request:
+    client: httpx2.AsyncClient, url: str, body: bytes, headers: Mapping[str, str] | None
+) -> httpx2.Request:
     """The request ``client.build_request`` builds, built from a per-URL template for the
-    cluster's own client: httpx merges and normalizes every header on every request (~20 us),
+    cluster's own client: httpx2 merges and normalizes every header on every request (~20 us),
     though a session sends the same ones to a handful of URLs. Others build their own (a user's
     client may hold cookies, or a base URL, ...)."""
     template = None
@@ -69,12 +69,12 @@ def _request(
             "POST", _parsed(url), content=body, headers={**_JSON_HEADERS, **(headers or {})}
         )
     parsed, template_headers = template
-    # Copying an ``httpx.Headers`` skips the normalizing; the template is never changed.
-    request = httpx.Request(
+    # Copying an ``httpx2.Headers`` skips the normalizing; the template is never changed.
+    request = httpx2.Request(
         "POST",
         parsed,
         headers=template_headers,
-        stream=httpx.ByteStream(body),
+        stream=httpx2.ByteStream(body),
         extensions={"timeout": client.timeout.as_dict()},
     )
     for name, value in (headers or {}).items():
@@ -84,20 +84,20 @@ def _request(
     return request
 
 
-def raise_transport_error(exc: httpx.HTTPError, url: str) -> NoReturn:
-    """Re-raise an httpx error as the matching agentkv error."""
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+def raise_transport_error(exc: httpx2.HTTPError, url: str) -> NoReturn:
+    """Re-raise an httpx2 error as the matching agentkv error."""
+    if isinstance(exc, httpx2.ConnectError | httpx2.ConnectTimeout):
         raise ConnectError(f"cannot connect to {url}: {exc}", url=url) from exc
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, httpx2.TimeoutException):
         raise RequestTimeoutError(f"no answer from {url} in time: {exc!r}", url=url) from exc
-    if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
+    if isinstance(exc, httpx2.UnsupportedProtocol | httpx2.InvalidURL):
         raise ConfigError(f"bad server URL {url!r}: {exc}") from exc
-    if isinstance(exc, httpx.TransportError):
+    if isinstance(exc, httpx2.TransportError):
         raise ConnectionLostError(f"connection to {url} broke: {exc!r}", url=url) from exc
     raise TransportError(f"request to {url} failed: {exc!r}", url=url) from exc
 
 
-def _raise_status(response: httpx.Response, url: str, summary: str) -> NoReturn:
+def _raise_status(response: httpx2.Response, url: str, summary: str) -> NoReturn:
     status = response.status_code
     body = response.text
     cls: type[UpstreamStatusError]
@@ -128,7 +128,7 @@ def _parse(content: bytes, url: str, summary: str, unread: str | None = None) ->
 
 
 async def post_json(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     url: str,
     body: bytes,
     *,
@@ -143,7 +143,7 @@ async def post_json(
     """
     try:
         response = await client.send(_request(client, url, body, headers))
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         raise_transport_error(exc, url)
     if response.status_code >= 300:
         _raise_status(response, url, summary)
@@ -151,7 +151,7 @@ async def post_json(
 
 
 async def stream_events(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     url: str,
     body: bytes,
     *,
@@ -178,22 +178,22 @@ async def stream_events(
                 if data == "[DONE]":
                     return
                 yield _parse(data.encode(), url, summary, unread)
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         raise_transport_error(exc, url)
     raise MalformedResponseError(f"{summary}: the stream ended before [DONE]", url=url)
 
 
-async def get_ok(client: httpx.AsyncClient, url: str, *, timeout_s: float) -> bool:
+async def get_ok(client: httpx2.AsyncClient, url: str, *, timeout_s: float) -> bool:
     """True when ``GET url`` answers 200 within ``timeout_s``; never raises for transport errors."""
     try:
         response = await client.get(url, timeout=timeout_s)
-    except httpx.HTTPError:
+    except httpx2.HTTPError:
         return False
     return response.status_code == 200
 
 
 async def exchange(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     method: str,
     url: str,
     *,
@@ -213,7 +213,7 @@ async def exchange(
             headers=_JSON_HEADERS if body is not None else None,
             timeout=timeout_s,
         )
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         raise_transport_error(exc, url)
     try:
         data = loads(response.content) if response.content else None

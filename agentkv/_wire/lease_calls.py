@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import httpx2
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -102,7 +102,7 @@ class LeaseCalls:
     """
 
     def __init__(
-        self, client: httpx.AsyncClient, *, clock: Callable[[], float] = time.monotonic
+        self, client: httpx2.AsyncClient, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._client = client
         self._clock = clock
@@ -191,7 +191,7 @@ class LeaseCalls:
         url = decode + METRICS_PATH
         try:
             response = await self._client.get(url, timeout=_CALL_TIMEOUT_S)
-        except httpx.HTTPError as exc:
+        except httpx2.HTTPError as exc:
             logger.debug("agentkv.kv_usage_unknown", decode=decode, detail=str(exc))
             return None
         if response.status_code != 200:

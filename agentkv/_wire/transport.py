@@ -1,7 +1,7 @@
-"""The default HTTP transport of a cluster: httpx's interface on aiohttp's public client.
+"""The default HTTP transport of a cluster: httpx2's interface on aiohttp's public client.
 
 The SDK's traffic is many small requests to a handful of servers: each turn sends a tokenize
-request, a P leg and a D leg. httpcore's connection pool (httpx's default) walks every connection
+request, a P leg and a D leg. httpcore's connection pool (httpx2's default) walks every connection
 of the pool and asks each idle one whether its socket was closed, on every request start and
 close; with anyio's locks and the pure-Python h11 parser around each exchange, that was ~6 ms of
 CPU per request at 64 concurrent sessions on the 2-core machine, and the proxy's event loop
@@ -9,18 +9,18 @@ saturated (``docs/proxy.md``). aiohttp does it the cheap way: a connection is an
 (the loop reports a server's close of an idle connection, so nothing is polled), llhttp parses
 the response in C, and each (host, port) has its own list of idle connections.
 
-The rest of agentkv speaks httpx (``_wire.http``, the fakes' ``FakeTransport``), so this is an
-``httpx.AsyncBaseTransport`` that sends each request httpx built through one
+The rest of agentkv speaks httpx2 (``_wire.http``, the fakes' ``FakeTransport``), so this is an
+``httpx2.AsyncBaseTransport`` that sends each request httpx2 built through one
 ``aiohttp.ClientSession`` (aiohttp's public API only; ``benchmarks/transport_cpu.py`` measures it
-against httpx's and httpx2's pools and ``httpx-aiohttp``, ``docs/benchmarks.md`` has the numbers).
+against httpx2's and httpx2's pools and ``httpx-aiohttp``, ``docs/benchmarks.md`` has the numbers).
 
-* ``httpx.Limits``: ``max_connections`` applies per server (a place is taken from the request's
+* ``httpx2.Limits``: ``max_connections`` applies per server (a place is taken from the request's
   start until its body is read or closed; no total limit), idle connections are closed after
   ``keepalive_expiry`` s (aiohttp's ``keepalive_timeout``);
-* httpx's ``Timeout`` phases: ``pool`` bounds the wait for a place under the limit, ``connect``
+* httpx2's ``Timeout`` phases: ``pool`` bounds the wait for a place under the limit, ``connect``
   opening a connection (aiohttp's ``sock_connect``; DNS and the connect together are bounded by
   ``connect`` + ``pool``), ``read`` each wait for the server's bytes;
-* httpx's exceptions: a refused or unresolvable server is ``ConnectError``, a server that closes
+* httpx2's exceptions: a refused or unresolvable server is ``ConnectError``, a server that closes
   the connection before answering in full is ``RemoteProtocolError`` (a lost connection, never a
   connect error: the cluster must not mark a live server down for it), a reset mid-request
   ``ReadError``, and so on (``_ERRORS``);
@@ -40,7 +40,7 @@ What aiohttp's public client does not offer, and why it does not matter here:
 * a whole answer that a server sends on an idle connection, unasked, is not detected (aiohttp
   reads it as the next request's answer): uvicorn (vLLM's server) never sends one.
 
-``https`` URLs go to httpx's own transport; HTTP(S)_PROXY variables are not used (the servers are
+``https`` URLs go to httpx2's own transport; HTTP(S)_PROXY variables are not used (the servers are
 the cluster's own): pass ``http_client=`` to a cluster for that.
 """
 
@@ -52,12 +52,12 @@ import typing
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
-import httpx
+import httpx2
 
 __all__ = ["ClusterClient", "ServerPools"]
 
 _HTTP_VERSIONS: dict[tuple[int, int], bytes] = {(1, 1): b"HTTP/1.1", (1, 0): b"HTTP/1.0"}
-# httpx built every header the request needs (host, user-agent, accept, content-length, ...):
+# httpx2 built every header the request needs (host, user-agent, accept, content-length, ...):
 # aiohttp adds none of its own (content-type would be application/octet-stream otherwise).
 _SKIP_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 # A body above this is sent in pieces of it, each write bounded by the write timeout (a small
@@ -84,41 +84,42 @@ async def _pieces(body: bytes) -> AsyncIterator[bytes]:
         yield bytes(view[start : start + _PIECE])
 
 
-# aiohttp's exceptions, the more specific first, and the httpx exception each one becomes.
-_ERRORS: tuple[tuple[type[BaseException], Callable[[BaseException], httpx.TransportError]], ...] = (
-    (aiohttp.ConnectionTimeoutError, lambda e: httpx.ConnectTimeout(f"timed out connecting: {e}")),
-    (aiohttp.SocketTimeoutError, lambda e: httpx.ReadTimeout("timed out reading")),
-    (aiohttp.ClientConnectorError, lambda e: httpx.ConnectError(str(e))),  # refused, DNS, ...
+# aiohttp's exceptions, the more specific first, and the httpx2 exception each one becomes.
+_ErrorMap = Callable[[BaseException], httpx2.TransportError]
+_ERRORS: tuple[tuple[type[BaseException], _ErrorMap], ...] = (
+    (aiohttp.ConnectionTimeoutError, lambda e: httpx2.ConnectTimeout(f"timed out connecting: {e}")),
+    (aiohttp.SocketTimeoutError, lambda e: httpx2.ReadTimeout("timed out reading")),
+    (aiohttp.ClientConnectorError, lambda e: httpx2.ConnectError(str(e))),  # refused, DNS, ...
     (
         aiohttp.ServerDisconnectedError,
-        lambda e: httpx.RemoteProtocolError("Server disconnected without sending a response."),
+        lambda e: httpx2.RemoteProtocolError("Server disconnected without sending a response."),
     ),
     (
         aiohttp.ClientPayloadError,
-        lambda e: httpx.RemoteProtocolError(f"incomplete message body: {e}"),
+        lambda e: httpx2.RemoteProtocolError(f"incomplete message body: {e}"),
     ),
     (
         aiohttp.ClientResponseError,  # what aiohttp raises for an answer it cannot parse
-        lambda e: httpx.RemoteProtocolError(f"malformed HTTP response: {e!r}"),
+        lambda e: httpx2.RemoteProtocolError(f"malformed HTTP response: {e!r}"),
     ),
-    (aiohttp.InvalidURL, lambda e: httpx.UnsupportedProtocol(f"bad URL: {e}")),
+    (aiohttp.InvalidURL, lambda e: httpx2.UnsupportedProtocol(f"bad URL: {e}")),
     (
         aiohttp.ClientConnectionResetError,
-        lambda e: httpx.WriteError(f"the connection closed while the request was sent: {e}"),
+        lambda e: httpx2.WriteError(f"the connection closed while the request was sent: {e}"),
     ),
     # a reset or a close mid-request (ClientOSError and the like)
-    (aiohttp.ClientConnectionError, lambda e: httpx.ReadError(f"the connection broke: {e!r}")),
-    (OSError, lambda e: httpx.ReadError(f"the connection broke: {e!r}")),
+    (aiohttp.ClientConnectionError, lambda e: httpx2.ReadError(f"the connection broke: {e!r}")),
+    (OSError, lambda e: httpx2.ReadError(f"the connection broke: {e!r}")),
 )
 _AIOHTTP_ERRORS = (aiohttp.ClientError, OSError)
 
 
-def _error(exc: BaseException) -> httpx.TransportError:
-    """The httpx exception for an aiohttp one (``agentkv._wire.http`` maps those onto agentkv's)."""
+def _error(exc: BaseException) -> httpx2.TransportError:
+    """The httpx2 exception for an aiohttp one (``agentkv._wire.http`` maps those onto ours)."""
     for kind, make in _ERRORS:
         if isinstance(exc, kind):
             return make(exc)
-    return httpx.TransportError(f"{exc!r}")
+    return httpx2.TransportError(f"{exc!r}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,7 +150,7 @@ class _Place:
             limit.release()
 
 
-class _Body(httpx.AsyncByteStream):
+class _Body(httpx2.AsyncByteStream):
     """A response body as it arrives.
 
     Its connection goes back to the pool when the body ends; closing it before then closes the
@@ -177,14 +178,14 @@ class _Body(httpx.AsyncByteStream):
         self._place.release()
 
 
-class ServerPools(httpx.AsyncBaseTransport):
-    """An httpx transport on one ``aiohttp.ClientSession``; ``limits`` apply to each server."""
+class ServerPools(httpx2.AsyncBaseTransport):
+    """An httpx2 transport on one ``aiohttp.ClientSession``; ``limits`` apply to each server."""
 
-    def __init__(self, limits: httpx.Limits) -> None:
+    def __init__(self, limits: httpx2.Limits) -> None:
         self._limits = limits
         self._session: aiohttp.ClientSession | None = None
         self._places: dict[tuple[str, int], asyncio.Semaphore] = {}
-        self._tls: httpx.AsyncHTTPTransport | None = None
+        self._tls: httpx2.AsyncHTTPTransport | None = None
         self._closed = False
 
     def _open(self) -> aiohttp.ClientSession:
@@ -197,7 +198,7 @@ class ServerPools(httpx.AsyncBaseTransport):
             connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=_SKIP_HEADERS,
-            auto_decompress=False,  # httpx decodes the body as the headers say
+            auto_decompress=False,  # httpx2 decodes the body as the headers say
             timeout=aiohttp.ClientTimeout(total=None),
         )
         return self._session
@@ -214,21 +215,21 @@ class ServerPools(httpx.AsyncBaseTransport):
                 async with asyncio.timeout(pool):
                     await limit.acquire()
             except TimeoutError:
-                raise httpx.PoolTimeout("timed out waiting for a connection") from None
+                raise httpx2.PoolTimeout("timed out waiting for a connection") from None
         else:
             await limit.acquire()  # a free place: taken at once
         return _Place(limit)
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         if self._closed:
-            raise httpx.ConnectError("the transport is closed", request=request)
+            raise httpx2.ConnectError("the transport is closed", request=request)
         url = request.url
         if url.scheme == "https":
             if self._tls is None:
-                self._tls = httpx.AsyncHTTPTransport(limits=self._limits, trust_env=False)
+                self._tls = httpx2.AsyncHTTPTransport(limits=self._limits, trust_env=False)
             return await self._tls.handle_async_request(request)
         if url.scheme != "http":
-            raise httpx.UnsupportedProtocol(
+            raise httpx2.UnsupportedProtocol(
                 f"Request URL has an unsupported protocol '{url.scheme}://'.", request=request
             )
         timeout = request.extensions.get("timeout", {})
@@ -239,7 +240,7 @@ class ServerPools(httpx.AsyncBaseTransport):
             place.release()
             raise
 
-    async def _send(self, request: httpx.Request, place: _Place) -> httpx.Response:
+    async def _send(self, request: httpx2.Request, place: _Place) -> httpx2.Response:
         """Send ``request`` and return the answer's head; its body streams."""
         session = self._session or self._open()
         phases = request.extensions.get("timeout", {})
@@ -247,14 +248,14 @@ class ServerPools(httpx.AsyncBaseTransport):
         body: bytes | AsyncIterator[bytes] | None
         try:
             body = request.content or None
-        except httpx.RequestNotRead:
-            assert isinstance(request.stream, httpx.AsyncByteStream)
+        except httpx2.RequestNotRead:
+            assert isinstance(request.stream, httpx2.AsyncByteStream)
             body = aiter(request.stream)
-            # aiohttp frames a body of unknown length itself, and refuses httpx's header for it
+            # aiohttp frames a body of unknown length itself, and refuses httpx2's header for it
             headers = [(k, v) for k, v in headers if k.lower() != "transfer-encoding"]
         deadline = asyncio.timeout(None)
         if isinstance(body, bytes) and len(body) > _PIECE:
-            body = _pieces(body)  # with httpx's content-length: not chunked
+            body = _pieces(body)  # with httpx2's content-length: not chunked
         if body is not None and not isinstance(body, bytes):
             body = _timed(body, deadline, phases.get("write"))
         try:
@@ -270,12 +271,12 @@ class ServerPools(httpx.AsyncBaseTransport):
                 )
         except _AIOHTTP_ERRORS as exc:
             if deadline.expired():  # (TimeoutError is an OSError)
-                raise httpx.WriteTimeout("timed out writing") from None
+                raise httpx2.WriteTimeout("timed out writing") from None
             raise _error(exc) from exc
         if response.status == 101:
             response.close()
-            raise httpx.RemoteProtocolError("the server switched protocols")
-        return httpx.Response(
+            raise httpx2.RemoteProtocolError("the server switched protocols")
+        return httpx2.Response(
             response.status,
             headers=list(response.raw_headers),
             stream=_Body(response, place),
@@ -294,25 +295,26 @@ class ServerPools(httpx.AsyncBaseTransport):
             await self._tls.aclose()
 
 
-class ClusterClient(httpx.AsyncClient):
-    """The httpx client a cluster builds for itself when given none.
+class ClusterClient(httpx2.AsyncClient):
+    """The httpx2 client a cluster builds for itself when given none.
 
     Its requests go to the cluster's own servers, and it is built without auth, cookies, event
     hooks or redirects to follow, so ``send`` hands each request straight to the transport:
-    httpx's per-request auth flow, redirect loop and cookie extraction would cost about as much
+    httpx2's per-request auth flow, redirect loop and cookie extraction would cost about as much
     CPU as the exchange itself, for nothing here (``benchmarks/transport_cpu.py``). Requests are
-    built as httpx builds them (base URL, default headers, the client's timeouts).
+    built as httpx2 builds them (base URL, default headers, the client's timeouts).
     """
 
     async def send(
         self,
-        request: httpx.Request,
+        request: httpx2.Request,
         *,
         stream: bool = False,
-        auth: typing.Any = httpx.USE_CLIENT_DEFAULT,
-        follow_redirects: typing.Any = httpx.USE_CLIENT_DEFAULT,
-    ) -> httpx.Response:
-        if auth is not httpx.USE_CLIENT_DEFAULT or follow_redirects is not httpx.USE_CLIENT_DEFAULT:
+        auth: typing.Any = httpx2.USE_CLIENT_DEFAULT,
+        follow_redirects: typing.Any = httpx2.USE_CLIENT_DEFAULT,
+    ) -> httpx2.Response:
+        default = httpx2.USE_CLIENT_DEFAULT
+        if auth is not default or follow_redirects is not default:
             raise TypeError("the cluster's client sends without auth or redirects")
         if self.is_closed:
             raise RuntimeError("Cannot send a request, as the client has been closed.")

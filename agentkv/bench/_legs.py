@@ -1,4 +1,4 @@
-"""Per-leg request settings the SDK has no option for, applied by an httpx transport.
+"""Per-leg request settings the SDK has no option for, applied by an httpx2 transport.
 
 Two things make the baselines honest and the modes independent, and the SDK cannot set either on
 the leg that needs it:
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import httpx
+import httpx2
 
 from agentkv._core import PersistHint, dumps, loads, with_hint
 
@@ -37,12 +37,12 @@ SaltSource = Callable[[], str]
 
 
 def _netloc(url: str) -> str:
-    parsed = httpx.URL(url)
+    parsed = httpx2.URL(url)
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     return f"{parsed.host}:{port}"
 
 
-class LegRewriter(httpx.AsyncBaseTransport):
+class LegRewriter(httpx2.AsyncBaseTransport):
     """Wraps a transport; sets ``cache_salt`` on P legs and the persist hint on D legs.
 
     ``prefill_salt`` is called once per P leg (a fresh salt per turn, or the same one each time).
@@ -51,7 +51,7 @@ class LegRewriter(httpx.AsyncBaseTransport):
 
     def __init__(
         self,
-        inner: httpx.AsyncBaseTransport,
+        inner: httpx2.AsyncBaseTransport,
         *,
         prefill: Iterable[str],
         decode: Iterable[str],
@@ -78,7 +78,7 @@ class LegRewriter(httpx.AsyncBaseTransport):
             return {**body, "kv_transfer_params": with_hint(params, PersistHint(persist=False))}
         return None
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         url = request.url
         if request.method != "POST" or url.path != _CHAT_PATH:
             return await self._inner.handle_async_request(request)
@@ -88,7 +88,7 @@ class LegRewriter(httpx.AsyncBaseTransport):
         if rewritten is None:
             return await self._inner.handle_async_request(request)
         headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
-        forwarded = httpx.Request(
+        forwarded = httpx2.Request(
             request.method,
             url,
             headers=headers,

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx
+import httpx2
 
 from agentkv import AsyncCluster, AsyncSession, CachePolicy, Message, TurnResult
 from agentkv._core import dumps, stream_events
@@ -87,7 +87,7 @@ class ClusterTarget:
     """The cluster under test: its spec (cluster-file shape) and the transport that reaches it."""
 
     spec: Mapping[str, Any]
-    transport: httpx.AsyncBaseTransport
+    transport: httpx2.AsyncBaseTransport
 
     @property
     def model(self) -> str:
@@ -192,7 +192,7 @@ class AggregatedRunner:
     """A session on one server doing prefill and decode, with its prefix cache (a reference)."""
 
     def __init__(
-        self, *, index: int, client: httpx.AsyncClient, url: str, model: str, system: str,
+        self, *, index: int, client: httpx2.AsyncClient, url: str, model: str, system: str,
         salt: str,
     ) -> None:
         self._index = index
@@ -253,13 +253,13 @@ class AggregatedRunner:
         await self._client.aclose()
 
 
-class NotOwned(httpx.AsyncBaseTransport):
+class NotOwned(httpx2.AsyncBaseTransport):
     """Lends a shared transport to a client that will try to close it."""
 
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
         self._inner = inner
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         return await self._inner.handle_async_request(request)
 
     async def aclose(self) -> None:
@@ -272,7 +272,7 @@ def open_runner(
     """A runner for session ``index`` in ``mode``, with its own salts and HTTP client."""
     salt = _salt(run_id, mode, index)
     if mode is Mode.AGGREGATED:
-        client = httpx.AsyncClient(transport=NotOwned(target.transport), timeout=600.0)
+        client = httpx2.AsyncClient(transport=NotOwned(target.transport), timeout=600.0)
         return AggregatedRunner(
             index=index, client=client, url=target.urls("prefill")[0], model=target.model,
             system=system, salt=salt,
@@ -320,7 +320,7 @@ class CacheFiller:
     _PLACEHOLDER = ({"role": "user", "content": "."},)  # required by the route, never rendered
 
     def __init__(self, target: ClusterTarget, salt: str) -> None:
-        self._client = httpx.AsyncClient(transport=NotOwned(target.transport), timeout=600.0)
+        self._client = httpx2.AsyncClient(transport=NotOwned(target.transport), timeout=600.0)
         self._model = target.model
         self._salt = salt
 

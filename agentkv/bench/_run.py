@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import httpx
+import httpx2
 import structlog
 
 from agentkv import AgentKVError, MalformedResponseError
@@ -59,7 +59,7 @@ def session_id(mode: Mode, session: int) -> str:
 class _Tokenizer:
     """Counts tokens with the prefill server's ``/tokenize`` (the served model's tokenizer)."""
 
-    def __init__(self, client: httpx.AsyncClient, target: ClusterTarget) -> None:
+    def __init__(self, client: httpx2.AsyncClient, target: ClusterTarget) -> None:
         self._client = client
         self._url = target.urls("prefill")[0] + "/tokenize"
         self._model = target.model
@@ -154,7 +154,7 @@ async def run_bench(
     ``on_turn`` is called after every turn (the CLI's progress bar). A failed turn is recorded in
     the report's ``errors`` and ends its lane; the other lanes go on.
     """
-    async with httpx.AsyncClient(transport=NotOwned(target.transport), timeout=60.0) as client:
+    async with httpx2.AsyncClient(transport=NotOwned(target.transport), timeout=60.0) as client:
         tokenizer = _Tokenizer(client, target)
         ratios = await calibrate(tokenizer.count, seed=config.seed)
         workload = build_workload(config, ratios)

@@ -43,7 +43,7 @@ def _uvicorn_server(app: Starlette, *, log_level: str) -> uvicorn.Server:
         access_log=False,  # the proxy logs its own events; a line per request is noise
         http="auto",  # httptools where installed (uvicorn[standard]), else pure-Python h11
         ws="none",
-        # Longer than clients keep idle connections (httpx: 5 s, uvicorn's default too): a server
+        # Longer than clients keep idle connections (httpx2: 5 s, uvicorn's default too): a server
         # that closes first races the client's next request on that connection.
         timeout_keep_alive=75,
         timeout_graceful_shutdown=5,

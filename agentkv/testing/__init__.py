@@ -1,7 +1,7 @@
 """Test helpers shipped with agentkv: a protocol-faithful fake of vLLM prefill/decode pairs.
 
 :class:`FakeCluster` runs N pairs of fake vLLM 0.32 servers in-process (NixlConnector, pull
-mode, ``bidirectional_kv_xfer``), served through an httpx transport (``fake.transport``) or over
+mode, ``bidirectional_kv_xfer``), served through an httpx2 transport (``fake.transport``) or over
 real HTTP (``fake.serve()``). Use it to test agents and clients without a model.
 
 What is faithful (each module cites the vLLM code it follows):
@@ -31,10 +31,10 @@ one chunk per token), a full KV cache answers 500 instead of queueing, and only 
 listed in ``_fake_metrics`` are exposed.
 
 Example:
-    >>> import httpx
+    >>> import httpx2
     >>> from agentkv.testing import FakeCluster, ManualClock
     >>> fake = FakeCluster(pairs=1, clock=ManualClock())
-    >>> async_client = httpx.AsyncClient(transport=fake.transport)
+    >>> async_client = httpx2.AsyncClient(transport=fake.transport)
     >>> fake.cluster_spec["pairs"][0]["decode"]
     'http://fake-d0.test:8000'
 """

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import httpx
+import httpx2
 
 __all__ = ["DriftReport", "logprob_drift", "teacher_forced_logprobs", "tie_gap"]
 
@@ -50,7 +50,7 @@ def teacher_forced_logprobs(
     prompt_ids: Sequence[int],
     generated_ids: Sequence[int],
     top: int = 2,
-    client: httpx.Client | None = None,
+    client: httpx2.Client | None = None,
     timeout_s: float = 300.0,
 ) -> tuple[dict[int, float], ...]:
     """For each generated token: the reference logprobs at its position, computed cold.
@@ -69,7 +69,7 @@ def teacher_forced_logprobs(
         "cache_salt": uuid.uuid4().hex,
     }
     own = client is None
-    http = client or httpx.Client(timeout=timeout_s)
+    http = client or httpx2.Client(timeout=timeout_s)
     try:
         response = http.post(f"{server.rstrip('/')}/v1/completions", json=body)
         response.raise_for_status()

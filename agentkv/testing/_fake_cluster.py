@@ -53,7 +53,7 @@ class _Fabric:
 class FakeCluster:
     """In-process fake of N vLLM prefill/decode pairs (NixlConnector, bidirectional KV).
 
-    The servers speak vLLM 0.32's HTTP/JSON; ``transport`` serves them to httpx clients at
+    The servers speak vLLM 0.32's HTTP/JSON; ``transport`` serves them to httpx2 clients at
     ``http://fake-p{i}.test:8000`` and ``http://fake-d{i}.test:8000``.
 
     By default they run as ``agentkv up`` starts vLLM: with agentkv's plugin (handles on streams,
@@ -68,10 +68,10 @@ class FakeCluster:
     answers 501 ``tier_unavailable``.
 
     Example:
-        >>> import httpx
+        >>> import httpx2
         >>> from agentkv.testing import FakeCluster, ManualClock
         >>> fake = FakeCluster(pairs=1, clock=ManualClock())
-        >>> client = httpx.Client(transport=fake.transport)
+        >>> client = httpx2.Client(transport=fake.transport)
         >>> messages = [{"role": "user", "content": "Hi"}]
         >>> p = client.post(f"{fake.prefill(0).url}/v1/chat/completions", json={
         ...     "messages": messages, "max_tokens": 1,

@@ -1,6 +1,6 @@
 """Serve fake servers over real HTTP (uvicorn, one port per server, on 127.0.0.1).
 
-For clients that are not Python, or that cannot take an httpx transport. Killing a server
+For clients that are not Python, or that cannot take an httpx2 transport. Killing a server
 closes its listening socket (clients get "connection refused"); restarting it listens on the
 same port again.
 """

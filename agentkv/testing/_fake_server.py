@@ -38,7 +38,7 @@ class FakeServer:
         >>> decode.url, decode.pinned_handles
         ('http://fake-d0.test:8000', 0)
         >>> decode.fail_next("status", status=503)   # the next chat request gets a 503
-        >>> decode.kill()                            # every request: httpx.ConnectError
+        >>> decode.kill()                            # every request: httpx2.ConnectError
         >>> decode.restart()                         # alive again, pins and cache lost
     """
 
@@ -114,8 +114,8 @@ class FakeServer:
 
         ``status`` answers with that HTTP status and vLLM's error body, without processing.
         The other kinds process the request (pins and caches change) and then distort what
-        the client sees: ``timeout`` (``httpx.ReadTimeout``), ``reset``
-        (``httpx.RemoteProtocolError``), ``malformed_json``, ``truncated_json`` (half the
+        the client sees: ``timeout`` (``httpx2.ReadTimeout``), ``reset``
+        (``httpx2.RemoteProtocolError``), ``malformed_json``, ``truncated_json`` (half the
         body), ``no_kv_transfer_params`` (``null``) or ``bad_kv_transfer_params`` (corrupted).
         """
         with self._ctx.lock:

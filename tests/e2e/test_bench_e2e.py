@@ -10,7 +10,7 @@ import asyncio
 import json
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv.bench import BenchConfig, ClusterTarget, Mode, run_bench
@@ -29,7 +29,7 @@ def report(cluster_file: Path):
                          output_tokens=48, think_time_s=300.0, time_scale=0.001)
 
     async def run():
-        transport = httpx.AsyncHTTPTransport()
+        transport = httpx2.AsyncHTTPTransport()
         try:
             return await run_bench(config, target=ClusterTarget(spec=spec, transport=transport))
         finally:

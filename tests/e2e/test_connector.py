@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv._wire.hints import (
@@ -57,12 +57,12 @@ def _system(topic: str) -> str:
 
 @dataclass
 class Pair:
-    client: httpx.Client
+    client: httpx2.Client
     p_url: str
     d_url: str
     model: str
 
-    def post(self, url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    def post(self, url: str, path: str, body: dict[str, Any]) -> httpx2.Response:
         return self.client.post(f"{url}{path}", json=body)
 
     def chat(
@@ -117,7 +117,7 @@ class Pair:
 @pytest.fixture(scope="module")
 def pair(local_cluster: ClusterRecord) -> Any:
     first = local_cluster.pairs[0]
-    with httpx.Client(timeout=300) as client:
+    with httpx2.Client(timeout=300) as client:
         yield Pair(client=client, p_url=first.prefill.url, d_url=first.decode.url,
                    model=local_cluster.model)
 
@@ -221,7 +221,7 @@ def _ideal(turn_tokens: int) -> int:
     return (turn_tokens - 1) // BLOCK * BLOCK
 
 
-def _release(pair: Pair, handle: dict[str, Any]) -> httpx.Response:
+def _release(pair: Pair, handle: dict[str, Any]) -> httpx2.Response:
     return pair.post(pair.d_url, RELEASE_PATH, LeaseRef.from_handle(handle).to_wire())
 
 

@@ -6,7 +6,7 @@ label set (bucket bounds and finish reasons included). Only values may differ.
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,10 +30,10 @@ def test_every_metric_of_the_fake_is_one_of_vllms_own(
     local_cluster: ClusterRecord, role: str
 ) -> None:
     pair = local_cluster.pairs[0]
-    real = _families(httpx.get(f"{getattr(pair, role).url}/metrics", timeout=10).text)
+    real = _families(httpx2.get(f"{getattr(pair, role).url}/metrics", timeout=10).text)
     fake = FakeCluster(pairs=1, model=local_cluster.model)
     server = fake.prefill(0) if role == "prefill" else fake.decode(0)
-    with httpx.Client(transport=fake.transport) as client:
+    with httpx2.Client(transport=fake.transport) as client:
         faked = _families(client.get(f"{server.url}/metrics").text)
     assert len(faked) > 20
     for name, family in faked.items():

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 
 import agentkv
@@ -117,7 +117,7 @@ def _langchain_model(cluster_file: Path, policy: CachePolicy, wiring: str) -> It
             )
 
             def read() -> Any:
-                response = httpx.get(
+                response = httpx2.get(
                     f"{server.url}/v1/sessions/langchain",
                     headers={"Authorization": "Bearer sk-test"},
                 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv.local._config import ClusterRecord
@@ -29,7 +29,7 @@ SYSTEM = "You are a terse assistant. " + " ".join(
 )
 
 
-def _chat(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+def _chat(client: httpx2.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
     response = client.post(f"{url}/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     data: dict[str, Any] = response.json()
@@ -37,7 +37,7 @@ def _chat(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any
 
 
 def _tokenize(
-    client: httpx.Client, url: str, messages: list[dict[str, str]], gen: bool
+    client: httpx2.Client, url: str, messages: list[dict[str, str]], gen: bool
 ) -> list[int]:
     response = client.post(
         f"{url}/tokenize",
@@ -59,7 +59,7 @@ def test_turn_two_prefill_pulls_the_turn_end_kv_back_from_decode(
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Which shelf holds parcel 3?"},
     ]
-    with httpx.Client(timeout=300) as client:
+    with httpx2.Client(timeout=300) as client:
         prompt = _tokenize(client, p_url, messages, gen=True)
         base = {"model": model, "messages": messages, "temperature": 0.0}
         p1 = _chat(

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
@@ -76,7 +76,7 @@ def _check(raw: Any) -> None:
 
 
 def test_models_say_the_local_pair_serves_tools_as_json(proxy: ProxyServer) -> None:
-    data = httpx.get(f"{proxy.url}/v1/models", timeout=60).json()
+    data = httpx2.get(f"{proxy.url}/v1/models", timeout=60).json()
     assert data["data"][0]["agentkv"]["tool_calling"] == "json"
 
 
@@ -275,7 +275,7 @@ def test_raw_request_with_conversation_id_and_vllm_only_fields(
         "return_token_ids": True,
         "user": "bench",
     }
-    with httpx.Client(base_url=proxy.url, timeout=600) as http:
+    with httpx2.Client(base_url=proxy.url, timeout=600) as http:
         first = http.post("/v1/chat/completions", json=body)
         assert first.status_code == 200, first.text
         assert first.headers["x-agentkv-session-id"] == "bench-conv-1"

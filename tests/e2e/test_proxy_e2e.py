@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
@@ -75,7 +75,7 @@ def _assert_reuse(usages: list[tuple[int, int, int]]) -> None:
 
 
 def _decode_kv_usage(local_cluster: ClusterRecord) -> float:
-    text = httpx.get(f"{local_cluster.pairs[0].decode.url}/metrics", timeout=10).text
+    text = httpx2.get(f"{local_cluster.pairs[0].decode.url}/metrics", timeout=10).text
     return sum(float(value) for value in USAGE.findall(text))
 
 
@@ -186,7 +186,7 @@ def test_forged_kv_transfer_params_get_400(proxy: ProxyServer, model: str) -> No
 
 
 def test_unknown_keys_get_401(proxy: ProxyServer) -> None:
-    response = httpx.post(
+    response = httpx2.post(
         f"{proxy.url}/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "Hi"}]},
         headers={"Authorization": "Bearer sk-mallory"},
@@ -252,11 +252,11 @@ def test_delete_closes_the_session(proxy: ProxyServer, model: str) -> None:
         extra_headers={"X-Session-ID": "delete-me"},
     )
     headers = {"Authorization": "Bearer sk-alice"}
-    session = httpx.get(f"{proxy.url}/v1/sessions/delete-me", headers=headers).json()
+    session = httpx2.get(f"{proxy.url}/v1/sessions/delete-me", headers=headers).json()
     assert session["handle"] is not None
-    response = httpx.delete(f"{proxy.url}/v1/sessions/delete-me", headers=headers)
+    response = httpx2.delete(f"{proxy.url}/v1/sessions/delete-me", headers=headers)
     assert response.status_code == 200
-    assert httpx.get(f"{proxy.url}/v1/sessions/delete-me", headers=headers).status_code == 404
+    assert httpx2.get(f"{proxy.url}/v1/sessions/delete-me", headers=headers).status_code == 404
     # The id starts over: no handle is left to send.
     history += [
         first.choices[0].message.model_dump(exclude_none=True),
@@ -270,7 +270,7 @@ def test_delete_closes_the_session(proxy: ProxyServer, model: str) -> None:
         extra_headers={"X-Session-ID": "delete-me"},
     )
     assert raw.headers["x-agentkv-handle"] == "none"
-    httpx.delete(f"{proxy.url}/v1/sessions/delete-me", headers=headers)
+    httpx2.delete(f"{proxy.url}/v1/sessions/delete-me", headers=headers)
 
 
 def test_delete_releases_the_decode_pin(
@@ -292,7 +292,7 @@ def test_delete_releases_the_decode_pin(
         extra_headers={"X-Session-ID": "release-me"},
     )
     pinned = _decode_kv_usage(local_cluster)
-    httpx.delete(
+    httpx2.delete(
         f"{proxy.url}/v1/sessions/release-me", headers={"Authorization": "Bearer sk-alice"}
     )
     assert _decode_kv_usage(local_cluster) < pinned

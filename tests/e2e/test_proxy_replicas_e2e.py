@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 from openai import OpenAI
 
@@ -62,7 +62,7 @@ def test_an_openai_client_alternating_two_replicas_keeps_the_ideal_reuse(
         assert response.usage.prompt_tokens_details is not None
         cached.append(response.usage.prompt_tokens_details.cached_tokens)
         messages.append(response.choices[0].message.model_dump(exclude_none=True))
-    turns = httpx.get(
+    turns = httpx2.get(
         f"{replicas[0].url}/v1/sessions/{session_id}",
         headers={"Authorization": f"Bearer {key}"},
     ).json()["turns"]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 
 import agentkv
@@ -110,7 +110,7 @@ def _assert_no_wrong_kv(cluster: ClusterRecord, turns: list[Turn]) -> None:
 
 
 def _block_size(url: str) -> int:
-    metrics = httpx.get(url + "/metrics", timeout=10).text
+    metrics = httpx2.get(url + "/metrics", timeout=10).text
     found = re.search(r'^vllm:cache_config_info\{[^}]*block_size="(\d+)"', metrics, re.MULTILINE)
     assert found is not None, "the server's /metrics has no cache_config_info"
     return int(found[1])

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 
 import agentkv
@@ -31,7 +31,7 @@ QUESTIONS = ("Which ship is at berth 4?", "When does it leave?", "Which berth is
 
 
 class Decode:
-    def __init__(self, client: httpx.Client, url: str, model: str) -> None:
+    def __init__(self, client: httpx2.Client, url: str, model: str) -> None:
         self.client, self.url, self.model = client, url, model
 
     def usage(self) -> float:
@@ -63,7 +63,7 @@ class Decode:
 @pytest.fixture(scope="module")
 def decode(local_cluster: ClusterRecord) -> Iterator[Decode]:
     url = local_cluster.pairs[0].decode.url
-    with httpx.Client(timeout=300) as client:
+    with httpx2.Client(timeout=300) as client:
         info = client.get(f"{url}/v1/agentkv/info")
         if info.status_code != 200 or not info.json().get("leases"):
             pytest.skip("the pair's decode runs without agentkv's extension")

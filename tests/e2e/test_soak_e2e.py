@@ -14,7 +14,7 @@ import re
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 
 import agentkv
@@ -31,7 +31,7 @@ SYSTEM = "You are a terse warehouse assistant.\n" + "\n".join(
 
 
 def _decode_usage(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = httpx2.get(f"{url}/metrics", timeout=30).text
     values = re.findall(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", text, re.M)
     return max(float(v) for v in values)
 

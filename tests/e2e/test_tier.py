@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv._wire.hints import INFO_PATH, RELEASE_PATH, LeaseRef, PersistHint
@@ -35,14 +35,14 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def pair(local_cluster: ClusterRecord) -> Any:
     first = local_cluster.pairs[0]
-    with httpx.Client(timeout=300) as client:
+    with httpx2.Client(timeout=300) as client:
         yield Pair(client=client, p_url=first.prefill.url, d_url=first.decode.url,
                    model=local_cluster.model)
 
 HOLD = PersistHint(ttl_s=300)
 
 
-def _persist(pair: Pair, handle: dict[str, Any]) -> httpx.Response:
+def _persist(pair: Pair, handle: dict[str, Any]) -> httpx2.Response:
     return pair.post(pair.d_url, PERSIST_PATH, LeaseRef.from_handle(handle).to_wire())
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 
 import agentkv
@@ -33,7 +33,7 @@ SHORT_PIN = CachePolicy(pin_ttl_s=4.0)
 
 def _tier_files(cluster: agentkv.Cluster, tier_id: str) -> list[Path]:
     decode = cluster.pairs[0].decode
-    info = httpx.get(f"{decode}{INFO_PATH}", timeout=30).json()
+    info = httpx2.get(f"{decode}{INFO_PATH}", timeout=30).json()
     return sorted(Path(TierUsage.from_wire(info["tier"]).dir).glob(f"{tier_id}.*"))
 
 

@@ -44,7 +44,7 @@ import secrets
 from collections.abc import Awaitable
 from typing import Any
 
-import httpx
+import httpx2
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -272,7 +272,7 @@ class ReplicaStore:
         return version
 
 
-class Recorder(httpx.AsyncBaseTransport):
+class Recorder(httpx2.AsyncBaseTransport):
     """A replica's transport to the fake: notes which P legs carry which decode handle, and
     can stall its P legs (the process stops mid-turn, its handle taken, its claim held)."""
 
@@ -285,7 +285,7 @@ class Recorder(httpx.AsyncBaseTransport):
         self.gate.set()
         self.stalled = 0  # P legs waiting at the gate now
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         if self._fake.server(str(request.url)).role == "prefill":
             if not self.gate.is_set() and request.url.path.endswith("completions"):
                 self.stalled += 1
@@ -319,8 +319,8 @@ class Replica:
         )
         self.app = create_app(self.cluster, ProxyConfig(), clock=machine.clock, store=self.store)
         self.registry = self.app.state.registry
-        self.http = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=self.app), base_url="http://proxy"
+        self.http = httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=self.app), base_url="http://proxy"
         )
 
     @property
@@ -333,7 +333,7 @@ class Replica:
         session stays checked out here, and claimed in the store."""
         return self.store.held > 0 or (self.paused and bool(self.registry._writes))
 
-    async def ask(self, messages: list[dict[str, str]], max_tokens: int) -> httpx.Response:
+    async def ask(self, messages: list[dict[str, str]], max_tokens: int) -> httpx2.Response:
         return await self.http.post(
             "/v1/chat/completions",
             json={"model": "fake-smollm2", "messages": messages, "max_tokens": max_tokens},
@@ -436,7 +436,7 @@ class ReplicaMachine(RuleBasedStateMachine):
         said = [*self.history, ("user", question)]
         return [{"role": role, "content": content} for role, content in said]
 
-    def _answered(self, response: httpx.Response) -> str | None:
+    def _answered(self, response: httpx2.Response) -> str | None:
         if response.status_code != 200:
             Counters.failed += 1
             return None
@@ -566,7 +566,7 @@ class ReplicaMachine(RuleBasedStateMachine):
         messages = self._messages(question)
         spans: list[str] = []
 
-        async def ask(replica: Replica) -> httpx.Response:
+        async def ask(replica: Replica) -> httpx2.Response:
             spans.append(replica.name)
             try:
                 return await replica.ask(messages, 24)

@@ -57,7 +57,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -126,7 +126,7 @@ class Tracked:
 ACTOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("fuzz_actor", default=None)
 
 
-def carried_handle(request: httpx.Request) -> tuple[str, str] | None:
+def carried_handle(request: httpx2.Request) -> tuple[str, str] | None:
     """The decode handle a P leg carries: ``(remote_engine_id, remote_request_id)``, else None."""
     if request.method != "POST" or not request.url.path.endswith("completions"):
         return None
@@ -142,7 +142,7 @@ def carried_handle(request: httpx.Request) -> tuple[str, str] | None:
     return str(params.get("remote_engine_id")), str(params["remote_request_id"])
 
 
-class AnswerHeld(httpx.AsyncBaseTransport):
+class AnswerHeld(httpx2.AsyncBaseTransport):
     """The fake's transport; while held, decode's answers wait (decode has finished).
 
     It also keeps what the checks need: the actor (``ACTOR``) of every request's start and end,
@@ -169,7 +169,7 @@ class AnswerHeld(httpx.AsyncBaseTransport):
             self._gate.set()
         self._gate = None
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         self.actors.append(ACTOR.get())
         server = self.fake.server(str(request.url))
         handle = carried_handle(request) if server.role == "prefill" else None

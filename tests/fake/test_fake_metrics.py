@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,8 +33,8 @@ def fake() -> FakeCluster:
     return fake
 
 
-def _scrape(fake: FakeCluster, url: str, **headers: str) -> httpx.Response:
-    with httpx.Client(transport=fake.transport) as client:
+def _scrape(fake: FakeCluster, url: str, **headers: str) -> httpx2.Response:
+    with httpx2.Client(transport=fake.transport) as client:
         response = client.get(url + "/metrics", headers=headers)
     assert response.status_code == 200
     return response

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv import (
@@ -32,13 +32,13 @@ FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0, jitter_s=0)
 CHAT = "/v1/chat/completions"
 
 
-class KillAfter(httpx.AsyncBaseTransport):
+class KillAfter(httpx2.AsyncBaseTransport):
     """Passes requests to the fake; kills ``victim`` right after ``server`` answers a chat request.
 
     That is a server dying in the middle of a turn, between its two legs.
     """
 
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
         self._inner = inner
         self.server: FakeServer | None = None
         self.victim: FakeServer | None = None
@@ -56,7 +56,7 @@ class KillAfter(httpx.AsyncBaseTransport):
         when its engine died under the request)."""
         self.cut, self.cut_kills, self.cut_reply = server, kill, reply
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         cut = self.cut
         if cut is not None and request.url.path == CHAT and str(request.url).startswith(cut.url):
             self.cut = None
@@ -65,9 +65,9 @@ class KillAfter(httpx.AsyncBaseTransport):
             if self.cut_reply == "500":
                 message = "EngineCore encountered an issue. See stack trace (above)."
                 error = {"message": message, "type": "InternalServerError", "code": 500}
-                return httpx.Response(500, json={"error": error}, request=request)
-            # What httpx raises when the server goes away before answering.
-            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+                return httpx2.Response(500, json={"error": error}, request=request)
+            # What httpx2 raises when the server goes away before answering.
+            raise httpx2.RemoteProtocolError("Server disconnected without sending a response.")
         response = await self._inner.handle_async_request(request)
         server, victim = self.server, self.victim
         if (

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
+import httpx2
 import openai
 import pytest
 
@@ -331,14 +331,14 @@ async def test_an_async_client_opened_from_a_cluster_file_closes_its_cluster(fak
         assert fake.decode(0).pinned_handles == 0
 
 
-class _Slow(httpx.AsyncBaseTransport):
+class _Slow(httpx2.AsyncBaseTransport):
     """The fake's transport, each request held back while ``slow`` is set."""
 
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
         self._inner = inner
         self.slow = False
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         if self.slow:
             await asyncio.sleep(1.0)
         return await self._inner.handle_async_request(request)

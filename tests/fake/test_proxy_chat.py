@@ -1,11 +1,11 @@
 """Chat completions through the proxy against the fake pair: reuse, forks, echoes, streams, errors.
 
-The proxy runs in-process behind httpx's ASGI transport; clients are the real ``openai`` SDK.
+The proxy runs in-process behind httpx2's ASGI transport; clients are the real ``openai`` SDK.
 """
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
@@ -32,8 +32,8 @@ def app(cluster):
 
 @pytest.fixture
 async def http(app):
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
+    async with httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=app),
         base_url="http://proxy",
         headers={"Authorization": "Bearer sk-test"},
     ) as client:
@@ -262,8 +262,8 @@ async def test_a_forged_stream_gets_a_json_400_not_an_event_stream(http):
 
 async def test_oversized_bodies_get_413(cluster):
     app = create_app(cluster, ProxyConfig(max_body_bytes=2048))
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://proxy"
+    async with httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=app), base_url="http://proxy"
     ) as client:
         body = {"messages": [{"role": "user", "content": "x" * 4096}]}
         response = await client.post("/v1/chat/completions", json=body)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv import ConfigError
@@ -89,9 +89,9 @@ def test_the_command_serves_until_terminated(tmp_path):
             deadline = time.monotonic() + 30
             while True:
                 try:
-                    if httpx.get(f"{url}/healthz").status_code == 200:
+                    if httpx2.get(f"{url}/healthz").status_code == 200:
                         break
-                except httpx.TransportError:
+                except httpx2.TransportError:
                     pass
                 assert process.poll() is None, process.stdout.read()
                 assert time.monotonic() < deadline, "the proxy did not start"
@@ -101,7 +101,7 @@ def test_the_command_serves_until_terminated(tmp_path):
                 {"role": "user", "content": "Hi"},
             ]
             for turn in range(2):
-                response = httpx.post(
+                response = httpx2.post(
                     f"{url}/v1/chat/completions",
                     json={"messages": messages, "max_tokens": 8},
                     headers={"X-Session-ID": "cli"},

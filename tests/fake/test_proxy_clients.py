@@ -5,7 +5,7 @@ The proxy runs on uvicorn on an ephemeral 127.0.0.1 port, in front of the fake p
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.tools import tool
@@ -35,7 +35,7 @@ def server(fake):
 
 
 def _session_turns(server, session_id, key="sk-test"):
-    response = httpx.get(
+    response = httpx2.get(
         f"{server.url}/v1/sessions/{session_id}", headers={"Authorization": f"Bearer {key}"}
     )
     response.raise_for_status()

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 from openai import OpenAI
 
@@ -60,9 +60,9 @@ class _Replica:
         while time.monotonic() < deadline:
             assert self.process.poll() is None, "the proxy exited while starting"
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                if httpx2.get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return
-            except httpx.TransportError:
+            except httpx2.TransportError:
                 pass
             time.sleep(0.1)
         pytest.fail("the proxy did not become ready")
@@ -117,19 +117,19 @@ def test_a_replica_killed_by_pid_mid_conversation_loses_nothing(replicas):
     # answer; a replica killed before it lands loses that turn's reuse, which
     # test_proxy_replicas.py tests. On a loaded machine SIGKILL could otherwise beat it.)
     deadline = time.monotonic() + 10
-    while len(httpx.get(f"{b.url}/v1/sessions/killed", headers=AUTH).json()["turns"]) < 3:
+    while len(httpx2.get(f"{b.url}/v1/sessions/killed", headers=AUTH).json()["turns"]) < 3:
         assert time.monotonic() < deadline, "replica A's third turn never reached the store"
         time.sleep(0.01)
     a.stop(signal.SIGKILL)
     ask(b, QUESTIONS[3])
     ask(b, QUESTIONS[4])
-    session = httpx.get(f"{b.url}/v1/sessions/killed", headers=AUTH).json()
+    session = httpx2.get(f"{b.url}/v1/sessions/killed", headers=AUTH).json()
     turns = session["turns"]
     assert len(turns) == len(QUESTIONS)
     assert [t["handle_state"] for t in turns] == ["none"] + ["attached"] * (len(turns) - 1)
     for turn in turns[1:]:
         assert turn["reused_tokens"] == turn["ideal_reused_tokens"], turn
-    metrics = httpx.get(f"{b.url}/metrics").text
+    metrics = httpx2.get(f"{b.url}/metrics").text
     forks = [line for line in metrics.splitlines() if line.startswith("agentkv_proxy_forks_total")]
     assert forks == ["agentkv_proxy_forks_total 0.0"]  # never incremented: no fork
     assert fake.wrong_reuse_events == 0

@@ -11,7 +11,7 @@ import collections
 import socket
 import time
 
-import httpx
+import httpx2
 import pytest
 from openai import AsyncOpenAI
 
@@ -31,7 +31,7 @@ def fake(clock):
     return FakeCluster(pairs=2, clock=clock, kv_recompute_threshold=1)
 
 
-class SlowTransport(httpx.AsyncBaseTransport):
+class SlowTransport(httpx2.AsyncBaseTransport):
     """The fake's transport with a pause before each request: turns that take a while, so
     that requests on two replicas really overlap."""
 
@@ -44,7 +44,7 @@ class SlowTransport(httpx.AsyncBaseTransport):
         return await self._inner.handle_async_request(request)
 
 
-class CountingTransport(httpx.AsyncBaseTransport):
+class CountingTransport(httpx2.AsyncBaseTransport):
     """The fake's transport, counting the requests this replica sends by path."""
 
     def __init__(self, inner):
@@ -65,8 +65,8 @@ class Replica:
         self.cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=self.sent, clock=clock)
         self.store = store or RedisSessions.from_url(redis_url, lease_s=5.0)
         self.app = create_app(self.cluster, ProxyConfig(**config), clock=clock, store=self.store)
-        self.http = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=self.app), base_url="http://proxy"
+        self.http = httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=self.app), base_url="http://proxy"
         )
 
     def openai(self, session_id):
@@ -409,7 +409,8 @@ async def test_server_timing_says_what_the_shared_store_took(replicas, fake, clo
         assert 0 < timing["store"] <= timing["proxy"]
     cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport, clock=clock)
     app = create_app(cluster, ProxyConfig(), clock=clock)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
+    transport = httpx2.ASGITransport(app=app)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://p") as c:
         alone = await c.post(
             "/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv import AsyncCluster
@@ -26,14 +26,14 @@ def test_the_server_answers_once_entered_and_closes_its_cluster_on_exit():
         return made[0]
 
     with ProxyServer(make) as server:
-        assert httpx.get(f"{server.url}/healthz").status_code == 200
+        assert httpx2.get(f"{server.url}/healthz").status_code == 200
         # The app's state lives on the server's loop: call() runs there.
         assert server.call(lambda: threading.current_thread().name) == "agentkv-proxy"
         assert server.call(made[0].check_health) == {"pair-0": True}
     assert made[0].closed
     assert _proxy_threads() == []
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{server.url}/healthz")
+    with pytest.raises(httpx2.ConnectError):
+        httpx2.get(f"{server.url}/healthz")
 
 
 def test_a_cluster_that_cannot_be_made_fails_the_start_and_leaves_no_thread():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv import AsyncCluster
@@ -35,10 +35,10 @@ def _prefill(cluster, fake, headers):
     return fake.server(pair.prefill)
 
 
-def _client(app, key: str | None = None) -> httpx.AsyncClient:
+def _client(app, key: str | None = None) -> httpx2.AsyncClient:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://proxy", headers=headers
+    return httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=app), base_url="http://proxy", headers=headers
     )
 
 
@@ -228,7 +228,7 @@ async def test_a_stream_the_client_abandons_commits_nothing_and_frees_the_sessio
     async with _client(app, "k") as client:
         await _turn(client, "abandon", history)
     history.append({"role": "user", "content": "Tell me a story"})
-    body = httpx.Request(
+    body = httpx2.Request(
         "POST",
         "http://proxy/v1/chat/completions",
         json={"messages": history, "stream": True, "max_tokens": 64},

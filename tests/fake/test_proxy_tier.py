@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv import AsyncCluster, HandleState
@@ -25,9 +25,9 @@ async def cluster(fake):
         yield cluster
 
 
-def _client(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
+def _client(app) -> httpx2.AsyncClient:
+    return httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=app),
         base_url="http://proxy",
         headers={"Authorization": "Bearer k"},
     )

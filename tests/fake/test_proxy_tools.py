@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
+import httpx2
 import pytest
 from openai import AsyncOpenAI
 
@@ -44,8 +44,8 @@ def fake(request):
 async def client(fake):
     async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
         app = create_app(cluster, ProxyConfig())
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://proxy"
+        async with httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=app), base_url="http://proxy"
         ) as http:
             yield AsyncOpenAI(base_url="http://proxy/v1", api_key="k", http_client=http)
 

@@ -8,7 +8,7 @@ copy of it; ``tests/unit/test_connector_policy.py`` tests that code on vLLM's sc
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 from structlog.testing import capture_logs
 
@@ -321,7 +321,7 @@ def test_a_dead_decode_does_not_make_close_fail(cluster, fake):
 
 def test_another_sessions_handle_cannot_be_released_or_extended(cluster, fake):
     decode = fake.decode(0)
-    client = httpx.Client(transport=fake.transport)
+    client = httpx2.Client(transport=fake.transport)
     with cluster.session(**LONG) as a, cluster.session(**LONG) as b:
         for s in (a, b):
             s.append(SYSTEM)

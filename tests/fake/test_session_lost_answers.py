@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv import AsyncCluster, Cluster, Message, RetryPolicy
@@ -111,7 +111,7 @@ async def test_an_async_stream_left_or_a_turn_cancelled_leaves_no_pin(fake, cloc
         assert fake.decode(0).pinned_handles == 0
 
 
-class AnswerHeld(httpx.AsyncBaseTransport):
+class AnswerHeld(httpx2.AsyncBaseTransport):
     """Decode answers, but its answer never reaches the client while ``hold`` is set."""
 
     def __init__(self, fake: FakeCluster) -> None:
@@ -120,7 +120,7 @@ class AnswerHeld(httpx.AsyncBaseTransport):
         self.hold = False
         self.held = asyncio.Event()
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         response = await self.inner.handle_async_request(request)
         decode = self.fake.server(str(request.url)).role == "decode"
         if self.hold and decode and request.url.path.endswith("/completions"):

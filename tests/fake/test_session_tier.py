@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
+import httpx2
 import pytest
 from structlog.testing import capture_logs
 
@@ -180,7 +180,7 @@ def test_a_failed_write_keeps_the_pin(clock):
 
 
 def test_the_routes_answer_as_the_connector_does(fake):
-    client = httpx.Client(transport=fake.transport)
+    client = httpx2.Client(transport=fake.transport)
     url = fake.decode(0).url
     unknown = {"remote_request_id": "x", "remote_block_ids": [[1]], "lease": "0" * 32}
     assert client.post(url + PERSIST_PATH, json=unknown).status_code == 404
@@ -193,7 +193,7 @@ def test_the_routes_answer_as_the_connector_does(fake):
     assert info["tier"]["entries"] == 0
     assert info["tier"]["budget_bytes"] == 4 << 30
     no_tier = FakeCluster(pairs=1)
-    answer = httpx.Client(transport=no_tier.transport).post(
+    answer = httpx2.Client(transport=no_tier.transport).post(
         no_tier.decode(0).url + TIER_DELETE_PATH, json={"id": "f" * 32, "secret": "a" * 22}
     )
     assert (answer.status_code, answer.json()["error"]["code"]) == (501, "tier_unavailable")
@@ -216,7 +216,7 @@ def test_only_the_persisting_session_holds_the_secret_and_prefill_never_sees_it(
 
 
 def test_a_delete_with_a_wrong_secret_is_refused_as_unknown_and_keeps_the_entry(cluster, fake):
-    client = httpx.Client(transport=fake.transport)
+    client = httpx2.Client(transport=fake.transport)
     url = fake.decode(0).url + TIER_DELETE_PATH
     with capture_logs() as logs, cluster.session(**LONG) as s:
         s.append(SYSTEM)
@@ -248,7 +248,7 @@ def test_an_expired_entry_is_recomputed_and_removed(cluster, fake, clock):
 
 
 def test_a_bad_ttl_is_a_400_and_the_pin_is_kept(cluster, fake):
-    client = httpx.Client(transport=fake.transport)
+    client = httpx2.Client(transport=fake.transport)
     with cluster.session(**LONG) as s:
         s.append(SYSTEM)
         s.send(QUESTIONS[0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
+import httpx2
 
 from agentkv import AsyncCluster, Message, RetryPolicy
 from agentkv.testing import FakeCluster, ManualClock
@@ -12,13 +12,13 @@ from agentkv.testing import FakeCluster, ManualClock
 RENDER_S = 0.2
 
 
-class SlowTokenizer(httpx.AsyncBaseTransport):
+class SlowTokenizer(httpx2.AsyncBaseTransport):
     """The server's /tokenize (the prompt's rendering) takes ``RENDER_S``."""
 
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
         self.inner = inner
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         if request.url.path.endswith("/tokenize"):
             await asyncio.sleep(RENDER_S)
         return await self.inner.handle_async_request(request)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
+import httpx2
 import pytest
 from openai import AsyncOpenAI
 from structlog.testing import capture_logs
@@ -56,7 +56,7 @@ async def _decode_body(fake: FakeCluster, stop: object, *, include: bool = False
         "kv_transfer_params": {"do_remote_decode": False, "do_remote_prefill": False},
     }
     url = fake.cluster_spec["pairs"][0]["decode"] + "/v1/chat/completions"
-    async with httpx.AsyncClient(transport=fake.transport) as client:
+    async with httpx2.AsyncClient(transport=fake.transport) as client:
         return (await client.post(url, json=body)).json()
 
 
@@ -93,7 +93,7 @@ async def test_the_fake_streams_with_a_stop_buffer_and_no_handle():
         "stop": [stop],
         "kv_transfer_params": {"do_remote_decode": False, "do_remote_prefill": False},
     }
-    async with httpx.AsyncClient(transport=fake.transport) as client:
+    async with httpx2.AsyncClient(transport=fake.transport) as client:
         events = (await client.post(url, json=body)).text.split("\n\n")
     chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
@@ -163,8 +163,8 @@ async def test_a_react_loop_with_a_stop_string_works_through_the_proxy(stream):
     fake = _fake()
     async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
         app = create_app(cluster, ProxyConfig())
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://proxy"
+        async with httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=app), base_url="http://proxy"
         ) as http:
             client = AsyncOpenAI(base_url="http://proxy/v1", api_key="k", http_client=http)
             messages = [

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import json
 
-import httpx
+import httpx2
 
 from agentkv.bench._legs import LegRewriter
 
@@ -14,7 +14,7 @@ P = "http://p.test:8000"
 D = "http://d.test:8001"
 
 
-class Recorder(httpx.AsyncBaseTransport):
+class Recorder(httpx2.AsyncBaseTransport):
     def __init__(self):
         self.bodies = []
         self.closed = False
@@ -23,7 +23,7 @@ class Recorder(httpx.AsyncBaseTransport):
         content = await request.aread()
         assert int(request.headers.get("content-length", 0)) == len(content)
         self.bodies.append((str(request.url), json.loads(content) if content else None))
-        return httpx.Response(200, json={"ok": True})
+        return httpx2.Response(200, json={"ok": True})
 
     async def aclose(self):
         self.closed = True
@@ -31,7 +31,7 @@ class Recorder(httpx.AsyncBaseTransport):
 
 def run(rewriter, *requests):
     async def send():
-        async with httpx.AsyncClient(transport=rewriter) as client:
+        async with httpx2.AsyncClient(transport=rewriter) as client:
             for method, url, body in requests:
                 await client.request(method, url, json=body)
 
@@ -104,11 +104,11 @@ def test_server_cache_info_is_read_from_vllm_metrics_and_absent_otherwise():
 
     def answer(request):
         if request.url.host == "down.test":
-            raise httpx.ConnectError("refused", request=request)
-        return httpx.Response(200, text=metrics if request.url.host == "p.test" else "")
+            raise httpx2.ConnectError("refused", request=request)
+        return httpx2.Response(200, text=metrics if request.url.host == "p.test" else "")
 
     async def read(url):
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        async with httpx2.AsyncClient(transport=httpx2.MockTransport(answer)) as client:
             return await server_cache(client, url)
 
     assert asyncio.run(read(P)) == {

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from fastapi import FastAPI
 
@@ -90,12 +90,13 @@ class EngineClient:
     engine_core: Core
 
 
-async def _client(core: Core) -> AsyncIterator[httpx.AsyncClient]:
+async def _client(core: Core) -> AsyncIterator[httpx2.AsyncClient]:
     app = FastAPI()
     plugin = AgentKVEndpointPlugin()
     plugin.attach_router(app)
     await plugin.init_state(EngineClient(core), app.state, Namespace())
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as c:
+    transport = httpx2.ASGITransport(app=app)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://d") as c:
         yield c
 
 
@@ -110,19 +111,19 @@ def engine(clock: Clock) -> Engine:
 
 
 @pytest.fixture
-async def client(engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
+async def client(engine: Engine) -> AsyncIterator[httpx2.AsyncClient]:
     async for c in _client(Core([engine])):
         yield c
 
 
-async def test_info_says_leases_are_served(client: httpx.AsyncClient) -> None:
+async def test_info_says_leases_are_served(client: httpx2.AsyncClient) -> None:
     info = ServerInfo.from_wire((await client.get(INFO_PATH)).json())
     assert info == ServerInfo(leases=True, stream_handles=False, default_ttl_s=480.0,
                               max_ttl_s=600.0)
 
 
 async def test_release_frees_at_the_next_step_and_only_once(
-    client: httpx.AsyncClient, engine: Engine
+    client: httpx2.AsyncClient, engine: Engine
 ) -> None:
     ref = engine.pin("req-1")
     response = await client.post(RELEASE_PATH, json=ref.to_wire())
@@ -135,7 +136,7 @@ async def test_release_frees_at_the_next_step_and_only_once(
 
 
 async def test_someone_elses_or_a_guessed_handle_is_refused(
-    client: httpx.AsyncClient, engine: Engine
+    client: httpx2.AsyncClient, engine: Engine
 ) -> None:
     mine, theirs = engine.pin("req-mine"), engine.pin("req-theirs")
     forged = [
@@ -150,7 +151,7 @@ async def test_someone_elses_or_a_guessed_handle_is_refused(
 
 
 async def test_extend_answers_the_new_deadline(
-    client: httpx.AsyncClient, engine: Engine, clock: Clock
+    client: httpx2.AsyncClient, engine: Engine, clock: Clock
 ) -> None:
     ref = engine.pin("req-1")
     clock.now += 50
@@ -161,7 +162,7 @@ async def test_extend_answers_the_new_deadline(
 
 
 async def test_claim_answers_a_new_secret_and_voids_the_old_one(
-    client: httpx.AsyncClient, engine: Engine, clock: Clock
+    client: httpx2.AsyncClient, engine: Engine, clock: Clock
 ) -> None:
     ref = engine.pin("req-1")
     clock.now += 50
@@ -181,7 +182,7 @@ async def test_claim_answers_a_new_secret_and_voids_the_old_one(
 
 
 async def test_an_expired_lease_answers_410(
-    client: httpx.AsyncClient, engine: Engine, clock: Clock
+    client: httpx2.AsyncClient, engine: Engine, clock: Clock
 ) -> None:
     ref = engine.pin("req-1")
     clock.now += 61
@@ -192,7 +193,7 @@ async def test_an_expired_lease_answers_410(
 
 @pytest.mark.parametrize("body", [None, [], {"remote_request_id": "r"},
                                   {"remote_request_id": "r", "remote_block_ids": [[1]]}])
-async def test_a_malformed_body_answers_400(client: httpx.AsyncClient, body: object) -> None:
+async def test_a_malformed_body_answers_400(client: httpx2.AsyncClient, body: object) -> None:
     response = await client.post(RELEASE_PATH, json=body)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_request"
@@ -220,7 +221,7 @@ async def test_a_stock_connector_answers_501_and_info_says_no_leases(clock: Cloc
 
 
 async def test_persist_without_a_tier_answers_501_tier_unavailable(
-    client: httpx.AsyncClient, engine: Engine
+    client: httpx2.AsyncClient, engine: Engine
 ) -> None:
     """The fake connector has no ``agentkv_tier_op`` at all: a connector without a tier method
     is not agentkv's (leases_unavailable); agentkv's without a tier dir says tier_unavailable."""
@@ -241,7 +242,7 @@ async def test_persist_without_a_tier_answers_501_tier_unavailable(
 
 
 async def test_a_failed_persist_answers_500_and_names_the_cause(
-    client: httpx.AsyncClient, engine: Engine
+    client: httpx2.AsyncClient, engine: Engine
 ) -> None:
     from agentkv._wire.tier import PERSIST_PATH
 

@@ -85,6 +85,6 @@ def test_every_third_party_import_of_agentkv_is_declared() -> None:
 def test_the_check_sees_the_imports_it_guards() -> None:
     """The walk finds the HTTP stacks' imports (a check that found nothing would pass)."""
     modules = imported()
-    assert {"httpx", "aiohttp", "openai"} <= modules.keys()
+    assert {"httpx2", "aiohttp", "openai"} <= modules.keys()
     assert "asyncio" not in modules
-    assert {"httpx", "aiohttp", "orjson"} <= declared()
+    assert {"httpx2", "aiohttp", "orjson"} <= declared()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 
 from agentkv._wire.hints import INFO_PATH, ServerInfo
 from agentkv._wire.lease_calls import RECHECK_UNSUPPORTED_S, LeaseCalls
@@ -17,12 +17,12 @@ class Server:
         self.extension = False
         self.asked = 0
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
+    def __call__(self, request: httpx2.Request) -> httpx2.Response:
         assert request.url.path == INFO_PATH
         self.asked += 1
         if not self.extension:
-            return httpx.Response(404, json={"detail": "Not Found"})
-        return httpx.Response(200, json=ServerInfo(leases=True, stream_handles=True).to_wire())
+            return httpx2.Response(404, json={"detail": "Not Found"})
+        return httpx2.Response(200, json=ServerInfo(leases=True, stream_handles=True).to_wire())
 
 
 class Clock:
@@ -34,7 +34,7 @@ class Clock:
 
 async def test_a_no_is_asked_again_after_a_while_so_a_restarted_decode_is_found() -> None:
     server, clock = Server(), Clock()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as client:
+    async with httpx2.AsyncClient(transport=httpx2.MockTransport(server)) as client:
         calls = LeaseCalls(client, clock=clock)
         assert await calls.supported(DECODE) is False
         assert await calls.supported(DECODE) is False
@@ -51,7 +51,7 @@ async def test_a_no_is_asked_again_after_a_while_so_a_restarted_decode_is_found(
 async def test_a_decode_marked_down_is_asked_again_when_back() -> None:
     server, clock = Server(), Clock()
     server.extension = True
-    async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as client:
+    async with httpx2.AsyncClient(transport=httpx2.MockTransport(server)) as client:
         calls = LeaseCalls(client, clock=clock)
         assert await calls.supported(DECODE) is True
         server.extension = False  # came back as stock vLLM

@@ -3,7 +3,7 @@ the request, the response and its headers (``retry-after``, ``x-request-id``).""
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv import BadRequestError, ServerError
@@ -11,11 +11,11 @@ from agentkv._wire.http import post_json
 from agentkv.proxy._errors import ProxyError
 
 
-def _answering(status: int, headers: dict[str, str]) -> httpx.AsyncClient:
-    def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, headers=headers, json={"error": {"message": "busy now"}})
+def _answering(status: int, headers: dict[str, str]) -> httpx2.AsyncClient:
+    def handle(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(status, headers=headers, json={"error": {"message": "busy now"}})
 
-    return httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    return httpx2.AsyncClient(transport=httpx2.MockTransport(handle))
 
 
 async def test_a_status_error_carries_the_request_and_the_response():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
+import httpx2
 import pytest
 from chatml_toy import (
     IM_END,
@@ -213,11 +213,11 @@ async def test_tools_change_the_rendered_prefix_not_the_delta():
 async def test_server_renderer_posts_vllm_tokenize_chat_shape():
     seen = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(request: httpx2.Request) -> httpx2.Response:
         seen.append((request.url.path, json.loads(request.content)))
-        return httpx.Response(200, json={"count": 3, "max_model_len": 8192, "tokens": [1, 2, 3]})
+        return httpx2.Response(200, json={"count": 3, "max_model_len": 8192, "tokens": [1, 2, 3]})
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+    async with httpx2.AsyncClient(transport=httpx2.MockTransport(handler)) as client:
         renderer = ServerRenderer(client, "http://p:8000/", model="m")
         assert await renderer.render([USER], tools=TOOLS, add_generation_prompt=True) == [1, 2, 3]
     path, body = seen[0]
@@ -235,8 +235,8 @@ async def test_server_renderer_posts_vllm_tokenize_chat_shape():
     "answer", [{"tokens": "nope"}, {"count": 1}, {"tokens": [1, "2"]}, [1, 2], {"tokens": [True]}]
 )
 async def test_server_renderer_rejects_malformed_answers(answer):
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=answer))
-    async with httpx.AsyncClient(transport=transport) as client:
+    transport = httpx2.MockTransport(lambda request: httpx2.Response(200, json=answer))
+    async with httpx2.AsyncClient(transport=transport) as client:
         renderer = ServerRenderer(client, "http://p:8000", model="m")
         with pytest.raises(MalformedResponseError):
             await renderer.render([USER], tools=None, add_generation_prompt=True)

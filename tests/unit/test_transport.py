@@ -1,4 +1,4 @@
-"""The cluster's default transport (httpx on aiohttp's public client) against real sockets on
+"""The cluster's default transport (httpx2 on aiohttp's public client) against real sockets on
 127.0.0.1: limits, keep-alive, timeouts, errors, streaming.
 
 Each test's server speaks raw bytes, so the cases a real server rarely shows on demand (a close
@@ -15,7 +15,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv import AsyncCluster
@@ -31,7 +31,7 @@ from agentkv._wire.transport import ClusterClient, ServerPools
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 """Serves one connection."""
-LIMITS = httpx.Limits(max_connections=8, max_keepalive_connections=8, keepalive_expiry=30.0)
+LIMITS = httpx2.Limits(max_connections=8, max_keepalive_connections=8, keepalive_expiry=30.0)
 
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
@@ -89,8 +89,8 @@ class Scripted:
 
 
 @pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=ServerPools(LIMITS), timeout=5.0) as c:
+async def client() -> AsyncIterator[httpx2.AsyncClient]:
+    async with httpx2.AsyncClient(transport=ServerPools(LIMITS), timeout=5.0) as c:
         yield c
 
 
@@ -129,7 +129,7 @@ async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
 
 
 async def test_each_server_gets_its_own_pool_and_connections_are_reused(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
 ) -> None:
     a, b = Scripted(answer_port), Scripted(answer_port)
     async with a as url_a, b as url_b:
@@ -142,22 +142,22 @@ async def test_each_server_gets_its_own_pool_and_connections_are_reused(
 
 async def test_limits_apply_to_each_server_not_to_all() -> None:
     """With one connection allowed, a busy server does not hold up a request to another."""
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    limits = httpx2.Limits(max_connections=1, max_keepalive_connections=1)
     async with (
         Scripted(held) as busy,
         Scripted(keep_alive) as free,
-        httpx.AsyncClient(
-            transport=ServerPools(limits), timeout=httpx.Timeout(5.0, pool=0.2)
+        httpx2.AsyncClient(
+            transport=ServerPools(limits), timeout=httpx2.Timeout(5.0, pool=0.2)
         ) as client,
         client.stream("POST", busy + "/x", content=b"{}"),
     ):
         assert (await client.post(free + "/x", content=b"other")).content == b"other"
-        with pytest.raises(httpx.PoolTimeout):
+        with pytest.raises(httpx2.PoolTimeout):
             await client.post(busy + "/x", content=b"same")
 
 
 async def test_a_connection_the_server_closed_while_idle_is_not_reused(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
 ) -> None:
     async def answer_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Close while the client keeps the connection as idle: what a server's keep-alive
@@ -184,8 +184,8 @@ async def test_concurrent_requests_open_parallel_connections_within_the_limit() 
             await writer.drain()
 
     server = Scripted(slow_echo)
-    limits = httpx.Limits(max_connections=2, max_keepalive_connections=2)
-    async with server as url, httpx.AsyncClient(transport=ServerPools(limits)) as client:
+    limits = httpx2.Limits(max_connections=2, max_keepalive_connections=2)
+    async with server as url, httpx2.AsyncClient(transport=ServerPools(limits)) as client:
         answers = await asyncio.gather(
             *(client.post(url + "/x", content=b"%d" % i) for i in range(10))
         )
@@ -205,8 +205,8 @@ async def test_idle_connections_are_kept_up_to_the_limit_and_reused() -> None:
             await writer.drain()
 
     server = Scripted(slow_echo)
-    limits = httpx.Limits(max_connections=3, max_keepalive_connections=1)
-    async with server as url, httpx.AsyncClient(transport=ServerPools(limits)) as client:
+    limits = httpx2.Limits(max_connections=3, max_keepalive_connections=1)
+    async with server as url, httpx2.AsyncClient(transport=ServerPools(limits)) as client:
         for _ in range(2):
             await asyncio.gather(*(client.post(url + "/x", content=b"x") for _ in range(4)))
     assert server.connections == 3
@@ -217,10 +217,10 @@ async def test_a_cancelled_request_frees_its_place_under_the_limit() -> None:
         await read_request(reader)
         await asyncio.sleep(10)
 
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    limits = httpx2.Limits(max_connections=1, max_keepalive_connections=1)
     async with (
         Scripted(stall, keep_alive) as url,
-        httpx.AsyncClient(transport=ServerPools(limits), timeout=5.0) as client,
+        httpx2.AsyncClient(transport=ServerPools(limits), timeout=5.0) as client,
     ):
         stuck = asyncio.create_task(client.post(url + "/x", content=b"1"))
         await asyncio.sleep(0.1)
@@ -234,13 +234,13 @@ async def test_a_cancelled_request_frees_its_place_under_the_limit() -> None:
 async def test_waiting_for_a_connection_past_the_pool_timeout_fails() -> None:
     async with (
         Scripted(held, keep_alive) as url,
-        httpx.AsyncClient(
-            transport=ServerPools(httpx.Limits(max_connections=1)),
-            timeout=httpx.Timeout(5.0, pool=0.1),
+        httpx2.AsyncClient(
+            transport=ServerPools(httpx2.Limits(max_connections=1)),
+            timeout=httpx2.Timeout(5.0, pool=0.1),
         ) as client,
     ):
         async with client.stream("POST", url + "/x", content=b"held"):
-            with pytest.raises(httpx.PoolTimeout):
+            with pytest.raises(httpx2.PoolTimeout):
                 await client.post(url + "/x", content=b"waits")
         response = await client.post(url + "/x", content=b"now")  # the place is free again
         assert response.content == b"now"
@@ -248,8 +248,8 @@ async def test_waiting_for_a_connection_past_the_pool_timeout_fails() -> None:
 
 async def test_an_idle_connection_past_its_keepalive_expiry_is_not_reused() -> None:
     server = Scripted(keep_alive)
-    limits = httpx.Limits(max_keepalive_connections=4, keepalive_expiry=0.1)
-    async with server as url, httpx.AsyncClient(transport=ServerPools(limits)) as client:
+    limits = httpx2.Limits(max_keepalive_connections=4, keepalive_expiry=0.1)
+    async with server as url, httpx2.AsyncClient(transport=ServerPools(limits)) as client:
         await client.post(url + "/x", content=b"1")
         await client.post(url + "/x", content=b"2")  # reused: within the expiry
         await asyncio.sleep(0.2)
@@ -258,7 +258,7 @@ async def test_an_idle_connection_past_its_keepalive_expiry_is_not_reused() -> N
 
 
 async def test_stray_bytes_after_an_answer_do_not_reach_the_next_request(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
 ) -> None:
     async def chatty(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -277,8 +277,8 @@ async def test_a_closed_transport_opens_no_connection() -> None:
     async with server as url:
         transport = ServerPools(LIMITS)
         await transport.aclose()
-        request = httpx.Request("POST", url + "/x", content=b"{}")
-        with pytest.raises(httpx.ConnectError, match="closed"):
+        request = httpx2.Request("POST", url + "/x", content=b"{}")
+        with pytest.raises(httpx2.ConnectError, match="closed"):
             await transport.handle_async_request(request)
     assert server.connections == 0
 
@@ -286,7 +286,7 @@ async def test_a_closed_transport_opens_no_connection() -> None:
 # --- bodies ------------------------------------------------------------------------------------
 
 
-async def test_a_streamed_response_arrives_piece_by_piece(client: httpx.AsyncClient) -> None:
+async def test_a_streamed_response_arrives_piece_by_piece(client: httpx2.AsyncClient) -> None:
     """Each server-sent event reaches the reader before the server has sent the next."""
     sent = asyncio.Event()
 
@@ -310,7 +310,7 @@ async def test_a_streamed_response_arrives_piece_by_piece(client: httpx.AsyncCli
 
 
 async def test_a_body_larger_than_the_read_buffer_arrives_whole_to_a_slow_reader(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
 ) -> None:
     """Reading pauses while the reader is behind, and resumes as it drains."""
     body = bytes(range(256)) * (3 * 4096)  # 3 MiB
@@ -334,7 +334,7 @@ async def test_a_body_larger_than_the_read_buffer_arrives_whole_to_a_slow_reader
 
 
 async def test_a_body_ended_by_the_servers_close_is_whole_and_not_reused(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
 ) -> None:
     async def until_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -351,7 +351,7 @@ async def test_a_body_ended_by_the_servers_close_is_whole_and_not_reused(
 
 
 async def test_closing_a_stream_early_does_not_reuse_its_connection(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
 ) -> None:
     """A half-read response leaves bytes on the wire: the next request gets a new connection."""
 
@@ -373,11 +373,11 @@ async def test_closing_a_stream_early_does_not_reuse_its_connection(
 
 async def test_closing_a_stream_early_frees_its_place_under_the_limit() -> None:
     """An abandoned stream (an agent stopping a streamed turn) does not hold a connection."""
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    limits = httpx2.Limits(max_connections=1, max_keepalive_connections=1)
     async with (
         Scripted(held, keep_alive) as url,
-        httpx.AsyncClient(
-            transport=ServerPools(limits), timeout=httpx.Timeout(5.0, pool=0.5)
+        httpx2.AsyncClient(
+            transport=ServerPools(limits), timeout=httpx2.Timeout(5.0, pool=0.5)
         ) as client,
     ):
         async with client.stream("POST", url + "/x", content=b"{}") as response:
@@ -386,7 +386,7 @@ async def test_closing_a_stream_early_frees_its_place_under_the_limit() -> None:
         assert (await client.post(url + "/x", content=b"next")).content == b"next"
 
 
-async def test_an_interim_100_is_skipped(client: httpx.AsyncClient) -> None:
+async def test_an_interim_100_is_skipped(client: httpx2.AsyncClient) -> None:
     async def interim(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             await read_request(reader)
@@ -400,7 +400,7 @@ async def test_an_interim_100_is_skipped(client: httpx.AsyncClient) -> None:
     assert server.connections == 1
 
 
-async def test_a_head_answer_ends_at_its_headers(client: httpx.AsyncClient) -> None:
+async def test_a_head_answer_ends_at_its_headers(client: httpx2.AsyncClient) -> None:
     async def head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1234\r\n\r\n")
@@ -412,7 +412,7 @@ async def test_a_head_answer_ends_at_its_headers(client: httpx.AsyncClient) -> N
     assert (response.status_code, response.headers["content-length"]) == (200, "1234")
 
 
-async def test_a_chunked_request_body_is_framed(client: httpx.AsyncClient) -> None:
+async def test_a_chunked_request_body_is_framed(client: httpx2.AsyncClient) -> None:
     async def parts() -> AsyncIterator[bytes]:
         for part in (b'{"a": ', b"", b"[1, 2]", b"}"):
             yield part
@@ -423,8 +423,8 @@ async def test_a_chunked_request_body_is_framed(client: httpx.AsyncClient) -> No
 
 
 async def test_requests_carry_httpx_headers_and_answers_keep_the_servers() -> None:
-    """The request goes out with the headers httpx built (aiohttp adds none of its own), and
-    the answer's status, reason, headers and compressed body are httpx's to read."""
+    """The request goes out with the headers httpx2 built (aiohttp adds none of its own), and
+    the answer's status, reason, headers and compressed body are httpx2's to read."""
     seen: list[bytes] = []
 
     async def gzip_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -459,13 +459,13 @@ async def test_requests_carry_httpx_headers_and_answers_keep_the_servers() -> No
         "content-length",
         "x-agent",
     }
-    assert "user-agent: python-httpx/" in seen[0].decode().lower()
+    assert "user-agent: python-httpx2/" in seen[0].decode().lower()
 
 
 # --- errors ------------------------------------------------------------------------------------
 
 
-async def test_a_server_closing_mid_body_is_a_lost_connection(client: httpx.AsyncClient) -> None:
+async def test_a_server_closing_mid_body_is_a_lost_connection(client: httpx2.AsyncClient) -> None:
     async def short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{partial")
@@ -476,7 +476,7 @@ async def test_a_server_closing_mid_body_is_a_lost_connection(client: httpx.Asyn
 
 
 async def test_a_server_closing_before_answering_is_a_lost_connection_not_a_connect_error(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
 ) -> None:
     """It connected, so the server is up: a connect error would mark a live pair down."""
 
@@ -486,11 +486,11 @@ async def test_a_server_closing_before_answering_is_a_lost_connection_not_a_conn
     async with Scripted(mute) as url:
         with pytest.raises(ConnectionLostError, match="without sending a response") as caught:
             await post_json(client, url + "/x", b"{}", summary="t")
-    assert isinstance(caught.value.__cause__, httpx.RemoteProtocolError)
-    assert not isinstance(caught.value.__cause__, httpx.ConnectError)
+    assert isinstance(caught.value.__cause__, httpx2.RemoteProtocolError)
+    assert not isinstance(caught.value.__cause__, httpx2.ConnectError)
 
 
-async def test_a_reset_mid_request_is_a_lost_connection(client: httpx.AsyncClient) -> None:
+async def test_a_reset_mid_request_is_a_lost_connection(client: httpx2.AsyncClient) -> None:
     async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         sock = writer.get_extra_info("socket")
@@ -500,7 +500,7 @@ async def test_a_reset_mid_request_is_a_lost_connection(client: httpx.AsyncClien
     async with Scripted(reset) as url:
         with pytest.raises(ConnectionLostError) as caught:
             await post_json(client, url + "/x", b"{}", summary="t")
-    assert isinstance(caught.value.__cause__, httpx.ReadError | httpx.RemoteProtocolError)
+    assert isinstance(caught.value.__cause__, httpx2.ReadError | httpx2.RemoteProtocolError)
 
 
 async def test_a_post_whose_connection_is_lost_is_never_sent_again() -> None:
@@ -522,18 +522,18 @@ async def test_a_post_whose_connection_is_lost_is_never_sent_again() -> None:
         assert requests == 3
 
 
-async def test_an_answer_that_is_not_http_is_a_protocol_error(client: httpx.AsyncClient) -> None:
+async def test_an_answer_that_is_not_http_is_a_protocol_error(client: httpx2.AsyncClient) -> None:
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
         await asyncio.sleep(1)
 
     async with Scripted(garbage) as url:
-        with pytest.raises(httpx.RemoteProtocolError, match="malformed"):
+        with pytest.raises(httpx2.RemoteProtocolError, match="malformed"):
             await client.post(url + "/x", content=b"{}")
 
 
-async def test_a_switch_of_protocols_is_a_protocol_error(client: httpx.AsyncClient) -> None:
+async def test_a_switch_of_protocols_is_a_protocol_error(client: httpx2.AsyncClient) -> None:
     async def upgrade(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(
@@ -542,7 +542,7 @@ async def test_a_switch_of_protocols_is_a_protocol_error(client: httpx.AsyncClie
         await asyncio.sleep(1)
 
     async with Scripted(upgrade) as url:
-        with pytest.raises(httpx.RemoteProtocolError, match="switched protocols"):
+        with pytest.raises(httpx2.RemoteProtocolError, match="switched protocols"):
             await client.post(url + "/x", content=b"{}")
 
 
@@ -553,11 +553,11 @@ async def test_a_stalled_answer_times_out_on_the_read_timeout() -> None:
 
     async with (
         Scripted(stall) as url,
-        httpx.AsyncClient(transport=ServerPools(LIMITS), timeout=0.2) as client,
+        httpx2.AsyncClient(transport=ServerPools(LIMITS), timeout=0.2) as client,
     ):
         with pytest.raises(RequestTimeoutError) as caught:
             await post_json(client, url + "/x", b"{}", summary="t")
-    assert isinstance(caught.value.__cause__, httpx.ReadTimeout)
+    assert isinstance(caught.value.__cause__, httpx2.ReadTimeout)
 
 
 async def test_a_stream_that_stalls_mid_body_times_out_on_the_read_timeout() -> None:
@@ -569,10 +569,10 @@ async def test_a_stream_that_stalls_mid_body_times_out_on_the_read_timeout() -> 
 
     async with (
         Scripted(stall) as url,
-        httpx.AsyncClient(transport=ServerPools(LIMITS), timeout=0.2) as client,
+        httpx2.AsyncClient(transport=ServerPools(LIMITS), timeout=0.2) as client,
         client.stream("POST", url + "/x", content=b"{}") as response,
     ):
-        with pytest.raises(httpx.ReadTimeout):
+        with pytest.raises(httpx2.ReadTimeout):
             async for _ in response.aiter_raw():
                 pass
 
@@ -583,12 +583,12 @@ async def test_a_body_the_server_does_not_read_times_out_on_the_write_timeout() 
 
     async with (
         Scripted(deaf) as url,
-        httpx.AsyncClient(
-            transport=ServerPools(LIMITS), timeout=httpx.Timeout(5.0, write=0.2)
+        httpx2.AsyncClient(
+            transport=ServerPools(LIMITS), timeout=httpx2.Timeout(5.0, write=0.2)
         ) as client,
     ):
         started = time.monotonic()
-        with pytest.raises(httpx.WriteTimeout):
+        with pytest.raises(httpx2.WriteTimeout):
             await client.post(url + "/x", content=b"x" * (64 << 20))
     assert time.monotonic() - started < 2.0
 
@@ -613,13 +613,13 @@ def full_backlog() -> Iterator[int]:
 
 
 async def test_a_connect_that_hangs_times_out_on_the_connect_timeout(full_backlog: int) -> None:
-    async with httpx.AsyncClient(
-        transport=ServerPools(LIMITS), timeout=httpx.Timeout(5.0, connect=0.2)
+    async with httpx2.AsyncClient(
+        transport=ServerPools(LIMITS), timeout=httpx2.Timeout(5.0, connect=0.2)
     ) as client:
         started = time.monotonic()
         with pytest.raises(ConnectError, match="cannot connect") as caught:
             await post_json(client, f"http://127.0.0.1:{full_backlog}/x", b"{}", summary="t")
-    assert isinstance(caught.value.__cause__, httpx.ConnectTimeout)
+    assert isinstance(caught.value.__cause__, httpx2.ConnectTimeout)
     assert time.monotonic() - started < 2.0  # the connect timeout's, not the pool's or read's
 
 
@@ -627,19 +627,19 @@ async def test_a_refused_connection_is_agentkvs_connect_error() -> None:
     server = Scripted(keep_alive)
     async with server as url:
         pass  # the port is now closed
-    async with httpx.AsyncClient(transport=ServerPools(LIMITS)) as client:
+    async with httpx2.AsyncClient(transport=ServerPools(LIMITS)) as client:
         with pytest.raises(ConnectError, match="cannot connect") as caught:
             await post_json(client, url + "/x", b"{}", summary="t")
-    assert type(caught.value.__cause__) is httpx.ConnectError
+    assert type(caught.value.__cause__) is httpx2.ConnectError
 
 
-async def test_an_unknown_host_is_agentkvs_connect_error(client: httpx.AsyncClient) -> None:
+async def test_an_unknown_host_is_agentkvs_connect_error(client: httpx2.AsyncClient) -> None:
     with pytest.raises(ConnectError, match="cannot connect"):
         await post_json(client, "http://no-such-host.invalid/x", b"{}", summary="t")
 
 
-async def test_an_unsupported_scheme_is_refused(client: httpx.AsyncClient) -> None:
-    with pytest.raises(httpx.UnsupportedProtocol):
+async def test_an_unsupported_scheme_is_refused(client: httpx2.AsyncClient) -> None:
+    with pytest.raises(httpx2.UnsupportedProtocol):
         await client.post("ftp://127.0.0.1/x", content=b"")
 
 
@@ -677,7 +677,7 @@ async def test_a_cluster_uses_its_client_on_per_server_pools_by_default() -> Non
     async with AsyncCluster.from_dict(spec) as cluster:
         assert isinstance(cluster.http_client, ClusterClient)
         assert isinstance(cluster.http_client._transport, ServerPools)
-    given = httpx.AsyncClient()
+    given = httpx2.AsyncClient()
     async with AsyncCluster.from_dict(spec, http_client=given) as cluster:
         assert cluster.http_client is given  # a caller's client (auth, proxies, hooks) is kept
     await given.aclose()

@@ -1,4 +1,4 @@
-"""Fixtures of the protocol tests: the fake's raw HTTP/JSON, driven with a plain httpx client.
+"""Fixtures of the protocol tests: the fake's raw HTTP/JSON, driven with a plain httpx2 client.
 
 ``fake`` (two pairs) comes from ``tests/fake/conftest.py``; here its clock starts at 1000 s, so
 that an absolute deadline (``remote_blocks_expiry_time``) can never pass for a duration.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 
 from agentkv.testing import FakeCluster, ManualClock
@@ -20,6 +20,6 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def client(fake: FakeCluster) -> Iterator[httpx.Client]:
-    with httpx.Client(transport=fake.transport) as c:
+def client(fake: FakeCluster) -> Iterator[httpx2.Client]:
+    with httpx2.Client(transport=fake.transport) as c:
         yield c

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
+import httpx2
 
 from agentkv.testing import FakeCluster, FakeTokenizer, render_chat
 
@@ -65,12 +65,12 @@ def next_turn(ids: list[int], generated: list[int], text: str) -> list[int]:
     return ids + generated + tail + delta
 
 
-def post(client: httpx.Client, url: str, body: dict[str, Any]) -> httpx.Response:
+def post(client: httpx2.Client, url: str, body: dict[str, Any]) -> httpx2.Response:
     return client.post(url + CHAT, json=body)
 
 
 def leg(
-    client: httpx.Client,
+    client: httpx2.Client,
     url: str,
     ids: list[int],
     params: dict[str, Any] | None,
@@ -87,7 +87,7 @@ def leg(
 
 
 def turn(
-    client: httpx.Client,
+    client: httpx2.Client,
     fake: FakeCluster,
     ids: list[int],
     *,
@@ -112,14 +112,14 @@ def cached(body: dict[str, Any]) -> int:
     return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-def metric(client: httpx.Client, url: str, name: str) -> float:
+def metric(client: httpx2.Client, url: str, name: str) -> float:
     for line in client.get(url + "/metrics").text.splitlines():
         if line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not exposed")
 
 
-def sse_events(response: httpx.Response) -> list[Any]:
+def sse_events(response: httpx2.Response) -> list[Any]:
     assert response.headers["content-type"].startswith("text/event-stream")
     events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
     assert events[-1] == "[DONE]"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
+import httpx2
 import pytest
 from raw_protocol import (
     CHAT,
@@ -27,7 +27,7 @@ from agentkv.testing import FakeCluster, ManualClock
 async def test_hundreds_of_concurrent_sessions_share_one_transport(clock: ManualClock) -> None:
     fake = FakeCluster(pairs=2, clock=clock)
 
-    async def session(client: httpx.AsyncClient, n: int) -> int:
+    async def session(client: httpx2.AsyncClient, n: int) -> int:
         pair = n % 2
         ids = chatml_ids(user(f"session {n}: " + "x" * 100))
         p = await client.post(
@@ -60,7 +60,7 @@ async def test_hundreds_of_concurrent_sessions_share_one_transport(clock: Manual
         )
         return cached(p2.json()) - (len(ids) + len(generated) - 1)
 
-    async with httpx.AsyncClient(transport=fake.transport) as client:
+    async with httpx2.AsyncClient(transport=fake.transport) as client:
         misses = await asyncio.gather(*(session(client, n) for n in range(300)))
     assert misses == [0] * 300
     assert fake.wrong_reuse_events == 0
@@ -69,7 +69,7 @@ async def test_hundreds_of_concurrent_sessions_share_one_transport(clock: Manual
 
 def test_serve_exposes_the_cluster_over_real_http(clock: ManualClock) -> None:
     fake = FakeCluster(pairs=1, clock=clock)
-    with fake.serve() as served, httpx.Client(timeout=10) as client:
+    with fake.serve() as served, httpx2.Client(timeout=10) as client:
         spec = served.cluster_spec
         prefill, decode = spec["pairs"][0]["prefill"], spec["pairs"][0]["decode"]
         assert prefill.startswith("http://127.0.0.1:")
@@ -78,7 +78,7 @@ def test_serve_exposes_the_cluster_over_real_http(clock: ManualClock) -> None:
         d = leg(client, decode, ids, p["kv_transfer_params"])
         assert set(d["kv_transfer_params"]) == DECODE_HANDLE_KEYS
         fake.decode(0).kill()
-        with pytest.raises(httpx.ConnectError):
+        with pytest.raises(httpx2.ConnectError):
             client.get(decode + "/health")
         fake.decode(0).restart()
         assert client.get(decode + "/health").status_code == 200
@@ -86,7 +86,7 @@ def test_serve_exposes_the_cluster_over_real_http(clock: ManualClock) -> None:
 
 def test_sync_clients_on_many_threads_share_the_transport(fake: FakeCluster) -> None:
     def session(n: int) -> int:
-        with httpx.Client(transport=fake.transport) as client:
+        with httpx2.Client(transport=fake.transport) as client:
             ids = chatml_ids(user(f"thread session {n} " + "x" * 120))
             _, d = turn(client, fake, ids, pair=n % 2, max_tokens=70, ignore_eos=True)
             generated = d["choices"][0]["token_ids"]

@@ -3,7 +3,7 @@ cluster's own accessors (``cluster_spec``, ``server``, ``advance``)."""
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 from raw_protocol import (
     leg,
@@ -14,7 +14,7 @@ from raw_protocol import (
 from agentkv.testing import FakeCluster
 
 
-def test_health_models_and_metrics_endpoints(client: httpx.Client, fake: FakeCluster) -> None:
+def test_health_models_and_metrics_endpoints(client: httpx2.Client, fake: FakeCluster) -> None:
     url = fake.prefill(0).url
     health = client.get(url + "/health")
     assert (health.status_code, health.content) == (200, b"")
@@ -40,7 +40,7 @@ def test_health_models_and_metrics_endpoints(client: httpx.Client, fake: FakeClu
         assert f'{name}{{engine="0",model_name="fake-smollm2"}}' in text
 
 
-def test_prefix_cache_metrics_count_tokens(client: httpx.Client, fake: FakeCluster) -> None:
+def test_prefix_cache_metrics_count_tokens(client: httpx2.Client, fake: FakeCluster) -> None:
     ids = prompt_of_length(100)
     url = fake.prefill(0).url
     leg(client, url, ids, None, max_tokens=1)

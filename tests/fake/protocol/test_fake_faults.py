@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from raw_protocol import (
     FIRST_LEG,
@@ -23,7 +23,7 @@ from agentkv.testing import FakeCluster
 
 
 def test_fail_next_status_answers_with_vllm_error_body_once(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     fake.prefill(0).fail_next("status", status=503, times=2)
     body = {"messages": user("x")}
@@ -37,7 +37,7 @@ def test_fail_next_status_answers_with_vllm_error_body_once(
 
 
 def test_timeout_fault_raises_read_timeout_after_the_server_did_the_work(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     fake.decode(0).fail_next("timeout")
     ids = prompt_of_length(60)
@@ -46,20 +46,20 @@ def test_timeout_fault_raises_read_timeout_after_the_server_did_the_work(
         "messages": user("x"),
         "kv_transfer_params": {**p["kv_transfer_params"], "prompt_token_ids": ids},
     }
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(httpx2.ReadTimeout):
         post(client, fake.decode(0).url, body)
     assert fake.decode(0).pinned_handles == 1  # a pin the client never heard of
 
 
-def test_reset_fault_drops_the_connection(client: httpx.Client, fake: FakeCluster) -> None:
+def test_reset_fault_drops_the_connection(client: httpx2.Client, fake: FakeCluster) -> None:
     fake.prefill(0).fail_next("reset")
-    with pytest.raises(httpx.RemoteProtocolError):
+    with pytest.raises(httpx2.RemoteProtocolError):
         post(client, fake.prefill(0).url, {"messages": user("x")})
 
 
 @pytest.mark.parametrize("kind", ["malformed_json", "truncated_json"])
 def test_broken_body_faults_give_undecodable_json(
-    client: httpx.Client, fake: FakeCluster, kind: str
+    client: httpx2.Client, fake: FakeCluster, kind: str
 ) -> None:
     fake.prefill(0).fail_next(kind)
     response = post(client, fake.prefill(0).url, {"messages": user("x")})
@@ -69,7 +69,7 @@ def test_broken_body_faults_give_undecodable_json(
 
 
 def test_kv_transfer_params_faults_drop_or_corrupt_the_handle(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = prompt_of_length(60)
     fake.prefill(0).fail_next("no_kv_transfer_params")
@@ -87,12 +87,12 @@ def test_fault_kinds_are_checked(fake: FakeCluster) -> None:
 
 
 def test_a_killed_server_refuses_connections_and_a_restart_loses_pins(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     turn(client, fake, prompt_of_length(80))
     old_engine = fake.decode(0).engine_id
     fake.decode(0).kill()
-    with pytest.raises(httpx.ConnectError):
+    with pytest.raises(httpx2.ConnectError):
         client.get(fake.decode(0).url + "/health")
     assert fake.decode(0).pinned_handles == 0
     fake.decode(0).restart()
@@ -134,7 +134,7 @@ def test_a_killed_server_refuses_connections_and_a_restart_loses_pins(
     ],
 )
 def test_malformed_handles_get_an_http_answer_never_an_exception(
-    client: httpx.Client, fake: FakeCluster, params: dict[str, Any]
+    client: httpx2.Client, fake: FakeCluster, params: dict[str, Any]
 ) -> None:
     ids = prompt_of_length(200)
     response = post(

@@ -5,7 +5,7 @@ blocks, and KV usage."""
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 from raw_protocol import (
     DECODE_HANDLE_KEYS,
@@ -25,7 +25,9 @@ from raw_protocol import (
 from agentkv.testing import FakeCluster, ManualClock
 
 
-def test_prefill_leg_answers_with_a_prefill_handle(client: httpx.Client, fake: FakeCluster) -> None:
+def test_prefill_leg_answers_with_a_prefill_handle(
+    client: httpx2.Client, fake: FakeCluster
+) -> None:
     ids = prompt_of_length(100)
     p = leg(client, fake.prefill(0).url, ids, FIRST_LEG, max_tokens=1)
     params = p["kv_transfer_params"]
@@ -46,7 +48,7 @@ def test_prefill_leg_answers_with_a_prefill_handle(client: httpx.Client, fake: F
 
 
 def test_decode_leg_pins_the_turn_end_kv_and_returns_a_decode_handle(
-    client: httpx.Client, fake: FakeCluster, clock: ManualClock
+    client: httpx2.Client, fake: FakeCluster, clock: ManualClock
 ) -> None:
     ids = prompt_of_length(100)
     p, d = turn(client, fake, ids)
@@ -67,7 +69,7 @@ def test_decode_leg_pins_the_turn_end_kv_and_returns_a_decode_handle(
 
 
 def test_decode_reports_the_cached_tokens_prefill_passed_on(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = prompt_of_length(300)
     leg(client, fake.prefill(0).url, ids, None, max_tokens=1)  # warm P's prefix cache
@@ -89,7 +91,7 @@ def test_two_turns_reuse_prompt_plus_generated_minus_one_as_measured_on_vllm(
 ) -> None:
     """DESIGN: 942 prompt + 160 generated tokens, 128-token blocks: turn 2's P caches 1101."""
     fake = FakeCluster(pairs=1, block_size=128, clock=clock)
-    with httpx.Client(transport=fake.transport) as client:
+    with httpx2.Client(transport=fake.transport) as client:
         ids = prompt_of_length(942)
         _, d = turn(client, fake, ids, max_tokens=160, ignore_eos=True)
         generated = d["choices"][0]["token_ids"]
@@ -109,7 +111,7 @@ def test_two_turns_reuse_prompt_plus_generated_minus_one_as_measured_on_vllm(
 
 
 def test_reused_kv_gives_the_same_output_as_a_cold_run(
-    client: httpx.Client, fake: FakeCluster, clock: ManualClock
+    client: httpx2.Client, fake: FakeCluster, clock: ManualClock
 ) -> None:
     ids = prompt_of_length(200)
     _, d = turn(client, fake, ids, max_tokens=100, ignore_eos=True)
@@ -117,7 +119,7 @@ def test_reused_kv_gives_the_same_output_as_a_cold_run(
     p2, warm = turn(client, fake, ids2, handle=d["kv_transfer_params"])
     assert cached(p2) == 299
     cold_cluster = FakeCluster(pairs=1, clock=clock)
-    with httpx.Client(transport=cold_cluster.transport) as cold_client:
+    with httpx2.Client(transport=cold_cluster.transport) as cold_client:
         _, cold = turn(cold_client, cold_cluster, ids2)
     assert cached(cold) == 0
     assert warm["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
@@ -125,7 +127,7 @@ def test_reused_kv_gives_the_same_output_as_a_cold_run(
 
 
 def test_wrong_history_with_a_handle_changes_the_output_and_counts_wrong_reuse(
-    client: httpx.Client, fake: FakeCluster, clock: ManualClock
+    client: httpx2.Client, fake: FakeCluster, clock: ManualClock
 ) -> None:
     ids = prompt_of_length(200)
     _, d = turn(client, fake, ids, max_tokens=100, ignore_eos=True)
@@ -138,13 +140,13 @@ def test_wrong_history_with_a_handle_changes_the_output_and_counts_wrong_reuse(
     # P's pull from D, then D's pull of P's (now wrong) blocks.
     assert fake.wrong_reuse_events == 2
     cold_cluster = FakeCluster(pairs=1, clock=clock)
-    with httpx.Client(transport=cold_cluster.transport) as cold_client:
+    with httpx2.Client(transport=cold_cluster.transport) as cold_client:
         _, cold = turn(cold_client, cold_cluster, edited)
     assert wrong["choices"][0]["token_ids"] != cold["choices"][0]["token_ids"]
 
 
 def test_a_pull_below_the_recompute_threshold_recomputes_but_consumes_the_handle(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = prompt_of_length(100)
     _, d = turn(client, fake, ids, max_tokens=10, ignore_eos=True)
@@ -155,7 +157,9 @@ def test_a_pull_below_the_recompute_threshold_recomputes_but_consumes_the_handle
     assert fake.decode(0).pinned_handles == 0
 
 
-def test_a_consumed_handle_frees_the_decode_blocks(client: httpx.Client, fake: FakeCluster) -> None:
+def test_a_consumed_handle_frees_the_decode_blocks(
+    client: httpx2.Client, fake: FakeCluster
+) -> None:
     ids = prompt_of_length(200)
     _, d = turn(client, fake, ids, max_tokens=100, ignore_eos=True)
     assert fake.decode(0).kv_cache_usage > 0
@@ -168,7 +172,7 @@ def test_a_consumed_handle_frees_the_decode_blocks(client: httpx.Client, fake: F
 def test_a_handle_read_twice_returns_whatever_the_freed_blocks_hold(clock: ManualClock) -> None:
     """vLLM does not refuse a second read: D logs it, P gets the blocks' current content."""
     fake = FakeCluster(pairs=2, clock=clock, num_kv_blocks=40)
-    with httpx.Client(transport=fake.transport) as client:
+    with httpx2.Client(transport=fake.transport) as client:
         ids = prompt_of_length(150)
         _, d = turn(client, fake, ids, max_tokens=60, ignore_eos=True)
         handle = d["kv_transfer_params"]
@@ -187,7 +191,7 @@ def test_a_handle_read_twice_returns_whatever_the_freed_blocks_hold(clock: Manua
 
 
 def test_an_expired_handle_fails_the_prefill_leg_with_a_500(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = prompt_of_length(200)
     _, d = turn(client, fake, ids, max_tokens=100, ignore_eos=True)
@@ -213,7 +217,7 @@ def test_an_expired_handle_fails_the_prefill_leg_with_a_500(
 
 
 def test_a_handle_within_five_seconds_of_expiry_is_declined(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = prompt_of_length(200)
     _, d = turn(client, fake, ids, max_tokens=100, ignore_eos=True)
@@ -232,7 +236,7 @@ def test_a_handle_within_five_seconds_of_expiry_is_declined(
 
 
 def test_the_decode_server_pins_after_every_request_with_kv_transfer_params(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = prompt_of_length(50)
     leg(client, fake.decode(0).url, ids, None)
@@ -245,7 +249,7 @@ def test_the_decode_server_pins_after_every_request_with_kv_transfer_params(
 
 
 def test_a_handle_from_a_restarted_decode_server_fails_the_pull(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = prompt_of_length(200)
     _, d = turn(client, fake, ids, max_tokens=100, ignore_eos=True)
@@ -261,7 +265,7 @@ def test_a_handle_from_a_restarted_decode_server_fails_the_pull(
     assert metric(client, fake.prefill(0).url, "vllm:nixl_num_failed_transfers_total") == 1
 
 
-def test_kv_cache_usage_follows_pins(client: httpx.Client, fake: FakeCluster) -> None:
+def test_kv_cache_usage_follows_pins(client: httpx2.Client, fake: FakeCluster) -> None:
     decode = fake.decode(0).url
     assert metric(client, decode, "vllm:kv_cache_usage_perc") == 0.0
     turn(client, fake, prompt_of_length(160))
@@ -271,7 +275,7 @@ def test_kv_cache_usage_follows_pins(client: httpx.Client, fake: FakeCluster) ->
 
 
 def test_a_rejected_decode_leg_still_frees_the_prefill_blocks(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = prompt_of_length(60)
     p = leg(client, fake.prefill(0).url, ids, FIRST_LEG, max_tokens=1)
@@ -286,7 +290,7 @@ def test_a_rejected_decode_leg_still_frees_the_prefill_blocks(
 
 
 def test_an_unread_prefill_handle_is_released_after_the_lease(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = prompt_of_length(60)
     p = leg(client, fake.prefill(0).url, ids, FIRST_LEG, max_tokens=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from raw_protocol import (
     CHAT,
@@ -22,7 +22,7 @@ from agentkv.testing import FakeCluster, ManualClock
 
 
 def test_prompt_token_ids_replace_templating_and_come_back_with_return_token_ids(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = chatml_ids(user("What is the capital of France?"))
     body = leg(client, fake.decode(0).url, ids, None, return_token_ids=True)
@@ -42,7 +42,7 @@ def test_prompt_token_ids_replace_templating_and_come_back_with_return_token_ids
 
 @pytest.mark.parametrize("bad", [[], [-1], "1 2", [1.5], [True], [10**9]])
 def test_invalid_prompt_token_ids_are_a_400_naming_the_parameter(
-    client: httpx.Client, fake: FakeCluster, bad: Any
+    client: httpx2.Client, fake: FakeCluster, bad: Any
 ) -> None:
     body = {"messages": user("x"), "kv_transfer_params": {"prompt_token_ids": bad}}
     response = post(client, fake.prefill(0).url, body)
@@ -54,7 +54,7 @@ def test_invalid_prompt_token_ids_are_a_400_naming_the_parameter(
 
 
 def test_max_tokens_cuts_the_reply_with_finish_reason_length(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     body = leg(client, fake.decode(0).url, chatml_ids(user("Hi")), None, max_tokens=3)
     assert body["choices"][0]["finish_reason"] == "length"
@@ -73,7 +73,7 @@ def test_max_tokens_cuts_the_reply_with_finish_reason_length(
 
 
 def test_a_body_that_is_not_json_is_a_400_like_fastapi(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     response = client.post(
         fake.prefill(0).url + CHAT,
@@ -94,7 +94,7 @@ def test_a_body_that_is_not_json_is_a_400_like_fastapi(
 
 
 def test_a_body_without_json_content_type_is_rejected(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     response = client.post(fake.prefill(0).url + CHAT, content=b"{}")
     assert response.status_code == 400
@@ -103,7 +103,7 @@ def test_a_body_without_json_content_type_is_rejected(
 
 def test_prompts_longer_than_max_model_len_are_a_400(clock: ManualClock) -> None:
     fake = FakeCluster(pairs=1, clock=clock, max_model_len=256)
-    with httpx.Client(transport=fake.transport) as client:
+    with httpx2.Client(transport=fake.transport) as client:
         templated = post(client, fake.prefill(0).url, {"messages": user("x" * 400)})
         assert templated.status_code == 400
         error = templated.json()["error"]
@@ -122,14 +122,14 @@ def test_prompts_longer_than_max_model_len_are_a_400(clock: ManualClock) -> None
         assert too_many.json()["error"]["param"] == "max_tokens"
 
 
-def test_an_unknown_model_is_a_404(client: httpx.Client, fake: FakeCluster) -> None:
+def test_an_unknown_model_is_a_404(client: httpx2.Client, fake: FakeCluster) -> None:
     response = post(client, fake.prefill(0).url, {"messages": user("x"), "model": "gpt-9"})
     assert response.status_code == 404
     assert response.json()["error"]["type"] == "NotFoundError"
     assert response.json()["error"]["param"] == "model"
 
 
-def test_an_unknown_route_is_a_404(client: httpx.Client, fake: FakeCluster) -> None:
+def test_an_unknown_route_is_a_404(client: httpx2.Client, fake: FakeCluster) -> None:
     response = client.get(fake.prefill(0).url + "/v1/nothing")
     assert response.status_code == 404
     assert response.json()["error"]["type"] == "Not Found"

@@ -4,7 +4,7 @@ last chunk (agentkv's plugin) or none (stock vLLM), and an engine failure inside
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 from raw_protocol import (
     DECODE_HANDLE_KEYS,
     FIRST_LEG,
@@ -23,7 +23,7 @@ from raw_protocol import (
 from agentkv.testing import FakeCluster, ManualClock
 
 
-def test_stream_chunks_have_vllm_shape(client: httpx.Client, fake: FakeCluster) -> None:
+def test_stream_chunks_have_vllm_shape(client: httpx2.Client, fake: FakeCluster) -> None:
     ids = chatml_ids(user("Hi"))
     body = {
         "messages": user("Hi"),
@@ -62,7 +62,7 @@ def test_stream_chunks_have_vllm_shape(client: httpx.Client, fake: FakeCluster) 
 
 
 def test_streamed_decode_leg_puts_the_handle_on_the_last_chunk(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = prompt_of_length(100)
     p = leg(client, fake.prefill(0).url, ids, FIRST_LEG, max_tokens=1)
@@ -83,7 +83,7 @@ def test_streamed_decode_leg_puts_the_handle_on_the_last_chunk(
 
 def test_stock_vllm_streams_carry_no_handle_but_still_pin(clock: ManualClock) -> None:
     fake = FakeCluster(pairs=1, clock=clock, stream_handles=False, leases=False)
-    with httpx.Client(transport=fake.transport) as client:
+    with httpx2.Client(transport=fake.transport) as client:
         ids = prompt_of_length(100)
         p = leg(client, fake.prefill(0).url, ids, FIRST_LEG, max_tokens=1)
         params = {**p["kv_transfer_params"], "prompt_token_ids": ids}
@@ -99,7 +99,7 @@ def test_stock_vllm_streams_carry_no_handle_but_still_pin(clock: ManualClock) ->
 
 
 def test_an_engine_failure_inside_a_stream_is_an_error_event_after_a_200(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     ids = prompt_of_length(200)
     _, d = turn(client, fake, ids, max_tokens=100, ignore_eos=True)

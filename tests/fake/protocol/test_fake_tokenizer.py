@@ -3,7 +3,7 @@ layer the SDK's transcript is built on (SmolLM2's ChatML, as vLLM renders it).""
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 from hypothesis import given
 from hypothesis import strategies as st
 from raw_protocol import (
@@ -50,7 +50,7 @@ def test_model_emits_non_canonical_splits_that_retokenize_differently() -> None:
 
 
 def test_tokenize_renders_the_smollm2_chatml_layout(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     response = client.post(fake.prefill(0).url + "/tokenize", json={"messages": user("Hi")})
     body = response.json()
@@ -67,7 +67,7 @@ def test_tokenize_renders_the_smollm2_chatml_layout(
 
 
 def test_tokenize_keeps_a_given_system_prompt_and_renders_tool_messages(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -92,7 +92,7 @@ def test_tokenize_keeps_a_given_system_prompt_and_renders_tool_messages(
 
 
 def test_tokenize_continue_final_message_leaves_the_last_message_open(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     messages = [*user("Hi"), {"role": "assistant", "content": "Hel"}]
     body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
@@ -101,7 +101,7 @@ def test_tokenize_continue_final_message_leaves_the_last_message_open(
 
 
 def test_tokenize_completion_prompt_returns_byte_level_token_strs(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     body = {"prompt": "the cache", "return_token_strs": True}
     response = client.post(fake.prefill(0).url + "/tokenize", json=body).json()
@@ -127,7 +127,7 @@ def test_rerender_template_strips_think_from_past_assistant_turns() -> None:
 
 def test_a_rerender_cluster_serves_a_reasoning_model(clock: ManualClock) -> None:
     fake = FakeCluster(pairs=1, clock=clock, chat_template="rerender")
-    with httpx.Client(transport=fake.transport) as client:
+    with httpx2.Client(transport=fake.transport) as client:
         reply = post(client, fake.decode(0).url, {"messages": user("Hi")}).json()
         content = reply["choices"][0]["message"]["content"]
         assert content.startswith("<think>\n")

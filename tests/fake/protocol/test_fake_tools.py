@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
+import httpx2
 from raw_protocol import (
     IM_END,
     TOK,
@@ -30,7 +30,7 @@ WEATHER = {
 
 
 def test_required_tool_choice_returns_openai_tool_calls(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     body = {
         "messages": user("Weather in Paris?"),
@@ -56,7 +56,7 @@ def test_required_tool_choice_returns_openai_tool_calls(
 
 
 def test_named_tool_choice_returns_the_call_and_finishes_with_stop(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     choice = {"type": "function", "function": {"name": "get_weather"}}
     body = {"messages": user("Weather?"), "tools": [WEATHER], "tool_choice": choice}
@@ -67,7 +67,7 @@ def test_named_tool_choice_returns_the_call_and_finishes_with_stop(
 
 
 def test_streamed_required_tool_call_announces_then_streams_arguments(
-    client: httpx.Client, fake: FakeCluster
+    client: httpx2.Client, fake: FakeCluster
 ) -> None:
     body = {
         "messages": user("Weather?"),
@@ -91,7 +91,7 @@ def test_streamed_required_tool_call_announces_then_streams_arguments(
 
 def test_tool_choice_needs_a_tool_parser(clock: ManualClock) -> None:
     fake = FakeCluster(pairs=1, clock=clock, tool_call_parser=None)
-    with httpx.Client(transport=fake.transport) as client:
+    with httpx2.Client(transport=fake.transport) as client:
         body = {"messages": user("x"), "tools": [WEATHER], "tool_choice": "required"}
         response = post(client, fake.decode(0).url, body)
         assert response.status_code == 400
