@@ -24,7 +24,8 @@ from agentkv._policy import CachePolicy
 from agentkv._prompt.template import tools_key
 from agentkv._prompt.transcript import Transcript, TurnPrompt
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TurnStats
-from agentkv._wire.handoff import DecodeResult, PrefillResult, TurnRequest, no_handle_cause
+from agentkv._wire.decode_answer import no_handle_cause
+from agentkv._wire.handoff import DecodeResult, PrefillResult, TurnRequest
 from agentkv._wire.json import fragment
 from agentkv._wire.tier import TierRef
 

@@ -55,17 +55,15 @@ from agentkv._exceptions import (
 from agentkv._policy import PersistMode
 from agentkv._prompt.transcript import TurnPrompt
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TextDelta, TurnResult
+from agentkv._wire.decode_answer import StreamAccumulator, parse_decode, unexplained
 from agentkv._wire.handoff import (
     DECODE_ECHO,
     DecodeResult,
     PrefillResult,
-    StreamAccumulator,
     TurnRequest,
     decode_body,
-    parse_decode,
     parse_prefill,
     prefill_body,
-    unexplained,
 )
 from agentkv._wire.hints import new_request_secret, request_tag
 from agentkv._wire.http import post_json, stream_events

@@ -9,13 +9,12 @@ import json
 import pytest
 
 from agentkv import KVHandle, MalformedResponseError, Message, ServerError
+from agentkv._wire.decode_answer import StreamAccumulator, parse_decode
 from agentkv._wire.handoff import (
-    StreamAccumulator,
     TurnRequest,
     decode_body,
     extended_handle,
     lease_ref,
-    parse_decode,
     parse_prefill,
     prefill_body,
 )
