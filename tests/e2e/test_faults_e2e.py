@@ -255,8 +255,9 @@ def test_a_pull_from_an_unreachable_side_channel_recomputes_and_the_stats_say_so
         first.save(path)
         data = json.loads(path.read_text())
         handle = data["handle"]
-        handle["engine_id"] = handle["params"]["remote_engine_id"] = "agentkv-e2e-unreachable"
-        handle["port"] = handle["params"]["remote_port"] = dead_port
+        # Save files hold the handle's typed fields (format 3): the P leg is rendered from them.
+        handle["engine_id"] = "agentkv-e2e-unreachable"
+        handle["port"] = dead_port
         path.write_text(json.dumps(data))
         with agentkv.Session.load(path, cluster) as s:
             second = s.send(QUESTIONS[1])
