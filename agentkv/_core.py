@@ -14,8 +14,7 @@ The rest is not public, and is here for a reason each:
 
 - ``Portal``: the one event loop on a thread (the proxy's server, the drop-in's sync transport,
   the fake pair's HTTP host run on it as the sync twins do).
-- ``dumps``/``loads``/``JSONDecodeError``/``tools_key``: orjson in and out, and the key of a
-  tool list (the proxy's and the SDK's agree on it).
+- ``dumps``/``loads``/``JSONDecodeError``: orjson in and out.
 - ``post_json``/``stream_events``: one exchange with a server, its errors mapped onto agentkv's
   tree (the proxy's tool-parser probe, the benchmark's baselines).
 - ``AUTO``/``NONE``/``REQUIRED``/``PASSED_FIELDS``/``refusal``: the request-field table (what a
@@ -74,7 +73,7 @@ from agentkv._wire.hints import (
     with_hint,
 )
 from agentkv._wire.http import post_json, stream_events
-from agentkv._wire.json import JSONDecodeError, dumps, loads, tools_key
+from agentkv._wire.json import JSONDecodeError, dumps, loads
 from agentkv._wire.tier import (
     PERSIST_PATH,
     TIER_DELETE_PATH,
@@ -148,7 +147,6 @@ __all__ = [
     "post_json",
     "refusal",
     "stream_events",
-    "tools_key",
     "with_hint",
     "with_tier_load",
 ]
