@@ -79,6 +79,7 @@ from agentkv._policy import (
 )
 from agentkv._prompt.history import HistoryPlan
 from agentkv._prompt.transcript import Span, TranscriptView
+from agentkv._route import Route, RouteCostModel, RouteDecision, RoutePolicy
 from agentkv._types import (
     HandleState,
     KVHandle,
@@ -136,6 +137,10 @@ __all__ = [
     "PrefixDivergedError",
     "RequestTimeoutError",
     "RetryPolicy",
+    "Route",
+    "RouteCostModel",
+    "RouteDecision",
+    "RoutePolicy",
     "RoutingError",
     "RunResult",
     "ServerError",

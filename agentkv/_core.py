@@ -46,6 +46,7 @@ from agentkv._exceptions import (
 )
 from agentkv._policy import PersistMode
 from agentkv._prompt.history import HistoryPlan
+from agentkv._route import ROUTES, Route
 from agentkv._types import (
     HandleState,
     Message,
@@ -97,6 +98,7 @@ __all__ = [
     "RELEASE_PATH",
     "RELEASE_REQUEST_PATH",
     "REQUIRED",
+    "ROUTES",
     "TIER_DELETE_PATH",
     "AgentKVError",
     "AsyncCluster",
@@ -123,6 +125,7 @@ __all__ = [
     "PrefixDivergedError",
     "RequestRelease",
     "RequestTimeoutError",
+    "Route",
     "RoutingError",
     "ServerInfo",
     "SessionBusyError",

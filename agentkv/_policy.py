@@ -27,6 +27,7 @@ from typing import Literal, TypeAlias, cast
 
 from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError
+from agentkv._route import RoutePolicy
 from agentkv._types import HandleState, KVHandle
 from agentkv._wire.hints import PersistHint
 from agentkv._wire.tier import TierRef
@@ -178,6 +179,8 @@ class CachePolicy:
         tier_ttl_s: how long decode should keep a persisted handle's tier entry; ``None`` keeps
             the server's default (``agentkv_tier_ttl_s``, 24 h), and the server caps it (at
             ``agentkv_tier_max_ttl_s``). A resume after the entry expired recomputes.
+        route: how a turn's route is chosen when it is ``auto`` (``RoutePolicy``): pull the KV
+            back to prefill, or compute a short append on the session's decode itself.
     """
 
     server_ttl_s: float = defaults.SERVER_TTL_S
@@ -190,10 +193,13 @@ class CachePolicy:
     persist_kv_usage: float = 0.9
     tier_cost: TierCostModel = field(default_factory=TierCostModel)
     tier_ttl_s: float | None = None
+    route: RoutePolicy = field(default_factory=RoutePolicy)
 
     def __post_init__(self) -> None:
         if isinstance(self.tier_cost, Mapping):  # from a saved session (dataclasses.asdict)
             object.__setattr__(self, "tier_cost", TierCostModel(**self.tier_cost))
+        if isinstance(self.route, Mapping):
+            object.__setattr__(self, "route", RoutePolicy(**self.route))
         if not (math.isfinite(self.persist_after_s) and self.persist_after_s >= 0):
             raise ConfigError(f"persist_after_s must not be negative, got {self.persist_after_s}")
         if not 0 < self.persist_kv_usage <= 1:

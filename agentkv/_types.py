@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeAlias, TypedDict, cast
 
 from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError, InvalidMessageError
+from agentkv._route import Route, TakenRoute
 
 __all__ = [
     "HandleState",
@@ -249,7 +250,8 @@ class HandleState(enum.StrEnum):
     """What happened to the stored decode handle on a turn (``TurnStats.handle_state``)."""
 
     ATTACHED = "attached"
-    """Sent with the P leg: prefill pulls the previous turn's KV from decode."""
+    """Reused: sent with the P leg (prefill pulls the previous turn's KV from decode), or, on the
+    ``decode`` route, its blocks served from decode's own prefix cache."""
     NONE = "none"
     """There was no handle (first turn, a fork, or decode returned none)."""
     EXPIRED = "expired"
@@ -262,6 +264,8 @@ class HandleState(enum.StrEnum):
     """The session moved to another pair; the handle points at the old decode node."""
     DIVERGED = "diverged"
     """The handle covers tokens the prompt does not start with; sending it would load wrong KV."""
+    UNUSED = "unused"
+    """The handle was live, but the turn's route (``recompute``) did not use it: released."""
     TIER = "tier"
     """No live handle: the P leg carried the session's file-tier reference (a persisted turn),
     and prefill loaded the matching prefix from the tier."""
@@ -327,6 +331,11 @@ class TurnStats:
     whether it survived a tool wait. ``prefill`` names the prefill server that ran the turn (in a
     pool it changes with load; ``pair`` is then the decode server the session is pinned to).
 
+    ``route`` is how the prompt reached decode (``agentkv._route``), ``route_reason`` why:
+    ``pull`` (prefill pulled the handle's KV back), ``recompute`` (the P leg carried none) or
+    ``decode`` (no P leg: decode computed the new tokens itself, ``prefill`` is empty, and the
+    reuse is decode's own count, its prefix cache holding the handle's blocks).
+
     Times: ``ttft_s`` runs from the call (``send``/``turn``/``stream``) to the first generated
     token, as a user waits for it: the prompt's rendering, lease calls and retries included.
     The server-side split: ``server_ttft_s`` from the last attempt's P leg to the first token,
@@ -353,6 +362,8 @@ class TurnStats:
     retries: int = 0
     extends: int = 0
     prefill: str = ""
+    route: TakenRoute = "pull"
+    route_reason: str = ""
 
     @property
     def ttft_ms(self) -> float:
@@ -474,6 +485,8 @@ class SessionOptions:
     tools: tuple[Mapping[str, Any], ...] | None = None
     tool_choice: Any = None
     extra_body: Mapping[str, Any] = field(default_factory=dict)
+    # How the prompt reaches decode (``agentkv._route``): "pull", "decode", "recompute", "auto".
+    route: Route = "pull"
 
 
 class TurnOverrides(TypedDict, total=False):
@@ -484,3 +497,4 @@ class TurnOverrides(TypedDict, total=False):
     tools: Sequence[Mapping[str, Any]] | None
     tool_choice: Any
     extra_body: Mapping[str, Any]
+    route: Route

@@ -12,7 +12,9 @@ POSTs of a ~3 KB JSON body each and reports its own CPU time per request for:
 * ``httpx-aiohttp``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport`` (PyPI
   ``httpx-aiohttp``: httpx's interface on a ``ClientSession``), when installed;
 * ``pools``: ``httpx2.AsyncClient`` on ``agentkv._wire.transport.ServerPools``;
-* ``cluster``: ``agentkv._wire.transport.ClusterClient`` on ``ServerPools``, what a cluster builds;
+* ``cluster``: ``agentkv._wire.transport.ClusterClient`` on ``ServerPools``, what a cluster builds,
+  each request sent as a turn sends its legs (``agentkv._wire.http.post_json``: the per-URL request
+  template, the answer parsed);
 * ``base-pools``, ``base-cluster``: the same on the ``ServerPools`` of another tree's
   ``transport.py`` (``--base FILE``, a module that imports nothing of agentkv's, of a revision on
   httpx, as 0ee2cfd), to compare two versions of the transport in one run:
@@ -39,6 +41,7 @@ from typing import Any
 import aiohttp
 import httpx2
 
+from agentkv._wire.http import post_json
 from agentkv._wire.transport import ClusterClient, ServerPools
 
 ANSWER = b'{"text": "' + b"a" * 2000 + b'"}'
@@ -138,6 +141,9 @@ async def _measure(kind: str, url: str, args: argparse.Namespace) -> tuple[float
 
         async def loop() -> None:
             for _ in range(args.requests):
+                if kind == "cluster":
+                    await post_json(client, url, BODY, summary="POST")
+                    continue
                 response = await client.post(
                     url, content=BODY, headers={"content-type": "application/json"}
                 )

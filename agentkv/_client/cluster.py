@@ -35,6 +35,7 @@ from agentkv._client.session import (
 from agentkv._exceptions import ConfigError
 from agentkv._placement import PrefillWeights, RetryPolicy
 from agentkv._policy import CachePolicy
+from agentkv._route import Route, check_route
 from agentkv._types import Pair, SessionOptions
 from agentkv._wire.fields import check_extra_body
 from agentkv._wire.json import JSONDecodeError, loads
@@ -242,6 +243,7 @@ class _Twin(Generic[SessionT]):
         tool_choice: Any = None,
         extra_body: Mapping[str, Any] | None = None,
         placement_key: str | None = None,
+        route: Route = "pull",
     ) -> SessionT:
         """Open a session, placed on a pair by its id. Use it as a context manager (``async
         with`` on ``AsyncCluster``).
@@ -250,6 +252,10 @@ class _Twin(Generic[SessionT]):
         sampling fields for the decode request) are defaults that each turn can override.
         ``placement_key`` places the session by that key instead of its id: sessions that share
         a prompt prefix and a key land on the same pair, whose prefill cache holds the prefix.
+        ``route`` is how each turn's prompt reaches decode (a turn can override it): ``"pull"``
+        (prefill pulls the KV back; the default), ``"decode"`` (the session's decode computes
+        the new tokens itself), ``"recompute"``, or ``"auto"`` (the policy chooses per turn,
+        ``CachePolicy.route``: short appends on decode, the rest pulled).
         """
         self._pool.check_open()
         check_extra_body(extra_body or {})
@@ -259,6 +265,7 @@ class _Twin(Generic[SessionT]):
             tools=tuple(tools) if tools else None,
             tool_choice=tool_choice,
             extra_body=types.MappingProxyType(dict(extra_body or {})),
+            route=check_route(route),
         )
         resolved = policy or self._pool.policy
         return self._hand_out(

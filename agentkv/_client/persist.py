@@ -57,6 +57,7 @@ from agentkv._client.turn_log import TurnLog
 from agentkv._exceptions import AgentKVError, SessionLoadError
 from agentkv._policy import CachePolicy
 from agentkv._prompt.transcript import TOKEN_TYPECODE, Span, Transcript
+from agentkv._route import check_route
 from agentkv._types import HandleState, KVHandle, Message, SessionOptions
 from agentkv._wire.handoff import split_params
 from agentkv._wire.hints import HintError
@@ -118,6 +119,7 @@ def _policy_items(policy: CachePolicy) -> tuple[tuple[str, Any], ...]:
 def _policy_json(policy: CachePolicy) -> dict[str, Any]:
     saved = dict(_policy_items(policy))
     saved["tier_cost"] = dict(saved["tier_cost"])  # the caller's own copy, as the rest is
+    saved["route"] = {**saved["route"], "cost": dict(saved["route"]["cost"])}
     return saved
 
 
@@ -128,6 +130,7 @@ def _options_json(options: SessionOptions) -> dict[str, Any]:
         "tools": [dict(tool) for tool in options.tools] if options.tools else None,
         "tool_choice": options.tool_choice,
         "extra_body": dict(options.extra_body),
+        "route": options.route,
     }
 
 
@@ -343,6 +346,7 @@ def _options(data: Mapping[str, Any]) -> SessionOptions:
         tools=tuple(tools) if tools else None,
         tool_choice=data.get("tool_choice"),
         extra_body=MappingProxyType(dict(_field(data, "extra_body", dict))),
+        route=check_route(data.get("route", "pull")),  # saved before routes: pull
     )
 
 

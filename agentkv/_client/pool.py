@@ -135,6 +135,8 @@ class PairPool:
         )
         # Outstanding tokens per prefill: sent, not answered yet (what a turn adds, see _turn).
         self._prefill_loads = dict.fromkeys(self._prefills, 0)
+        # Tokens of local prefill in flight per decode server (the ``decode`` route's turns).
+        self._decode_queued = dict.fromkeys(self._pairs, 0)
         self._prefill_down: dict[str, float] = {}
         self._templates: dict[str, ChatTemplate] = {}
         self._probes: dict[str, asyncio.Task[bool]] = {}
@@ -281,6 +283,17 @@ class PairPool:
     def prefill_end(self, name: str, tokens: int) -> None:
         """The request ``prefill_begin`` counted is answered (or failed)."""
         self._prefill_loads[name] = max(0, self._prefill_loads[name] - tokens)
+
+    def decode_queued(self, pair: Pair) -> int:
+        """Tokens this pool's turns are computing on ``pair``'s decode itself (the ``decode``
+        route), sent and not answered yet."""
+        return self._decode_queued[pair.name]
+
+    def decode_begin(self, pair: Pair, tokens: int) -> None:
+        self._decode_queued[pair.name] += tokens
+
+    def decode_end(self, pair: Pair, tokens: int) -> None:
+        self._decode_queued[pair.name] = max(0, self._decode_queued[pair.name] - tokens)
 
     # --- health --------------------------------------------------------------------------------
 

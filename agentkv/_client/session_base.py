@@ -23,6 +23,7 @@ from agentkv._policy import CachePolicy
 from agentkv._prompt.history import NOTHING_NEW, HistoryPlan
 from agentkv._prompt.template import tools_key
 from agentkv._prompt.transcript import TranscriptView
+from agentkv._route import check_route
 from agentkv._types import (
     KVHandle,
     Message,
@@ -61,6 +62,7 @@ def merge_options(options: SessionOptions, overrides: TurnOverrides) -> SessionO
         tools=tuple(tools) if tools else None,
         tool_choice=overrides.get("tool_choice", options.tool_choice),
         extra_body=MappingProxyType(dict(extra)),
+        route=check_route(overrides.get("route", options.route)),
     )
 
 

@@ -23,6 +23,7 @@ from agentkv._exceptions import PrefixDivergedError, SessionBusyError, SessionLo
 from agentkv._policy import CachePolicy
 from agentkv._prompt.template import tools_key
 from agentkv._prompt.transcript import Transcript, TurnPrompt
+from agentkv._route import TakenRoute
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TurnStats
 from agentkv._wire.decode_answer import no_handle_cause
 from agentkv._wire.handoff import DecodeResult, PrefillResult, TurnRequest
@@ -64,15 +65,17 @@ class TurnOutcome:
     """A turn that succeeded, as the turn hands it to ``SessionState.commit``.
 
     ``attached`` is the handle the P leg carried (if any), ``handle_state`` and ``handle_reason``
-    say why it was or was not; times are seconds (``ttft_s`` from the call, ``server_ttft_s`` from
-    the P leg's start); ``final`` says the turn asked decode to pin nothing.
+    say why it was or was not; on the ``decode`` route there is no P leg (``prefill`` is
+    ``None``) and ``attached`` is the handle whose blocks decode's cache held; times are
+    seconds (``ttft_s`` from the call, ``server_ttft_s`` from the first leg's start);
+    ``final`` says the turn asked decode to pin nothing.
     """
 
     prompt: TurnPrompt
     result: DecodeResult
     pair: Pair
     prefill_name: str
-    prefill: PrefillResult
+    prefill: PrefillResult | None
     attached: KVHandle | None
     handle_state: HandleState
     handle_reason: str
@@ -87,6 +90,8 @@ class TurnOutcome:
     tools: Sequence[Mapping[str, Any]] | None
     # The tier reference the P leg carried instead of a handle (``HandleState.TIER``).
     tier: TierRef | None = None
+    route: TakenRoute = "pull"
+    route_reason: str = ""
 
 
 class Lifecycle(enum.Enum):
@@ -309,10 +314,22 @@ class SessionState:
         self.wire.extend(m.to_openai() for m in prompt.messages)
         self.wire.append(result.message.to_openai())
         prompt_len = len(prompt)
-        reused = min(outcome.prefill.cached_tokens, prompt_len)
-        if prefill_name != self.last_prefill:
-            self.prefilled = 0  # another prefill: its prefix cache holds nothing of ours
-        self.last_prefill = prefill_name
+        if outcome.prefill is None:  # the decode route: decode's own prefix-cache hits
+            reused = min(result.cached_tokens or 0, prompt_len)
+            pulled = 0
+        else:
+            reused = min(outcome.prefill.cached_tokens, prompt_len)
+            if prefill_name != self.last_prefill:
+                self.prefilled = 0  # another prefill: its prefix cache holds nothing of ours
+            self.last_prefill = prefill_name
+            pulled = pulled_estimate(
+                reused=reused,
+                attached=outcome.attached,
+                prefilled_before=self.prefilled,
+                block_size=block_size,
+                tier=outcome.tier,
+            )
+            self.prefilled = prompt_len
         stats = TurnStats(
             session_id=self.session_id,
             turn=self.transcript.version,
@@ -320,13 +337,7 @@ class SessionState:
             prefill=prefill_name,
             prompt_tokens=prompt_len,
             reused_tokens=reused,
-            pulled_tokens=pulled_estimate(
-                reused=reused,
-                attached=outcome.attached,
-                prefilled_before=self.prefilled,
-                block_size=block_size,
-                tier=outcome.tier,
-            ),
+            pulled_tokens=pulled,
             computed_tokens=prompt_len - reused,
             generated_tokens=len(result.token_ids),
             ideal_reused_tokens=min(
@@ -342,6 +353,8 @@ class SessionState:
             handle_reason=outcome.handle_reason,
             retries=outcome.retries,
             extends=outcome.extends,
+            route=outcome.route,
+            route_reason=outcome.route_reason,
         )
         self.turns.append(stats)
         self.handle = result.handle
@@ -359,7 +372,6 @@ class SessionState:
                 else "decode returned no handle",
             )
         self.ideal_base = prompt_len + len(result.token_ids) - 1
-        self.prefilled = prompt_len
         turn_logger().info(
             "agentkv.turn",
             session_id=self.session_id,
@@ -375,6 +387,8 @@ class SessionState:
             server_ttft_ms=round(stats.server_ttft_s * 1000.0, 3),
             handle_state=stats.handle_state.value,
             handle_reason=stats.handle_reason,
+            route=stats.route,
+            route_reason=stats.route_reason,
             retries=stats.retries,
             extends=stats.extends,
             final=final,

@@ -290,26 +290,35 @@ class TurnRunner:
         # Asked once per decode server, then cached: whether to send hints at all.
         supported = await pool.leases.supported(pair.decode)
         await confirm_loaded(pool, state, supported, len(prompt))
-        taken = take_handle(pool, state, prompt)
+        taken = take_handle(pool, state, prompt, pair=pair, route=self._options.route)
         sent, handle_state, reason, tier = taken.sent, taken.state, taken.reason, taken.tier
+        route = taken.route
         self._handle_state = handle_state
         if taken.unsent is not None:
             await release_handle(pool, state, taken.unsent, reason=handle_state.value)
         ids = json_fragment(prompt.json_ids())
 
         t_prefill = self._t_prefill = time.perf_counter()
-        prefill, prefill_name = await self._p_leg(pair, request, ids, sent, len(prompt), tier=tier)
+        prefill: PrefillResult | None = None
+        prefill_name = ""
+        if route.route != "decode":
+            prefill, prefill_name = await self._p_leg(
+                pair, request, ids, sent, len(prompt), tier=tier
+            )
+            served = prefill.tier_load if tier is not None else None
+            if served is not None and served.short:  # the server's reason: never served
+                reason = f"{reason}; {served.describe()}" if reason else served.describe()
         t_decode = time.perf_counter()
-        served = prefill.tier_load if tier is not None else None
-        if served is not None and served.short:  # the server's reason: never served, recomputed
-            reason = f"{reason}; {served.describe()}" if reason else served.describe()
 
         issued_at = pool.clock()
         # A stock decode ignores the hint; one known to be stock gets the request it expects.
         hint = None if supported is False else state.policy.decide_persist(final=self._final)
         body = decode_body(request, prompt_ids=ids, prefill=prefill, stream=self._stream, hint=hint)
         releasable = supported is True and hint is not None and hint.persist
+        # Tokens decode computes itself (the decode route), counted as its load meanwhile.
+        local = len(prompt) - (sent.num_tokens if sent else 0) if prefill is None else 0
         result: DecodeResult | None = None
+        pool.decode_begin(pair, local)
         try:
             async with contextlib.aclosing(
                 self._decode(pair, request, body, issued_at=issued_at, releasable=releasable)
@@ -321,15 +330,26 @@ class TurnRunner:
                         result = event
         except BaseException:
             # Prefill answered (above), so the handle it carried is done with: free it if the
-            # pull did not (cancelled or a stream left early too, hence in the background).
+            # pull did not (cancelled or a stream left early too, hence in the background). On
+            # the decode route nobody reads it: it is freed the same way.
             if sent is not None and state.policy.decide_release(sent, now=pool.clock()):
                 release_soon(pool, state, sent, reason="decode_failed")
             raise
+        finally:
+            pool.decode_end(pair, local)
         if result is None:  # pragma: no cover - _decode ends with the result or raises
             raise RuntimeError("decode leg ended without a result")
         t_end = time.perf_counter()
-        # The first token's time, from the P leg's start: all of it on the servers (non-streamed,
-        # the whole answer arrives at once).
+        if (
+            prefill is None
+            and sent is not None
+            and state.policy.decide_release(sent, now=pool.clock())
+        ):
+            # The decode route read the old handle's blocks from decode's cache; the new turn's
+            # pin holds them now, so the old pin is only in the way.
+            release_soon(pool, state, sent, reason="decode_route")
+        # The first token's time, from the first leg's start: all of it on the servers
+        # (non-streamed, the whole answer arrives at once).
         server_ttft = self._ttft if self._ttft is not None else t_end - t_prefill
         outcome = TurnOutcome(
             prompt=prompt,
@@ -351,7 +371,14 @@ class TurnRunner:
             final=self._final,
             tools=self._options.tools,
             tier=tier,
+            route=route.route,
+            route_reason=route.reason,
         )
+        yield await self._commit(outcome)
+
+    async def _commit(self, outcome: TurnOutcome) -> TurnResult:
+        """Hand the state what the turn changed; then what the result asks of the new handle."""
+        state, pool, result = self._state, self._pool, outcome.result
         stats = state.commit(outcome, block_size=pool.block_size)
         # The turn's own KV supersedes a persisted one: its entry is obsolete.
         obsolete = state.take_tier()
@@ -365,7 +392,7 @@ class TurnRunner:
         elif self._persist == "disk" and state.handle is not None:
             # Asked for: the next turn is far off. The pin stays if the write fails.
             await persist_handle(pool, state, reason="turn")
-        yield TurnResult(
+        return TurnResult(
             message=result.message,
             token_ids=result.token_ids,
             finish_reason=result.finish_reason,

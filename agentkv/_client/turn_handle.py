@@ -13,7 +13,8 @@ from agentkv._client.leasing import extend_handle, release_handle
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
 from agentkv._prompt.transcript import TurnPrompt
-from agentkv._types import HandleState, KVHandle
+from agentkv._route import Route, RouteDecision
+from agentkv._types import HandleState, KVHandle, Pair
 from agentkv._wire.tier import TierRef
 
 __all__ = ["TakenHandle", "confirm_loaded", "release_unsent", "take_handle"]
@@ -23,11 +24,13 @@ _CONFIRM_TTL_S = defaults.CONFIRM_TTL_S
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TakenHandle:
-    """What a turn does with the session's stored handle.
+    """What a turn does with the session's stored handle, and the way its prompt goes.
 
-    ``sent``: the handle the P leg carries (or ``None``); ``state`` and ``reason``: what the
-    stats say; ``extends``: how often it was extended; ``unsent``: a handle dropped unsent, to
-    release; ``tier``: the file-tier reference to send instead of a handle.
+    ``sent``: the handle the turn reuses (or ``None``): the P leg carries it on the ``pull``
+    route, decode's cache holds its blocks on the ``decode`` route; ``state`` and ``reason``:
+    what the stats say; ``extends``: how often it was extended; ``unsent``: a handle dropped
+    unsent, to release; ``tier``: the file-tier reference the P leg sends instead of a handle;
+    ``route``: the route's decision (``RoutePolicy.decide``).
     """
 
     sent: KVHandle | None
@@ -36,10 +39,14 @@ class TakenHandle:
     extends: int
     unsent: KVHandle | None
     tier: TierRef | None
+    route: RouteDecision
 
 
-def take_handle(pool: PairPool, state: SessionState, prompt: TurnPrompt) -> TakenHandle:
-    """Take the stored handle off the session for a turn of ``prompt``.
+def take_handle(
+    pool: PairPool, state: SessionState, prompt: TurnPrompt, *, pair: Pair, route: Route
+) -> TakenHandle:
+    """Take the stored handle off the session for a turn of ``prompt``, and choose its route
+    (``route`` as asked: ``"auto"`` lets the policy choose).
 
     The tier reference (a persisted turn whose tokens the prompt starts with) stays on the
     session until the turn commits: a prefill only reads the tier, so a retry may send it again.
@@ -68,16 +75,32 @@ def take_handle(pool: PairPool, state: SessionState, prompt: TurnPrompt) -> Take
         state.drop_handle(decision.state, decision.reason)
         if state.policy.decide_release(handle, now=now):
             unsent = handle
+    sent = handle if decision.attach else None
+    held = sent.num_tokens if sent is not None else 0
+    routed = state.policy.route.decide(
+        route,
+        new_tokens=prompt_len - held,
+        held_tokens=held,
+        decode_queued=pool.decode_queued(pair),
+        attach=sent is not None,
+        tier=tier is not None,
+    )
+    if routed.route == "recompute" and sent is not None:
+        handle_state, reason = HandleState.UNUSED, "the route is recompute"
+        unsent, sent = sent, None
+    if routed.route != "pull":
+        tier = None  # stays on the session: no prefill runs (decode), or none is to load it
     note, state.wait_note = state.wait_note, None
     if note:
         reason = f"{reason}; {note}" if reason else note
     return TakenHandle(
-        sent=handle if decision.attach else None,
+        sent=sent,
         state=handle_state,
         reason=reason,
         extends=handle.extends if handle is not None else 0,
         unsent=unsent,
         tier=tier,
+        route=routed,
     )
 
 

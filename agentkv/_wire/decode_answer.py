@@ -100,6 +100,7 @@ def parse_decode(
     params = None if raw_params is None else _kv_params(data, url, leg)
     usage = data.get("usage")
     prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    cached_tokens = _cached_tokens(usage)
     logprobs = _logprobs(choice, url)
     return DecodeResult(
         message=_assistant(
@@ -108,6 +109,7 @@ def parse_decode(
         token_ids=tuple(token_ids),
         finish_reason=finish_reason,
         prompt_tokens=prompt_tokens if _int(prompt_tokens) else None,
+        cached_tokens=cached_tokens,
         handle=_decode_handle(
             params,
             url=url,
@@ -122,6 +124,14 @@ def parse_decode(
         logprobs=None if logprobs is None else tuple(logprobs),
         stop_reason=_stop_reason(stop_reason),
     )
+
+
+def _cached_tokens(usage: object) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``, when decode reported it (the turns that
+    compute on decode read their reuse from it; a D leg's counts the pulled KV too)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if _int(cached) else None
 
 
 def _stop_reason(value: object) -> str | int | None:
@@ -214,6 +224,7 @@ class StreamAccumulator:
     """
 
     __slots__ = (
+        "_cached_tokens",
         "_calls",
         "_finish",
         "_logprobs",
@@ -234,6 +245,7 @@ class StreamAccumulator:
         self._finish: str | None = None
         self._params: Mapping[str, Any] | None = None
         self._prompt_tokens: int | None = None
+        self._cached_tokens: int | None = None
         self._stop_reason: object = None
         self._logprobs: list[float] | None = None
         self.has_tokens = False
@@ -258,6 +270,7 @@ class StreamAccumulator:
         usage = chunk.get("usage")
         if isinstance(usage, dict) and _int(usage.get("prompt_tokens")):
             self._prompt_tokens = usage["prompt_tokens"]
+            self._cached_tokens = _cached_tokens(usage)
         choices = chunk.get("choices")
         if not choices:
             return ""
@@ -331,6 +344,7 @@ class StreamAccumulator:
             token_ids=tuple(self._token_ids),
             finish_reason=self._finish,
             prompt_tokens=self._prompt_tokens,
+            cached_tokens=self._cached_tokens,
             # Without params the text has already reached the caller: failing the turn now
             # would only lose it, so it ends without a handle (the log event says why).
             handle=_decode_handle(

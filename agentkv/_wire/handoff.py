@@ -138,10 +138,18 @@ class DecodeResult:
     finish_reason: str
     prompt_tokens: int | None
     handle: KVHandle | None
+    # Decode's ``usage.prompt_tokens_details.cached_tokens``, when reported.
+    cached_tokens: int | None = None
     # One per generated token, when the request asked for them (``logprobs: true``).
     logprobs: tuple[float, ...] | None = None
     # vLLM's ``stop_reason``: the stop string (or stop token id) that ended the output.
     stop_reason: str | int | None = None
+
+
+# The decode route's params: nothing to pull, nothing to send.
+_LOCAL: Mapping[str, Any] = MappingProxyType(
+    {"do_remote_prefill": False, "do_remote_decode": False}
+)
 
 
 def prefill_body(
@@ -176,15 +184,18 @@ def decode_body(
     request: TurnRequest,
     *,
     prompt_ids: Any,
-    prefill: PrefillResult,
+    prefill: PrefillResult | None,
     stream: bool,
     hint: PersistHint | None = None,
 ) -> bytes:
     """The D leg: the real request, carrying prefill's params so decode pulls its blocks.
 
+    Without ``prefill`` (the ``decode`` route) decode computes what its prefix cache lacks
+    itself; its params ask for no transfer, and, being there, for the turn-end pin (vLLM pins
+    after every finished request that carried params, with bidirectional transfer on).
     ``hint`` tells agentkv's extension on decode whether and how long to pin the turn-end KV.
     """
-    kv = prefill.kv_params
+    kv = prefill.kv_params if prefill is not None else _LOCAL
     params = with_hint(kv, hint) if hint is not None else dict(kv)
     params["prompt_token_ids"] = prompt_ids
     body: dict[str, Any] = {

@@ -32,7 +32,7 @@ from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._open_store import open_store
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
-from agentkv.proxy._request import persist_from
+from agentkv.proxy._request import persist_from, route_from
 from agentkv.proxy._responses import ResponsesService
 from agentkv.proxy._shape import turn_stats_json
 from agentkv.proxy._store import SessionStore
@@ -175,6 +175,7 @@ class _Proxy:
             session_header=request.headers.get("x-session-id"),
             started=started,
             persist=persist_from(request.headers.get("x-agentkv-persist")),
+            route=route_from(request.headers.get("x-agentkv-route")),
         )
 
     async def create_response(self, request: Request) -> Response:
@@ -186,6 +187,7 @@ class _Proxy:
             principal=principal,
             session_header=request.headers.get("x-session-id"),
             started=started,
+            route=route_from(request.headers.get("x-agentkv-route")),
         )
 
     async def models(self, request: Request) -> Response:

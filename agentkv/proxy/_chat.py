@@ -29,6 +29,7 @@ from agentkv._core import (
     HistoryPlan,
     Message,
     PersistMode,
+    Route,
     TextDelta,
     TurnOverrides,
     TurnResult,
@@ -274,6 +275,7 @@ class ChatService:
         started: float,
         shape: AnswerShape | None = None,
         persist: PersistMode = "auto",
+        route: Route | None = None,
     ) -> Response:
         """Answer one chat completion request (``ProxyError`` or agentkv errors on failure).
 
@@ -282,7 +284,8 @@ class ChatService:
         ``shape`` writes the answer (default: a chat completion; ``/v1/responses`` passes its
         own after translating its request into a chat completion request). ``persist`` is the
         turn's persist option (``X-AgentKV-Persist``: ``disk`` persists the turn-end KV to
-        decode's file tier right after the answer).
+        decode's file tier right after the answer); ``route`` the turn's route
+        (``X-AgentKV-Route``), else the session's.
         """
         request = parse_chat_request(
             body, model=self._cluster.model, default_max_tokens=self._config.default_max_tokens
@@ -322,6 +325,8 @@ class ChatService:
             "tool_choice": tools.tool_choice,
             "extra_body": await self._salted(tools.extra, principal),
         }
+        if route is not None:
+            overrides["route"] = route
         if request.stream:
             return await self._stream(
                 lease,

@@ -24,7 +24,15 @@ from typing import Any
 
 import structlog
 
-from agentkv._core import PASSED_FIELDS, InvalidMessageError, Message, PersistMode, refusal
+from agentkv._core import (
+    PASSED_FIELDS,
+    ROUTES,
+    InvalidMessageError,
+    Message,
+    PersistMode,
+    Route,
+    refusal,
+)
 from agentkv.proxy._errors import ProxyError
 
 __all__ = ["ChatRequest", "parse_chat_request", "session_id_from"]
@@ -228,3 +236,18 @@ def persist_from(header: str | None) -> PersistMode:
 
 
 _PERSIST_MODES: Mapping[str, PersistMode] = {"disk": "disk", "pin": "pin", "auto": "auto"}
+
+
+def route_from(header: str | None) -> Route | None:
+    """The turn's route from ``X-AgentKV-Route: auto | pull | decode | recompute`` (absent:
+    the session's own, ``pull`` unless the proxy was told otherwise).
+
+    ``auto`` lets agentkv's policy choose per turn: a short append is computed on the session's
+    decode itself (nothing moves, one request), a longer one pulled back to prefill.
+    """
+    if header is None:
+        return None
+    route = header.strip().lower()
+    if route not in ROUTES:
+        raise _bad(f"X-AgentKV-Route is one of {', '.join(ROUTES)}", "X-AgentKV-Route")
+    return route

@@ -26,7 +26,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from agentkv._core import Message
+from agentkv._core import Message, Route
 from agentkv.proxy._chat import ChatService
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._registry import SessionRegistry
@@ -118,7 +118,13 @@ class ResponsesService:
         return stored
 
     async def create(
-        self, body: object, *, principal: str, session_header: str | None, started: float
+        self,
+        body: object,
+        *,
+        principal: str,
+        session_header: str | None,
+        started: float,
+        route: Route | None = None,
     ) -> Response:
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
@@ -156,4 +162,5 @@ class ResponsesService:
             session_header=session_header,
             started=started,
             shape=shape,
+            route=route,
         )

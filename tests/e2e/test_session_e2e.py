@@ -71,10 +71,12 @@ def _fresh_salt() -> dict[str, str]:
     return {"cache_salt": uuid.uuid4().hex}
 
 
-def _conversation(cluster_file: Path, policy: CachePolicy, *, salted: bool = False) -> list[Turn]:
+def _conversation(
+    cluster_file: Path, policy: CachePolicy, *, salted: bool = False, route: agentkv.Route = "pull"
+) -> list[Turn]:
     extra_body = {**LOGPROBS, **(_fresh_salt() if salted else {})}
     with agentkv.Cluster.from_file(cluster_file) as cluster, cluster.session(
-        max_tokens=24, policy=policy, extra_body=extra_body
+        max_tokens=24, policy=policy, extra_body=extra_body, route=route
     ) as session:
         session.append(Message.system(SYSTEM))
         turns = []
@@ -141,6 +143,32 @@ def test_greedy_outputs_with_reuse_equal_outputs_without_it(
     without = _conversation(cluster_file, NO_HANDLE)
     assert all(r.stats.handle_state is HandleState.ATTACHED for r, _ in with_reuse[1:])
     assert all(r.stats.handle_state is not HandleState.ATTACHED for r, _ in without)
+    _assert_same_answers(local_cluster, with_reuse, without)
+
+
+def test_the_decode_route_reuses_decodes_own_cache_and_answers_as_a_pull_does(
+    local_cluster: ClusterRecord, cluster_file: Path
+) -> None:
+    """Turns >= 2 on the decode route send one request, to decode, which reuses the previous
+    turn's whole blocks from its own prefix cache (the pinned turn-end KV) and computes the rest;
+    the answers are the pulled run's, with no logprob further from a cold recompute than the
+    dtype's rounding."""
+    local = _conversation(cluster_file, CachePolicy(), salted=True, route="decode")
+    pulled = _conversation(cluster_file, CachePolicy(), salted=True)
+    block = _block_size(local_cluster.pairs[0].decode.url)
+    for result, _ in local[1:]:
+        stats = result.stats
+        assert (stats.route, stats.prefill, stats.pulled_tokens) == ("decode", "", 0)
+        assert stats.handle_state is HandleState.ATTACHED, stats.handle_reason
+        ideal = stats.ideal_reused_tokens
+        assert ideal // block * block <= stats.reused_tokens <= ideal + 1, stats
+    _assert_same_answers(local_cluster, local, pulled)
+
+
+def _assert_same_answers(cluster: ClusterRecord, runs: list[Turn], others: list[Turn]) -> None:
+    """No wrong KV in either run, and the same greedy answers up to a first difference at a
+    near-tie (after which the prompts differ and nothing more is compared)."""
+    local_cluster, with_reuse, without = cluster, runs, others
     _assert_no_wrong_kv(local_cluster, with_reuse)
     _assert_no_wrong_kv(local_cluster, without)
     tolerance = _tolerance(local_cluster)
