@@ -19,6 +19,9 @@ The rest is not public, and is here for a reason each:
   tree (the proxy's tool-parser probe, the benchmark's baselines).
 - ``AUTO``/``NONE``/``REQUIRED``/``PASSED_FIELDS``/``refusal``: the request-field table (what a
   front end passes to decode, what it refuses and why).
+- ``Transcript``/``ChatTemplate``/``ServerRenderer``: a turn's exact prompt built as a session
+  builds it, without sending it through a pair (the benchmark's ``limit`` mode serves it on one
+  server, so its token counts match the SDK modes').
 - the hint and file-tier wire values and routes: the benchmark's legs, ``agentkv status`` and the
   protocol-faithful fakes in ``agentkv.testing`` speak them. (The vLLM side, ``agentkv.connector``,
   is the protocol's other end and imports ``agentkv._wire`` itself.)
@@ -46,6 +49,8 @@ from agentkv._exceptions import (
 )
 from agentkv._policy import PersistMode
 from agentkv._prompt.history import HistoryPlan
+from agentkv._prompt.template import ChatTemplate, ServerRenderer
+from agentkv._prompt.transcript import Transcript
 from agentkv._route import ROUTES, Route
 from agentkv._types import (
     HandleState,
@@ -104,6 +109,7 @@ __all__ = [
     "AsyncCluster",
     "AsyncSession",
     "BadRequestError",
+    "ChatTemplate",
     "Cluster",
     "ConfigError",
     "ExtendRequest",
@@ -128,6 +134,7 @@ __all__ = [
     "Route",
     "RoutingError",
     "ServerInfo",
+    "ServerRenderer",
     "SessionBusyError",
     "SessionClosedError",
     "TemplateError",
@@ -139,6 +146,7 @@ __all__ = [
     "ToolCall",
     "ToolDefinitionError",
     "ToolSpec",
+    "Transcript",
     "TransportError",
     "TurnOverrides",
     "TurnResult",

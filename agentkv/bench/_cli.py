@@ -41,8 +41,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--cluster-file", help="cluster file (default $AGENTKV_CLUSTER or "
                    ".agentkv/cluster.json)")
     p.add_argument("--modes", default=",".join(m.value for m in DEFAULT_MODES),
-                   help="comma-separated: disagg, affinity, agentkv, tier, oracle, aggregated "
-                   "(default %(default)s)")
+                   help="comma-separated: disagg, affinity, agentkv, tier, oracle, limit, "
+                   "aggregated (default %(default)s)")
     p.add_argument("--sessions", type=int, default=_DEFAULTS.sessions,
                    help="sessions per mode (default %(default)s)")
     p.add_argument("--turns", type=int, default=_DEFAULTS.turns,
@@ -161,6 +161,15 @@ def summary_table(report: Mapping[str, Any]) -> str:
             lines.append(
                 f"{mode} through a pause: {_fmt(s['paused_decode_tokens_mean'])} tokens pinned "
                 f"on decode, {_fmt(s['paused_tier_tokens_mean'])} in the file tier (mean)"
+            )
+    for mode, block in report["modes"].items():
+        s = block["summary"]
+        if "computed_tokens_mean_after_first_turn" in s:
+            old = s["old_tokens_recomputed_max_after_first_turn"]
+            lines.append(
+                f"{mode} computed per turn >= 2: {_fmt(s['computed_tokens_mean_after_first_turn'])}"
+                f" tokens (mean), at most {'-' if old is None else old} of them from the "
+                "previous turn (prefix caching keeps whole blocks only)"
             )
     for name, block in report.get("ratios", {}).items():
         turns = ", ".join("-" if r is None else f"{r:.2f}" for r in block["by_turn"])

@@ -32,6 +32,11 @@ class Mode(enum.StrEnum):
     """The limit of reuse: before each turn, off the clock, prefill's cache is filled with the
     previous turn's prompt and output, so the timed turn pulls nothing and computes only what
     follows the last whole cached block (the new tokens, and at most one block's tail)."""
+    LIMIT = "limit"
+    """The limit of a turn: no P/D split, nothing transferred. Each turn's exact prompt goes to
+    the decode server alone, whose prefix cache was filled off the clock with the previous
+    turn's prompt and output: it computes the new tokens and, as prefix caching keeps whole
+    blocks only, at most one block's tail of the previous turn."""
     TIER = "tier"
     """The agentkv SDK, and in every pause between turns the turn-end KV moves to decode's file
     tier (decode's pin freed): the next turn's prefill loads it from the tier."""

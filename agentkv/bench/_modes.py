@@ -15,10 +15,14 @@ tier       the tier reference after    one per session     pinned until the paus
 oracle     never; the previous turn's  one per session     no
            tokens prefilled off the
            clock before each turn
+limit      no P leg: the turn goes to  one per session     no (a local request; the
+           decode alone, whose cache                       previous turn's tokens are
+           holds the previous turn                         filled off the clock)
 =========  ==========================  ==================  =============================
 
 ``aggregated`` sends ordinary streamed chat completions (the server renders the messages) to the
-prefill server alone, with one salt per session.
+prefill server alone, with one salt per session. ``limit`` (``_limit.py``) sends the SDK's exact
+prompt ids to the decode server alone: only the new tokens (and a block's tail) are computed.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from agentkv import AsyncCluster, AsyncSession, CachePolicy, Message, TurnResult
 from agentkv._core import dumps, stream_events
 from agentkv.bench._config import Mode
 from agentkv.bench._legs import LegRewriter
-from agentkv.bench._samples import TurnSample
+from agentkv.bench._limit import LimitRunner, fill_cache
+from agentkv.bench._samples import Held, TurnSample
 from agentkv.bench._workload import TurnScript
 
 __all__ = [
@@ -56,14 +61,6 @@ _NO_STREAMED_HANDLE = (
 )
 # Never attach a handle: a policy whose reuse floor no handle reaches.
 NEVER_ATTACH = CachePolicy(min_reuse_tokens=2**62)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Held:
-    """Where a session's turn-end KV stays through a pause: tokens pinned on decode, in its tier."""
-
-    decode_tokens: int = 0
-    tier_tokens: int = 0
 
 
 # A pin kept through a pause outlasts it by this much (the SDK's own extend slack).
@@ -277,6 +274,12 @@ def open_runner(
             index=index, client=client, url=target.urls("prefill")[0], model=target.model,
             system=system, salt=salt,
         )
+    if mode is Mode.LIMIT:
+        client = httpx2.AsyncClient(transport=NotOwned(target.transport), timeout=600.0)
+        return LimitRunner(
+            index=index, client=client, url=target.urls("decode")[0], model=target.model,
+            system=system, salt=salt, stream=stream,
+        )
     warm = None
     if mode is Mode.ORACLE:
         warm = CacheFiller(target, salt)
@@ -314,10 +317,9 @@ class CacheFiller:
 
     The fill is a P-leg-shaped chat request (the prompt as ``kv_transfer_params.prompt_token_ids``,
     which vLLM's ``OnlineRenderer`` takes instead of the messages) without ``do_remote_decode``:
-    prefill computes the tokens, keeps their blocks in its prefix cache and hands nothing on.
+    prefill computes the tokens, keeps their blocks in its prefix cache and hands nothing on
+    (``fill_cache``, which the ``limit`` mode sends to decode).
     """
-
-    _PLACEHOLDER = ({"role": "user", "content": "."},)  # required by the route, never rendered
 
     def __init__(self, target: ClusterTarget, salt: str) -> None:
         self._client = httpx2.AsyncClient(transport=NotOwned(target.transport), timeout=600.0)
@@ -325,20 +327,8 @@ class CacheFiller:
         self._salt = salt
 
     async def __call__(self, session: AsyncSession) -> None:
-        body = {
-            "model": self._model,
-            "messages": list(self._PLACEHOLDER),
-            "max_tokens": 1,
-            "stream": False,
-            "cache_salt": self._salt,
-            "kv_transfer_params": {"prompt_token_ids": list(session.transcript.token_ids)},
-        }
-        response = await self._client.post(
-            session.pair.prefill + "/v1/chat/completions",
-            content=dumps(body),
-            headers={"content-type": "application/json"},
-        )
-        response.raise_for_status()
+        await fill_cache(self._client, session.pair.prefill, model=self._model, salt=self._salt,
+                         token_ids=session.transcript.token_ids)
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -19,6 +19,7 @@ _COLORS = {
     "affinity": "#e67e22",
     "agentkv": "#2471a3",
     "oracle": "#27ae60",
+    "limit": "#1e8449",
     "aggregated": "#7f8c8d",
 }
 

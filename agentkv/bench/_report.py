@@ -16,6 +16,10 @@ on those turns; ``throughput_tokens_per_s`` is the mode's generated tokens over 
 wall-clock time of its turns (request to last token), i.e. what one agent sees. With think time,
 ``paused_decode_tokens_mean`` and ``paused_tier_tokens_mean`` are the tokens of a session's KV
 held pinned in decode's memory, and in decode's file tier, through a pause (mean over pauses).
+The ``limit`` mode's summary adds ``computed_tokens_mean_after_first_turn`` (prompt less the
+server's cached tokens, mean over turns >= 2) and ``old_tokens_recomputed_max_after_first_turn``
+(the most tokens of the previous turn's prompt and output that a turn recomputed: below the
+block size when only prefix caching's whole-block rule costs anything).
 """
 
 from __future__ import annotations
@@ -63,8 +67,11 @@ def _value(sample: TurnSample | None, name: str) -> float | int | None:
     return value
 
 
-def summarize(samples: Iterable[TurnSample]) -> dict[str, float | None]:
-    """The summary block of one mode (``None`` where nothing was measured)."""
+def summarize(
+    samples: Iterable[TurnSample], *, computed: bool = False
+) -> dict[str, float | None]:
+    """The summary block of one mode (``None`` where nothing was measured); ``computed`` adds
+    what the turns >= 2 computed (the ``limit`` mode's check on itself)."""
     ok = [s for s in samples if s.ok]
     later = [s for s in ok if s.turn >= 2]
     ttfts = [s.ttft_s * 1000.0 for s in later]
@@ -82,6 +89,14 @@ def summarize(samples: Iterable[TurnSample]) -> dict[str, float | None]:
         "reuse_vs_ideal": rounded(reused / ideal if ideal else None, 5),
         "throughput_tokens_per_s": rounded(generated / seconds if seconds > 0 else None, 3),
     }
+    if computed:
+        # ideal + 1 is the previous turn's prompt and output: what the cache could have held.
+        old = [s.ideal_reused_tokens + 1 - s.reused_tokens for s in later if s.ideal_reused_tokens]
+        summary["computed_tokens_mean_after_first_turn"] = rounded(
+            statistics.fmean(s.prompt_tokens - s.reused_tokens for s in later) if later else None,
+            1,
+        )
+        summary["old_tokens_recomputed_max_after_first_turn"] = max(old) if old else None
     paused = [s for s in ok if s.paused_decode_tokens is not None]
     if paused:
         summary["paused_decode_tokens_mean"] = rounded(
@@ -93,7 +108,9 @@ def summarize(samples: Iterable[TurnSample]) -> dict[str, float | None]:
     return summary
 
 
-def _mode_block(config: BenchConfig, samples: Sequence[TurnSample]) -> dict[str, Any]:
+def _mode_block(
+    config: BenchConfig, samples: Sequence[TurnSample], *, mode: Mode
+) -> dict[str, Any]:
     by_key = {(s.session, s.turn): s for s in samples}
     turns = []
     for turn in range(1, config.turns + 1):
@@ -101,7 +118,7 @@ def _mode_block(config: BenchConfig, samples: Sequence[TurnSample]) -> dict[str,
         for name in _TURN_FIELDS:
             row[name] = [_value(by_key.get((i, turn)), name) for i in range(config.sessions)]
         turns.append(row)
-    return {"turns": turns, "summary": summarize(samples)}
+    return {"turns": turns, "summary": summarize(samples, computed=mode is Mode.LIMIT)}
 
 
 def build_report(
@@ -111,13 +128,15 @@ def build_report(
     environment: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The JSON report of a run: ``config`` (with ``environment`` merged in) and ``modes``, and
-    ``ratios`` (see :func:`ratios`) when the oracle ran."""
+    ``ratios`` (see :func:`ratios`) when the oracle or the limit ran."""
     by_mode: dict[Mode, list[TurnSample]] = {mode: [] for mode in config.modes}
     for sample in samples:
         by_mode[sample.mode].append(sample)
     report: dict[str, Any] = {
         "config": {**config.to_json(), **environment},
-        "modes": {mode.value: _mode_block(config, by_mode[mode]) for mode in config.modes},
+        "modes": {
+            mode.value: _mode_block(config, by_mode[mode], mode=mode) for mode in config.modes
+        },
     }
     errors = [
         {"mode": s.mode.value, "session": s.session, "turn": s.turn, "error": s.error}
@@ -127,24 +146,26 @@ def build_report(
     ]
     if errors:
         report["errors"] = errors
-    if Mode.ORACLE in config.modes:  # the issue's shape otherwise; speedups() reads it
+    if Mode.ORACLE in config.modes or Mode.LIMIT in config.modes:
+        # The issue's shape otherwise; speedups() reads it.
         report["ratios"] = ratios(report)
     return report
 
 
 def ratios(report: Mapping[str, Any], *, mode: str = Mode.AGENTKV.value) -> dict[str, Any]:
-    """``mode``'s TTFT as a ratio to ``oracle`` and to ``disagg``: overall (p50 of turns >= 2)
-    and per turn (median across sessions), for the references that ran.
+    """``mode``'s TTFT as a ratio to ``limit``, ``oracle`` and ``disagg``: overall (p50 of turns
+    >= 2) and per turn (median across sessions), for the references that ran.
 
-    A ratio to the oracle near 1 means reuse costs next to nothing over its limit; a ratio to
-    disagg below 1 is the speedup's inverse.
+    A ratio to the limit near 1 means reuse costs next to nothing over serving the turn where its
+    KV already is (only the new tokens computed, nothing transferred); the oracle is the P/D path
+    with prefill's cache filled, and no limit. A ratio to disagg below 1 is the speedup's inverse.
     """
     modes = report["modes"]
     if mode not in modes:
         return {}
     out: dict[str, Any] = {}
     ours = modes[mode]
-    for other in (Mode.ORACLE.value, Mode.DISAGG.value):
+    for other in (Mode.LIMIT.value, Mode.ORACLE.value, Mode.DISAGG.value):
         if other not in modes:
             continue
         base = modes[other]

@@ -44,6 +44,11 @@ METHOD = {
     "is told the full length",
     "aggregated": "streamed chat completions to the prefill server alone; one cache_salt per "
     "session; the server renders the messages",
+    "limit": "each turn's exact prompt ids (the SDK's transcript and template) in one request "
+    "to the decode server alone, no P leg, nothing transferred or pinned; before each turn >= 2, "
+    "off the clock, a one-token request of the previous turn's prompt and output fills its "
+    "prefix cache (whole blocks only: up to block_size - 1 old tokens are recomputed); "
+    "reused_tokens is the decode server's cached_tokens",
     "isolation": "each (mode, session) has its own cache_salt prefix, so no mode or session hits "
     "another's cache, and none hits an earlier run's",
     "output_length": "every turn generates exactly its planned tokens (min_tokens = max_tokens)",

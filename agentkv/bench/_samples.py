@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 from agentkv.bench._config import Mode
 
-__all__ = ["TurnSample"]
+__all__ = ["Held", "TurnSample"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Held:
+    """Where a session's turn-end KV stays through a pause: tokens pinned on decode, in its tier."""
+
+    decode_tokens: int = 0
+    tier_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

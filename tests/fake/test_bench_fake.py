@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx2
 import pytest
 import structlog
 
@@ -200,3 +201,95 @@ def test_in_long_pauses_tier_frees_decode_and_resumes_at_the_ideal_while_agentkv
     )
     assert report["modes"]["disagg"]["summary"]["reuse_vs_ideal"] == 0.0
     assert not fake.tier.ids  # every session closed: nothing left in the tier
+
+
+class Recording(httpx2.AsyncBaseTransport):
+    """Passes requests to the fake pair and keeps each one's host, path and JSON body."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.seen = []
+
+    async def handle_async_request(self, request):
+        content = await request.aread()
+        body = json.loads(content) if content else None
+        self.seen.append((request.url.host, request.url.path, body))
+        return await self._inner.handle_async_request(request)
+
+
+def recorded_bench(modes, **settings):
+    fake = fake_pair()
+    recording = Recording(fake.transport)
+    config = BenchConfig(modes=parse_modes(modes), **{**SHORT, **settings})
+    target = ClusterTarget(spec=fake.cluster_spec, transport=recording)
+    return fake, recording, config, asyncio.run(run_bench(config, target=target))
+
+
+def chats(recording, salt_prefix):
+    return [
+        (host, body)
+        for host, path, body in recording.seen
+        if path == "/v1/chat/completions" and body.get("cache_salt", "").startswith(salt_prefix)
+    ]
+
+
+def test_the_limit_computes_only_the_new_tokens_on_decode_alone_with_agentkvs_exact_prompts():
+    """`--modes limit,agentkv`: a limit turn is one local request to decode, which computes only
+    the new tokens and at most a block's tail of the previous turn (whole-block caching); its
+    prompts are token for token the ones agentkv's decode legs carry."""
+    fake, recording, config, report = recorded_bench("limit,agentkv")
+    assert "errors" not in report, report.get("errors")
+    assert fake.wrong_reuse_events == 0
+    assert list(report["modes"]) == ["agentkv", "limit"]
+    block = 16  # FakeCluster's block size
+    limit = report["modes"]["limit"]
+    for row in limit["turns"][1:]:
+        rows = zip(row["prompt_tokens"], row["reused_tokens"], row["ideal_reused_tokens"],
+                   strict=True)
+        for prompt, cached, ideal in rows:
+            new = prompt - (ideal + 1)  # the closing and the new message: all the rest was cached
+            assert new <= prompt - cached < new + block
+            assert cached % block == 0
+    summary = limit["summary"]
+    assert 0 <= summary["old_tokens_recomputed_max_after_first_turn"] < block
+    assert summary["computed_tokens_mean_after_first_turn"] > 0
+    assert list(report["ratios"]) == ["agentkv_vs_limit"]
+    assert len(report["ratios"]["agentkv_vs_limit"]["by_turn"]) == 3
+
+    run = config.run_id
+    decode_host = httpx2.URL(fake.decode(0).url).host
+    for session in range(2):
+        legs = chats(recording, f"akvb-{run}-limit-s{session}")
+        # Turn t >= 2 is a fill (one token, the previous turn's tokens) then the timed turn.
+        assert [body["max_tokens"] == 1 for _, body in legs] == [False, True, False, True, False]
+        for host, body in legs:
+            assert host == decode_host  # never the prefill server
+            # vLLM's token-exact channel only: no transfer flags, no handle, so nothing moves.
+            assert set(body["kv_transfer_params"]) == {"prompt_token_ids"}
+        turns = [body for _, body in legs if body["max_tokens"] > 1]
+        fills = [body for _, body in legs if body["max_tokens"] == 1]
+        agentkv = [body for host, body in chats(recording, f"akvb-{run}-agentkv-s{session}")
+                   if host == decode_host]
+        ids = [body["kv_transfer_params"]["prompt_token_ids"] for body in turns]
+        assert ids == [body["kv_transfer_params"]["prompt_token_ids"] for body in agentkv]
+        # Each fill is the previous turn's prompt and output, exactly.
+        for fill, before, after in zip(fills, ids[:-1], ids[1:], strict=True):
+            filled = fill["kv_transfer_params"]["prompt_token_ids"]
+            assert filled[: len(before)] == before
+            assert after[: len(filled)] == filled
+    assert fake.decode(0).pinned_handles <= 2  # agentkv's last turns only; the limit pins none
+
+
+def test_the_limit_alone_never_reaches_the_prefill_server():
+    """Its prompts are rendered by decode's /tokenize too: after the run's calibration (on
+    prefill), every request of the limit's lanes goes to decode."""
+    fake, recording, _, report = recorded_bench("limit", sessions=1, stream=False)
+    assert "errors" not in report, report.get("errors")
+    first_turn = next(i for i, (_, path, _) in enumerate(recording.seen)
+                      if path == "/v1/chat/completions")
+    hosts = {host for host, _, _ in recording.seen[first_turn:]}
+    assert hosts == {httpx2.URL(fake.decode(0).url).host}
+    assert fake.prefill(0).requests == []
+    rows = report["modes"]["limit"]["turns"]
+    assert all(row["reused_tokens"][0] > 0 for row in rows[1:])
+    assert report["config"]["method"]["limit"].startswith("each turn's exact prompt ids")

@@ -101,3 +101,21 @@ def test_the_defaults_are_the_issue_targets_full_run():
 def test_json_output_is_required():
     with pytest.raises(SystemExit):
         parse(["bench"])
+
+
+def test_the_summary_table_prints_what_the_limit_computed_and_agentkv_over_the_limit():
+    base = report()
+    limit_summary = {**base["modes"]["agentkv"]["summary"], "ttft_p50_ms_after_first_turn": 250.0,
+                     "computed_tokens_mean_after_first_turn": 301.5,
+                     "old_tokens_recomputed_max_after_first_turn": 127}
+    data = {
+        **base,
+        "modes": {**base["modes"], "limit": {"turns": base["modes"]["agentkv"]["turns"],
+                                             "summary": limit_summary}},
+        "ratios": {"agentkv_vs_limit": {"ttft_p50_after_first_turn": 1.2,
+                                        "by_turn": [None, 1.1, 1.3]}},
+    }
+    lines = summary_table(data).splitlines()
+    assert lines[3].split()[0] == "limit"
+    assert "limit computed per turn >= 2: 301.5 tokens (mean), at most 127 of them" in lines[4]
+    assert lines[5] == "agentkv / limit TTFT: p50 1.20; by turn -, 1.10, 1.30"

@@ -140,3 +140,65 @@ def test_the_report_carries_ratios_when_the_oracle_ran():
     solo = build_report(BenchConfig(modes=(Mode.AGENTKV,), sessions=1, turns=2),
                         [s for s in samples if s.mode is Mode.AGENTKV], environment={})
     assert "ratios" not in solo
+
+
+def test_ratios_put_agentkv_against_the_limit_first_then_the_other_references():
+    report = {"modes": {
+        "disagg": _mode(800.0, [900.0, 800.0, 1600.0]),
+        "agentkv": _mode(120.0, [900.0, 110.0, 130.0]),
+        "oracle": _mode(150.0, [900.0, 140.0, 160.0]),
+        "limit": _mode(100.0, [880.0, 100.0, None]),
+    }}
+    assert ratios(report) == {
+        "agentkv_vs_limit": {"ttft_p50_after_first_turn": 1.2, "by_turn": [1.023, 1.1, None]},
+        "agentkv_vs_oracle": {"ttft_p50_after_first_turn": 0.8, "by_turn": [1.0, 0.786, 0.812]},
+        "agentkv_vs_disagg": {"ttft_p50_after_first_turn": 0.15,
+                              "by_turn": [1.0, 0.138, 0.081]},
+    }
+    # A limit with no measured turn >= 2 gives no overall ratio, not a division by zero.
+    empty = {"modes": {"agentkv": report["modes"]["agentkv"], "limit": _mode(None, [None] * 3)}}
+    assert ratios(empty) == {
+        "agentkv_vs_limit": {"ttft_p50_after_first_turn": None, "by_turn": [None] * 3}}
+
+
+def test_the_report_carries_ratios_when_only_the_limit_ran_as_a_reference():
+    config = BenchConfig(modes=(Mode.AGENTKV, Mode.LIMIT), sessions=2, turns=3, run_id="r")
+    ttfts = {Mode.AGENTKV: (2.0, 0.33, 0.36), Mode.LIMIT: (2.0, 0.3, 0.3)}
+    samples = [
+        sample(mode=mode, session=s, turn=turn, ttft=ttft + 0.01 * s)
+        for mode in config.modes
+        for s in range(2)
+        for turn, ttft in enumerate(ttfts[mode], start=1)
+    ]
+    report = build_report(config, samples, environment={})
+    assert list(report["modes"]) == ["agentkv", "limit"]
+    block = report["ratios"]["agentkv_vs_limit"]
+    assert list(report["ratios"]) == ["agentkv_vs_limit"]
+    assert block["by_turn"] == [1.0, round(335 / 305, 3), round(365 / 305, 3)]
+    assert block["ttft_p50_after_first_turn"] == round(350.0 / 305.0, 3)
+
+
+def test_the_limit_summary_says_what_its_turns_computed_and_how_much_of_it_was_old():
+    """prompt - cached is what a turn computed; (ideal + 1) - cached is what of the previous
+    turn's prompt and output it recomputed (below the block size for whole-block caching)."""
+    samples = [
+        sample(mode=Mode.LIMIT, turn=1, prompt=500, reused=0, ideal=0),
+        # The previous turn: 515 + 1 tokens; 512 cached (whole blocks of 16), 4 recomputed.
+        sample(mode=Mode.LIMIT, turn=2, prompt=654, reused=512, ideal=515),
+        sample(mode=Mode.LIMIT, turn=3, prompt=899, reused=752, ideal=757),
+        sample(mode=Mode.LIMIT, turn=4, error="boom"),
+    ]
+    summary = summarize(samples, computed=True)
+    assert summary["computed_tokens_mean_after_first_turn"] == (142 + 147) / 2
+    assert summary["old_tokens_recomputed_max_after_first_turn"] == 6
+    assert "computed_tokens_mean_after_first_turn" not in summarize(samples)
+    nothing = summarize(samples[:1], computed=True)
+    assert nothing["computed_tokens_mean_after_first_turn"] is None
+    assert nothing["old_tokens_recomputed_max_after_first_turn"] is None
+    # Only the limit's block carries them: the other modes keep the issue's shape.
+    config = BenchConfig(modes=(Mode.AGENTKV, Mode.LIMIT), sessions=1, turns=3, run_id="r")
+    others = [sample(mode=Mode.AGENTKV, turn=t, prompt=p, reused=r, ideal=r)
+              for t, p, r in ((1, 500, 0), (2, 654, 515), (3, 899, 757))]
+    report = build_report(config, samples[:3] + others, environment={})
+    assert "computed_tokens_mean_after_first_turn" in report["modes"]["limit"]["summary"]
+    assert "computed_tokens_mean_after_first_turn" not in report["modes"]["agentkv"]["summary"]
