@@ -24,6 +24,7 @@ from agentkv.bench._modes import ClusterTarget
 from agentkv.bench._progress import ProgressBar
 from agentkv.bench._report import speedups
 from agentkv.bench._run import run_bench
+from agentkv.bench._trace import SAMPLE_TRACE, ReplayPlan, load_trace, plan_replay
 
 __all__ = ["add_parser", "cmd_bench"]
 
@@ -58,10 +59,22 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--time-scale", type=float, default=_DEFAULTS.time_scale,
                    help="pauses last think time x this in real time; the SDK is told the full "
                    "pause (default %(default)s)")
-    p.add_argument("--concurrency", type=int, default=_DEFAULTS.concurrency,
-                   help="turns in flight at once (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help=f"turns in flight at once (default {_DEFAULTS.concurrency}; with --trace: "
+                   "no cap, the trace's timestamps decide)")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed,
                    help="workload seed (default %(default)s)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="replay this trace (Mooncake JSONL, or kv-cache-tester conversation "
+                   "JSON or a folder of them) instead of synthetic sessions; 'sample' is the "
+                   "shipped Mooncake excerpt (docs/benchmarks.md, Trace replay)")
+    p.add_argument("--trace-limit", type=int, metavar="N",
+                   help="replay only the trace's first N requests")
+    p.add_argument("--length-scale", type=float, default=_DEFAULTS.length_scale,
+                   help="multiply the trace's lengths by this (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len,
+                   help="the served context: trace turns beyond it end their session "
+                   "(default %(default)s)")
     p.add_argument("--json", required=True, metavar="OUT", help="write the report here")
     p.add_argument("--plot", metavar="PNG", help="also write the TTFT-by-turn plot here")
     p.add_argument("--no-stream", action="store_true",
@@ -74,19 +87,48 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=cmd_bench)
 
 
-def _config(args: argparse.Namespace) -> BenchConfig:
+def _trace_path(name: str) -> Path:
+    path = Path(name)
+    return SAMPLE_TRACE if name == "sample" and not path.exists() else path
+
+
+def _replay(args: argparse.Namespace) -> ReplayPlan | None:
+    """The planned trace replay of ``--trace``, or ``None`` for synthetic sessions."""
+    if not args.trace:
+        return None
+    if args.trace_limit is not None and args.trace_limit < 1:
+        raise ConfigError(f"--trace-limit must be >= 1, got {args.trace_limit}")
+    plan = plan_replay(load_trace(_trace_path(args.trace)), limit=args.trace_limit,
+                       length_scale=args.length_scale, max_model_len=args.max_model_len)
+    if not plan.sessions:
+        raise ConfigError(f"no session of {args.trace} fits --max-model-len {args.max_model_len}"
+                          " (lower --length-scale)")
+    return plan
+
+
+def _config(args: argparse.Namespace, replay: ReplayPlan | None = None) -> BenchConfig:
+    modes = parse_modes(args.modes)
+    concurrency = args.concurrency
+    if concurrency is None:
+        # A trace's arrivals set its concurrency: no cap beyond one turn per lane.
+        concurrency = (_DEFAULTS.concurrency if replay is None
+                       else len(modes) * len(replay.sessions))
     return BenchConfig(
-        modes=parse_modes(args.modes),
-        sessions=args.sessions,
-        turns=args.turns,
+        modes=modes,
+        sessions=args.sessions if replay is None else len(replay.sessions),
+        turns=args.turns if replay is None else replay.max_turns,
         context_tokens=args.context_tokens,
         tool_tokens=args.tool_tokens,
         output_tokens=args.output_tokens,
         think_time_s=args.think_time,
         time_scale=args.time_scale,
-        concurrency=args.concurrency,
+        concurrency=concurrency,
         seed=args.seed,
         stream=not args.no_stream,
+        trace=args.trace,
+        trace_limit=args.trace_limit,
+        length_scale=args.length_scale,
+        max_model_len=args.max_model_len,
     )
 
 
@@ -116,9 +158,22 @@ def command_line(config: BenchConfig, *, cluster_file: Path, json_out: str,
     argv = [
         "agentkv", "bench", "--cluster-file", str(cluster_file),
         "--modes", ",".join(m.value for m in config.modes),
-        "--sessions", str(config.sessions), "--turns", str(config.turns),
-        "--context-tokens", str(config.context_tokens), "--tool-tokens", str(config.tool_tokens),
-        "--output-tokens", str(config.output_tokens), "--think-time", f"{config.think_time_s:g}",
+    ]
+    if config.trace is None:
+        argv += [
+            "--sessions", str(config.sessions), "--turns", str(config.turns),
+            "--context-tokens", str(config.context_tokens),
+            "--tool-tokens", str(config.tool_tokens),
+            "--output-tokens", str(config.output_tokens),
+            "--think-time", f"{config.think_time_s:g}",
+        ]
+    else:
+        argv += ["--trace", config.trace]
+        if config.trace_limit is not None:
+            argv += ["--trace-limit", str(config.trace_limit)]
+        argv += ["--length-scale", f"{config.length_scale:g}",
+                 "--max-model-len", str(config.max_model_len)]
+    argv += [
         "--time-scale", f"{config.time_scale:g}",
         "--concurrency", str(config.concurrency), "--seed", str(config.seed), "--json", json_out,
     ]
@@ -171,6 +226,13 @@ def summary_table(report: Mapping[str, Any]) -> str:
                 f" tokens (mean), at most {'-' if old is None else old} of them from the "
                 "previous turn (prefix caching keeps whole blocks only)"
             )
+    workload = report.get("config", {}).get("workload", {})
+    if workload.get("kind") == "trace":
+        lines.append(
+            f"trace {workload['file']}: {workload['requests']} requests in "
+            f"{workload['sessions']} sessions; {workload['clipped_requests']} requests clipped, "
+            f"{workload['skipped_sessions']} sessions skipped (max-model-len)"
+        )
     for name, block in report.get("ratios", {}).items():
         turns = ", ".join("-" if r is None else f"{r:.2f}" for r in block["by_turn"])
         overall = block["ttft_p50_after_first_turn"]
@@ -181,11 +243,13 @@ def summary_table(report: Mapping[str, Any]) -> str:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 when every turn succeeded, 1 when some failed (report written)."""
-    config = _config(args)
+    replay = _replay(args)
+    config = _config(args, replay)
     cluster_file = _cluster_file(args)
     spec = _read_spec(cluster_file)
     _configure_logging(args.log_level)
-    progress = None if args.no_progress else ProgressBar(config.total_turns)
+    total = config.total_turns if replay is None else len(config.modes) * replay.requests
+    progress = None if args.no_progress else ProgressBar(total)
 
     async def main() -> dict[str, Any]:
         transport = httpx2.AsyncHTTPTransport(
@@ -193,7 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         try:
             return await run_bench(config, target=ClusterTarget(spec=spec, transport=transport),
-                                   on_turn=progress.update if progress else None)
+                                   on_turn=progress.update if progress else None, replay=replay)
         finally:
             await transport.aclose()
 

@@ -86,12 +86,19 @@ class BenchConfig:
         think_time_s: mean pause between a session's turns (the tool running), 0 for none. The
             SDK modes are told each pause's length, as ``tool_wait(expected_s=...)`` is.
         time_scale: pauses last ``time_scale`` times their length in real time (the SDK is still
-            told the full length): minutes of think time in seconds of benchmark.
+            told the full length): minutes of think time in seconds of benchmark; 0 for none.
         concurrency: turns in flight at once, across all sessions and modes.
         seed: the workload's seed; the same seed and tokenizer give the same workload.
         stream: stream decode and time the first token (true TTFT); ``False`` times whole
             non-streamed turns, for servers without agentkv's streamed-handle plugin.
         run_id: makes this run's cache salts unique, so no run reuses another's cache.
+        trace: replay this trace file (``agentkv.bench._trace``) instead of synthetic sessions;
+            ``sessions`` and ``turns`` are then the replay's (its session count, its longest
+            session), and the context, tool and output sizes and ``think_time_s`` are unused.
+        trace_limit: replay only the trace's first ``trace_limit`` requests.
+        length_scale: the trace's lengths (prompts, outputs, blocks) times this.
+        max_model_len: the served model's context: a trace turn that would not fit ends its
+            session (counted in the report).
     """
 
     modes: tuple[Mode, ...] = DEFAULT_MODES
@@ -106,6 +113,10 @@ class BenchConfig:
     seed: int = 0
     stream: bool = True
     run_id: str = field(default_factory=_run_id)
+    trace: str | None = None
+    trace_limit: int | None = None
+    length_scale: float = 1.0
+    max_model_len: int = 8192
 
     def __post_init__(self) -> None:
         if not self.modes:
@@ -120,8 +131,17 @@ class BenchConfig:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0.0 <= self.think_time_s <= 3600.0:
             raise ConfigError(f"think_time_s must be in [0, 3600], got {self.think_time_s}")
-        if not 0.0 < self.time_scale <= 1.0:
-            raise ConfigError(f"time_scale must be in (0, 1], got {self.time_scale}")
+        if not 0.0 <= self.time_scale <= 1.0:
+            raise ConfigError(f"time_scale must be in [0, 1], got {self.time_scale}")
+        if self.trace_limit is not None and (type(self.trace_limit) is not int
+                                             or self.trace_limit < 1):
+            raise ConfigError(f"trace_limit must be an integer >= 1, got {self.trace_limit!r}")
+        if not 0.0 < self.length_scale <= 1.0:
+            raise ConfigError(f"length_scale must be in (0, 1], got {self.length_scale}")
+        if type(self.max_model_len) is not int or self.max_model_len < 256:
+            raise ConfigError(
+                f"max_model_len must be an integer >= 256, got {self.max_model_len!r}"
+            )
         if not self.run_id.isalnum() or len(self.run_id) > 32:
             # It goes into vLLM cache salts, which refuse '/', '@', '\\' and long values.
             raise ConfigError(f"run_id must be 1-32 letters or digits, got {self.run_id!r}")

@@ -9,7 +9,7 @@ from typing import Any
 import httpx2
 import structlog
 
-from agentkv import AgentKVError, MalformedResponseError
+from agentkv import AgentKVError, ConfigError, MalformedResponseError
 from agentkv._core import dumps, post_json
 from agentkv.bench._config import BenchConfig, Mode
 from agentkv.bench._env import environment, server_cache
@@ -17,9 +17,10 @@ from agentkv.bench._modes import ClusterTarget, NotOwned, SessionRunner, open_ru
 from agentkv.bench._report import build_report
 from agentkv.bench._samples import TurnSample
 from agentkv.bench._schedule import Lane, interleave, run_lanes
+from agentkv.bench._trace import ReplayPlan, build_trace_workload
 from agentkv.bench._workload import TurnScript, Workload, build_workload, calibrate
 
-__all__ = ["METHOD", "run_bench", "session_id"]
+__all__ = ["METHOD", "TRACE_METHOD", "run_bench", "session_id"]
 
 logger = structlog.get_logger("agentkv.bench")
 
@@ -53,6 +54,16 @@ METHOD = {
     "another's cache, and none hits an earlier run's",
     "output_length": "every turn generates exactly its planned tokens (min_tokens = max_tokens)",
     "interleaving": "round-robin over (session, mode) lanes, mode order rotated per session",
+}
+# Added to METHOD when the workload is a replayed trace.
+TRACE_METHOD = {
+    "trace": "sessions from the trace (named, or inferred from hash-id prefixes); each hash id is "
+    "a fixed text chunk of one block (length_scale x the trace's block size, in the served "
+    "model's tokens); a turn's user text is the trace's prompt growth over the previous prompt "
+    "and output; outputs at the trace's lengths x length_scale",
+    "pauses": "each session starts at its first request's timestamp; after a turn, the trace's "
+    "think time, or the gap to the next request less the request's assumed original service "
+    "time (never negative); both times time_scale in real time, the SDK told the full length",
 }
 
 
@@ -99,7 +110,8 @@ class _Lanes:
             self.runners.append(runner)
             lanes.append(Lane(session=session, mode=mode,
                               turns=list(self._workload.sessions[session].turns),
-                              run=self._runner(runner, session, mode)))
+                              run=self._runner(runner, session, mode),
+                              start_s=self._workload.sessions[session].start_s))
         return lanes
 
     def _runner(
@@ -152,17 +164,31 @@ class _Lanes:
 
 
 async def run_bench(
-    config: BenchConfig, *, target: ClusterTarget, on_turn: OnTurn | None = None
+    config: BenchConfig,
+    *,
+    target: ClusterTarget,
+    on_turn: OnTurn | None = None,
+    replay: ReplayPlan | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark on ``target``; returns the JSON report (see ``_report``).
 
     ``on_turn`` is called after every turn (the CLI's progress bar). A failed turn is recorded in
-    the report's ``errors`` and ends its lane; the other lanes go on.
+    the report's ``errors`` and ends its lane; the other lanes go on. ``replay`` (a planned trace,
+    ``agentkv.bench._trace.plan_replay``) replaces the synthetic sessions; ``config.sessions`` and
+    ``config.turns`` must then be its session count and longest session.
     """
+    if replay is not None and (config.sessions, config.turns) != (
+        len(replay.sessions), replay.max_turns
+    ):
+        raise ConfigError(
+            f"a trace replay of {len(replay.sessions)} sessions and at most {replay.max_turns} "
+            f"turns needs sessions={len(replay.sessions)}, turns={replay.max_turns}"
+        )
     async with httpx2.AsyncClient(transport=NotOwned(target.transport), timeout=60.0) as client:
         tokenizer = _Tokenizer(client, target)
         ratios = await calibrate(tokenizer.count, seed=config.seed)
-        workload = build_workload(config, ratios)
+        workload = (build_workload(config, ratios) if replay is None
+                    else build_trace_workload(replay, ratios))
         system_tokens = await tokenizer.count(workload.system)
         caches = {
             f"{pair.get('name')}/{role}": await server_cache(client, str(pair[role]))
@@ -185,7 +211,7 @@ async def run_bench(
         )
     finally:
         await lanes.aclose()
-    method = dict(METHOD)
+    method = dict(METHOD) if replay is None else {**METHOD, **TRACE_METHOD}
     if not config.stream:
         method["ttft"] = ("request to the end of a non-streamed turn (whole decode included): "
                           "NOT time to first token")
@@ -194,6 +220,7 @@ async def run_bench(
         **environment(target),
         "server_caches": caches,
         "workload": {
+            **({"kind": "synthetic"} if replay is None else replay.summary()),
             "system_prompt_tokens": system_tokens,
             "chars_per_token": {k: round(v, 4) for k, v in ratios.items()},
         },

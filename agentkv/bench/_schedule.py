@@ -41,6 +41,8 @@ class Lane:
     turns: list[TurnScript]
     run: Callable[[TurnScript], Awaitable[bool]]
     """Runs a turn; returns False when the lane must stop (the turn failed)."""
+    start_s: float = 0.0
+    """The lane joins the queue this long after the start (times ``time_scale``)."""
     done: bool = field(default=False)
 
 
@@ -48,15 +50,18 @@ async def run_lanes(
     lanes: Sequence[Lane], *, concurrency: int, time_scale: float = 1.0
 ) -> None:
     """Run every lane's turns, interleaved, at most ``concurrency`` turns at a time; a lane's
-    pause after a turn lasts its think time times ``time_scale``."""
+    pause after a turn, and its start, last their time times ``time_scale``."""
     if not lanes:
         return
     queue: asyncio.Queue[Lane] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
     for lane in lanes:
-        queue.put_nowait(lane)
+        if lane.start_s * time_scale > 0:
+            loop.call_later(lane.start_s * time_scale, queue.put_nowait, lane)
+        else:
+            queue.put_nowait(lane)
     remaining = len(lanes)
     finished = asyncio.Event()
-    loop = asyncio.get_running_loop()
 
     async def worker() -> None:
         nonlocal remaining

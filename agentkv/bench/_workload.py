@@ -95,6 +95,9 @@ class SessionScript:
 
     index: int
     turns: tuple[TurnScript, ...]
+    start_s: float = 0.0
+    """When the session's first turn may start, from the run's start (a replayed trace's
+    arrival time; scaled by ``time_scale`` like the pauses)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
