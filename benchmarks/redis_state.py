@@ -14,7 +14,9 @@ milliseconds per turn of this process (proxy, client and fake pair), the store's
 turn (the median of the proxy's ``Server-Timing: store``: claim with the restore, snapshot and
 commit, measured inside the request), and Redis round trips per turn (commands counted by
 ``INFO commandstats``, one round trip each); then the stored snapshot's size per 1k transcript
-tokens.
+tokens, the store's parts on an 8-turn session, and one turn's commit on a session of about 6k
+tokens written whole (as every commit was before commits appended the token ids) and appended:
+the bytes Redis received for it and its median time.
 
 The end-to-end difference between modes also holds what the store does not: with two replicas
 each one's cluster places prefills by its own view of the load, so the fake pair (in this
@@ -255,6 +257,78 @@ async def _components(fake: FakeCluster, url: str, n: int = 500) -> dict[str, fl
     }
 
 
+async def _commit_per_turn(fake: FakeCluster, url: str, n: int = 200) -> dict[str, Any]:
+    """One turn's commit on a session of about 6k tokens, written whole (as every commit was
+    before commits appended) and appended (the new token ids only), alternating, ``n`` each:
+    the bytes Redis received for the commit (``total_net_input_bytes``, less the INFO asking
+    for it) and its median microseconds; and the proxy's check that the new ids extend the
+    stored ones (``SessionEntry.split``)."""
+    from agentkv._types import Message
+
+    cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
+    session = cluster.session(session_id="per-turn")
+    session.append(Message.system(SYSTEM))
+    entry = SessionEntry(("bench", "per-turn"), session, now=0.0)
+    turn, before, before_tail = 0, b"", 0
+    while True:  # until one more turn crosses 6k tokens: ``before`` the session, then the turn
+        before, before_tail = entry.to_bytes(wall=time.time()), entry.tail_size()
+        session.append(Message.user(f"Question {turn}? " + "Tell me more about it. " * 30))
+        await session.turn(max_tokens=200)
+        turn += 1
+        if session.transcript.num_tokens >= 6000:
+            break
+    after = entry.to_bytes(wall=time.time())
+    tokens = (session.transcript.num_tokens, len(before), len(after))
+    entry.stored(1, before, tail=before_tail)  # what the store holds, noted as version 1
+    split = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        tail, kept = entry.split(1, after)
+        split.append(time.perf_counter() - t0)
+    store = RedisSessions.from_url(url)
+    info = redis.Redis.from_url(url)
+
+    def bytes_in() -> int:
+        return int(info.info("stats")["total_net_input_bytes"])
+
+    asked = -bytes_in() + bytes_in()  # what one INFO itself sends
+    taken: dict[str, tuple[list[int], list[float]]] = {"whole": ([], []), "append": ([], [])}
+    version = 0
+    for _ in range(n):
+        for mode, (sent, spent) in taken.items():
+            claim = await store.claim("per-turn", known_version=version, wait_s=1.0)
+            await store.commit(claim, before, used_at=time.time(), tail=before_tail)
+            claim = await store.claim("per-turn", known_version=claim.fence, wait_s=1.0)
+            b0 = bytes_in()
+            t0 = time.perf_counter()
+            version = await store.commit(
+                claim, after, used_at=time.time(), tail=tail, kept=kept if mode == "append" else 0
+            )
+            spent.append(time.perf_counter() - t0)
+            sent.append(bytes_in() - b0 - asked)
+    stored = await store.peek("per-turn")
+    assert stored.data == after  # appended or not, the store holds the snapshot exactly
+    info.close()
+    await store.aclose()
+    await session.aclose()
+    await cluster.aclose()
+    return {
+        "transcript_tokens": tokens[0],
+        "snapshot_bytes": tokens[2],
+        "turn_bytes": tokens[2] - tokens[1],
+        "ids_kept_bytes": kept,
+        **{
+            f"{mode}_{key}": value
+            for mode, (sent, spent) in taken.items()
+            for key, value in (
+                ("bytes_in", round(statistics.median(sent))),
+                ("us", round(statistics.median(spent) * 1e6)),
+            )
+        },
+        "split_us": round(statistics.median(split) * 1e6, 1),
+    }
+
+
 async def main_async(args: argparse.Namespace) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     process, url = _redis_server()
@@ -293,6 +367,7 @@ async def main_async(args: argparse.Namespace) -> None:
         ended = [size for row in rows for size in row["snapshots"]]
         print("snapshot:", json.dumps(_snapshot_size(ended)))
         print("components (median):", json.dumps(await _components(fake, url)))
+        print("commit per turn (median):", json.dumps(await _commit_per_turn(fake, url)))
     finally:
         process.terminate()
         process.wait(timeout=10)

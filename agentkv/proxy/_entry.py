@@ -34,6 +34,7 @@ class SessionEntry:
         "renewer",
         "session",
         "store_s",
+        "stored_ids",
         "users",
         "version",
         "write",
@@ -56,6 +57,8 @@ class SessionEntry:
         self.renewer: asyncio.Task[None] | None = None
         # The checkin writing this entry's commit behind its answer (shared store only).
         self.write: asyncio.Task[None] | None = None
+        # The token ids the shared store holds as the tail of one version (see ``stored``).
+        self.stored_ids: tuple[int, bytes] | None = None
         # Seconds the request holding this entry waited on the shared store (the claim, with the
         # restore when the copy was stale; the commit comes after the answer): the proxy reports
         # it in ``Server-Timing: store``.
@@ -83,6 +86,38 @@ class SessionEntry:
         # Fenced: the store's claims hand the session over; this copy stops before another goes.
         session = self.session.snapshot_bytes(wall=wall, fenced=True)
         return b"".join((_MAGIC, _LENGTH.pack(len(mapping)), mapping, session))
+
+    def tail_size(self) -> int:
+        """How many bytes ``to_bytes`` ends with that are the transcript's token ids (the part
+        that a turn appends to; ``snapshot_bytes`` writes them last, 4 bytes each)."""
+        return _ID_SIZE * self.session.transcript.num_tokens
+
+    def stored(self, version: int, data: bytes, *, tail: int | None = None) -> None:
+        """Note that the store holds ``data`` as ``version``, ``data`` being this copy's bytes
+        (just loaded, or just committed with ``tail``): its token ids are what a later commit
+        may extend."""
+        tail = self.tail_size() if tail is None else tail
+        self.stored_ids = (version, data[len(data) - tail :]) if tail else None
+
+    def split(self, version: int, data: bytes) -> tuple[int, int]:
+        """``SessionStore.commit``'s ``tail`` and ``kept`` for ``data``, this copy's ``to_bytes``,
+        on a claim of ``version``: the token ids are the tail, and the store holds the ones that
+        ``stored`` noted for ``version`` when the new ids start with them. ``kept`` is 0 when
+        nothing is noted for ``version`` or the new ids do not extend it (a fork, a truncation,
+        another session under the key): the commit then writes the snapshot whole.
+
+        Why an append stores ``data`` exactly: versions never repeat, the noted ids are the last
+        bytes of what was stored as ``version``, and the store's script appends only when its
+        tail is of ``version`` and as long as the noted ids, so it holds those very bytes."""
+        tail = self.tail_size()
+        noted = self.stored_ids
+        if noted is None or noted[0] != version or version <= 0 or len(noted[1]) > tail:
+            return tail, 0
+        ids = noted[1]
+        # startswith at an offset: one memcmp (comparing memoryviews goes element by element).
+        if not data.startswith(ids, len(data) - tail):
+            return tail, 0
+        return tail, len(ids)
 
     def load_bytes(
         self, data: bytes, cluster: AsyncCluster, *, confirmed: bool = False,
@@ -121,6 +156,7 @@ class SessionEntry:
 
 _MAGIC = b"agentkv.entry.bin\x00"
 _LENGTH = struct.Struct(">I")
+_ID_SIZE = 4  # snapshot_bytes: a token id is a C int, 4 bytes on every platform agentkv runs on
 
 
 def store_key(principal: str, session_id: str) -> str:

@@ -2,9 +2,14 @@
 
 Keys (``prefix`` defaults to ``agentkv:``):
 
-* ``{prefix}s:{key}``: a hash, ``snap`` (the snapshot bytes), ``ver`` (its version) and, while
-  a claim on a stored session is open, ``held`` (its fence): a claim that finds ``held`` set
-  follows one that never committed or released (``Claim.dirty``).
+* ``{prefix}s:{key}``: a hash, ``snap`` (the snapshot bytes without their tail), ``ver`` (its
+  version), ``tver`` (the version whose tail ``{prefix}t:{key}`` holds) and, while a claim on a
+  stored session is open, ``held`` (its fence): a claim that finds ``held`` set follows one that
+  never committed or released (``Claim.dirty``).
+* ``{prefix}t:{key}``: a string, the snapshot's tail (its token ids: see ``SessionStore.commit``),
+  appended to (``APPEND``) by a commit that extends it, replaced (``SET``) by any other. The
+  snapshot is ``snap`` followed by it when ``tver`` is ``ver``; when it is not (the hash was
+  written by an agentkv that stored snapshots whole), ``snap`` alone.
 * ``{prefix}l:{key}``: the lock, holding the fencing token, with a ``PX`` lease.
 * ``{prefix}fence``: the fencing counter (``INCR``), shared by every session.
 * ``{prefix}idle``: a sorted set, session key -> last use (wall-clock milliseconds).
@@ -13,8 +18,15 @@ Keys (``prefix`` defaults to ``agentkv:``):
 
 Every operation is one Lua script, so one round trip and atomic: claiming (lock, fence, and the
 snapshot when the caller's copy is stale), committing (fence check, write, unlock, idle index),
-renewing, releasing, removing and peeking. A turn costs two round trips, ``claim`` and
-``commit``, and the answer waits only for the first (the proxy commits after answering).
+renewing, releasing, removing and peeking. A reader therefore never sees the head of one version
+with the tail of another: both are written by one script, and read by one. An appending commit
+checks, in its script, that the stored tail is the one it extends (``ver`` and ``tver`` are the
+claimed version, the tail is ``kept`` bytes long); when it is not, it writes nothing and the
+commit is sent again whole (a second round trip, only for a hash an older agentkv wrote).
+An older agentkv that reads a session stored this way gets ``snap`` alone and refuses it as
+corrupt (its token ids are missing): replicas sharing a store are upgraded past this together.
+A turn costs two round trips, ``claim`` and ``commit``, and the answer waits only for the first
+(the proxy commits after answering).
 The multi-key scripts need every key on one node: a single Redis or a primary with replicas,
 not Redis Cluster.
 
@@ -32,6 +44,7 @@ from typing import Any, TypeVar, cast
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT
 
 from agentkv.proxy._store import Claim, ClaimLostError, Stored, StoreUnavailableError
 
@@ -41,21 +54,34 @@ _CLAIM = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return {0, redis.call('PTTL', KEYS[2])} end
 local fence = redis.call('INCR', KEYS[3])
 redis.call('SET', KEYS[2], fence, 'PX', ARGV[1])
-local ver = tonumber(redis.call('HGET', KEYS[1], 'ver') or '0')
+local stored = redis.call('HMGET', KEYS[1], 'ver', 'tver')
+local ver = tonumber(stored[1] or '0')
 local dirty = 0
 if ver > 0 then
   dirty = redis.call('HEXISTS', KEYS[1], 'held')
   redis.call('HSET', KEYS[1], 'held', fence)
 end
 if ver > 0 and (ver ~= tonumber(ARGV[2]) or dirty == 1) then
-  return {fence, ver, dirty, redis.call('HGET', KEYS[1], 'snap')}
+  local head = redis.call('HGET', KEYS[1], 'snap')
+  if stored[2] == stored[1] then return {fence, ver, dirty, head, redis.call('GET', KEYS[4])} end
+  return {fence, ver, dirty, head}
 end
 return {fence, ver, dirty}
 """
 
 _COMMIT = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'snap', ARGV[2], 'ver', ARGV[1])
+if ARGV[7] == '0' then
+  redis.call('SET', KEYS[5], ARGV[6])
+else
+  local stored = redis.call('HMGET', KEYS[1], 'ver', 'tver')
+  if stored[1] ~= ARGV[8] or stored[2] ~= ARGV[8]
+      or redis.call('STRLEN', KEYS[5]) ~= tonumber(ARGV[7]) then
+    return -1
+  end
+  redis.call('APPEND', KEYS[5], ARGV[6])
+end
+redis.call('HSET', KEYS[1], 'snap', ARGV[2], 'ver', ARGV[1], 'tver', ARGV[1])
 redis.call('HDEL', KEYS[1], 'held')
 redis.call('DEL', KEYS[2])
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[4])
@@ -68,8 +94,10 @@ return tonumber(ARGV[1])
 """
 
 _PEEK = """
-local stored = redis.call('HMGET', KEYS[1], 'ver', 'snap')
-return {stored[1], stored[2], redis.call('EXISTS', KEYS[2])}
+local stored = redis.call('HMGET', KEYS[1], 'ver', 'snap', 'tver')
+local tail = false
+if stored[1] and stored[3] == stored[1] then tail = redis.call('GET', KEYS[3]) end
+return {stored[1], stored[2], tail, redis.call('EXISTS', KEYS[2])}
 """
 
 _RENEW = """
@@ -97,7 +125,7 @@ if cutoff >= 0 then
   end
 end
 local existed = redis.call('DEL', KEYS[1])
-redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[2], KEYS[5])
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[2])
 return existed
@@ -105,6 +133,11 @@ return existed
 
 
 T = TypeVar("T")
+
+
+def _joined(head: bytes, tail: bytes | None) -> bytes:
+    """The snapshot from its stored parts (no tail: one an older agentkv stored whole)."""
+    return bytes(head) if tail is None else b"".join((head, tail))
 
 
 class RedisSessions:
@@ -162,6 +195,9 @@ class RedisSessions:
     def _keys(self, key: str) -> tuple[str, str]:
         return f"{self._prefix}s:{key}", f"{self._prefix}l:{key}"
 
+    def _tail_key(self, key: str) -> str:
+        return f"{self._prefix}t:{key}"
+
     @property
     def _idle_key(self) -> str:
         return f"{self._prefix}idle"
@@ -178,14 +214,16 @@ class RedisSessions:
         while True:
             reply = await self._call(
                 self._claim(
-                    keys=[session, lock, f"{self._prefix}fence"],
+                    keys=[session, lock, f"{self._prefix}fence", self._tail_key(key)],
                     args=[self._lease_ms, known_version],
                 )
             )
             fence = int(reply[0])
             if fence:
                 version, dirty = int(reply[1]), bool(reply[2])
-                data = bytes(reply[3]) if len(reply) > 3 else None
+                data = None
+                if len(reply) > 3:  # no tail: a snapshot an older agentkv stored whole
+                    data = _joined(reply[3], reply[4] if len(reply) > 4 else None)
                 return Claim(key=key, fence=fence, version=version, data=data, dirty=dirty)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -200,17 +238,29 @@ class RedisSessions:
         return bool(await self._call(self._renew(keys=[lock], args=[claim.fence, self._lease_ms])))
 
     async def commit(
-        self, claim: Claim, data: bytes, *, used_at: float, pinned: bool = False
+        self,
+        claim: Claim,
+        data: bytes,
+        *,
+        used_at: float,
+        pinned: bool = False,
+        tail: int = 0,
+        kept: int = 0,
     ) -> int:
+        if not 0 <= kept <= tail <= len(data):
+            raise ValueError(f"commit: kept {kept}, tail {tail} of a {len(data)}-byte snapshot")
         session, lock = self._keys(claim.key)
-        version = int(
-            await self._call(
-                self._commit(
-                    keys=[session, lock, self._idle_key, self._pinned_key],
-                    args=[claim.fence, data, int(used_at * 1000), claim.key, int(pinned)],
-                )
-            )
-        )
+        keys = [session, lock, self._idle_key, self._pinned_key, self._tail_key(claim.key)]
+        view, split = memoryview(data), len(data) - tail
+        head, used_ms = view[:split], int(used_at * 1000)
+        args: list[EncodableT] = [claim.fence, head, used_ms, claim.key, int(pinned)]
+        version = -1
+        if kept:  # the new ids only; -1: the stored tail is not the one they extend
+            appended = [*args, view[split + kept :], kept, claim.version]
+            version = int(await self._call(self._commit(keys=keys, args=appended)))
+        if version == -1:
+            whole = [*args, view[split:], 0, claim.version]
+            version = int(await self._call(self._commit(keys=keys, args=whole)))
         if not version:
             raise ClaimLostError(f"the claim on session {claim.key} was lost; nothing written")
         return version
@@ -223,18 +273,19 @@ class RedisSessions:
         cutoff = -1 if idle_before is None else int(idle_before * 1000)
         removed = await self._call(
             self._remove(
-                keys=[session, lock, self._idle_key, self._pinned_key],
+                keys=[session, lock, self._idle_key, self._pinned_key, self._tail_key(claim.key)],
                 args=[claim.fence, claim.key, cutoff],
             )
         )
         return bool(removed)
 
     async def peek(self, key: str) -> Stored:
-        version, data, claimed = await self._call(self._peek(keys=list(self._keys(key))))
-        if version is None or data is None:
+        version, head, tail, claimed = await self._call(
+            self._peek(keys=[*self._keys(key), self._tail_key(key)])
+        )
+        if version is None or head is None:
             return Stored(version=0, data=None, claimed=bool(claimed))
-        data = data if isinstance(data, bytes) else str(data).encode()
-        return Stored(version=int(version), data=data, claimed=bool(claimed))
+        return Stored(version=int(version), data=_joined(head, tail), claimed=bool(claimed))
 
     async def idle(self, *, before: float, limit: int) -> list[str]:
         members = await self._call(

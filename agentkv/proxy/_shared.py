@@ -112,6 +112,7 @@ class SharedSessions:
         if entry.version != stored.version and entry.users == 0:
             entry.load_bytes(stored.data, self._cluster)
             entry.version = stored.version
+            entry.stored(stored.version, stored.data)
         return entry
 
     async def _peek(self, key: str) -> Stored:
@@ -178,6 +179,7 @@ class SharedSessions:
             entry.load_bytes(claim.data, self._cluster, drop_handle=DIRTY_HANDOVER)
         else:
             entry.load_bytes(claim.data, self._cluster, confirmed=True)
+        entry.stored(claim.version, claim.data)
 
     async def _renew(self, entry: SessionEntry, claim: Claim) -> None:
         store = self._store
@@ -218,13 +220,20 @@ class SharedSessions:
             handle, session = entry.session.handle, entry.session
             pinned = handle is not None and handle.leased and session.tier is None
         started = time.perf_counter()
+        data = entry.to_bytes(wall=self._wall())
+        # The token ids only grow from turn to turn: the commit sends the new ones when the
+        # stored ones are this copy's (see ``SessionEntry.split``).
+        tail, kept = entry.split(claim.version, data)
         try:
             entry.version = await store.commit(
                 claim,
-                entry.to_bytes(wall=self._wall()),
+                data,
                 used_at=self._wall() if used_at is None else used_at,
                 pinned=pinned,
+                tail=tail,
+                kept=kept,
             )
+            entry.stored(entry.version, data, tail=tail)
             self._metrics.commit_seconds.observe(time.perf_counter() - started)
         except ClaimLostError:
             # Another replica holds the session now: this copy is not the stored one.

@@ -20,6 +20,12 @@ turn that stored it left it, and is attached at once.
 
 ``RedisSessions`` (``_redis_store``) is the implementation; without ``--state`` the proxy keeps
 sessions in its own memory and uses no store at all.
+
+A commit may append: a turn adds a few hundred token ids to a transcript of thousands, so the
+caller names the part of the snapshot that only grows (``tail``) and how much of it the claimed
+version already stores (``kept``); the store then receives the rest of the snapshot and the new
+ids only. Readers never see the difference: what a claim or a peek returns is the committed
+snapshot byte for byte.
 """
 
 from __future__ import annotations
@@ -86,11 +92,25 @@ class SessionStore(Protocol):
         ...
 
     async def commit(
-        self, claim: Claim, data: bytes, *, used_at: float, pinned: bool = False
+        self,
+        claim: Claim,
+        data: bytes,
+        *,
+        used_at: float,
+        pinned: bool = False,
+        tail: int = 0,
+        kept: int = 0,
     ) -> int:
         """Store ``data`` and release the claim; returns the new version. ``used_at`` is the
         session's last use (wall-clock seconds); ``pinned`` says it holds turn-end KV pinned on
         decode (listed by ``pinned_idle`` until a commit says otherwise).
+
+        ``tail``: how many bytes at the end of ``data`` only grow from turn to turn (the token
+        ids), kept apart so that a later commit can append to them. ``kept``: how many leading
+        bytes of that tail the caller knows the store holds as the tail of ``claim.version``;
+        only the rest is sent. When the store's tail is not exactly those (another layout, a
+        version written whole), ``data`` is written whole. Whichever way, a claim or a peek
+        gets ``data`` byte for byte.
 
         Raises ``ClaimLostError`` (and stores nothing) when the claim was lost.
         """

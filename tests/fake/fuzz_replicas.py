@@ -73,6 +73,13 @@ replicas_ = st.sampled_from([0, 1])
 class MemoryStore:
     """``SessionStore`` in memory: ``RedisSessions``' scripts, one dict, leases on ``clock``.
 
+    As in Redis, a session is a hash (``_snaps``: ``ver``, ``snap`` the snapshot without its
+    tail, ``tver``) and its tail apart (``_tails``), appended to by a commit that extends it.
+    An appending commit is also checked against what Redis cannot see: that the tail it extends
+    is the one its snapshot starts with (``AssertionError`` otherwise: the caller's ``kept`` was
+    wrong, and Redis would have stored a mixed snapshot). ``appended`` and ``rewritten`` count
+    the commits of each kind.
+
     A claimant that finds the session claimed waits for a change (a commit, a release, a
     removal, the clock moving) instead of polling. ``waiting`` counts them; ``attention`` is set
     whenever one starts waiting (and by a replica whose commit starts waiting at its gate), so
@@ -83,7 +90,10 @@ class MemoryStore:
         self.clock = clock
         self.lease_s = lease_s
         self._fence = 0
-        self._snaps: dict[str, tuple[int, bytes]] = {}
+        self._snaps: dict[str, tuple[int, bytes, int]] = {}  # key -> (ver, snap, tver)
+        self._tails: dict[str, bytes] = {}
+        self.appended = 0
+        self.rewritten = 0
         self._held: dict[str, int] = {}  # the hash's ``held`` field
         self._locks: dict[str, tuple[int, float]] = {}  # key -> (fence, lease deadline)
         self._idle: dict[str, float] = {}
@@ -117,12 +127,14 @@ class MemoryStore:
                 self._fence += 1
                 fence = self._fence
                 self._locks[key] = (fence, self.clock() + self.lease_s)
-                version, snap = self._snaps.get(key, (0, b""))
+                version, snap, tver = self._snaps.get(key, (0, b"", 0))
                 dirty = False
                 if version > 0:
                     dirty = key in self._held
                     self._held[key] = fence
-                data = snap if version > 0 and (version != known_version or dirty) else None
+                data = None
+                if version > 0 and (version != known_version or dirty):
+                    data = snap + self._tails.get(key, b"") if tver == version else snap
                 return Claim(key=key, fence=fence, version=version, data=data, dirty=dirty)
             if self.clock() >= deadline:
                 raise TimeoutError(f"session {key} stayed claimed for {wait_s:.1f} s")
@@ -141,12 +153,31 @@ class MemoryStore:
         return True
 
     async def commit(
-        self, claim: Claim, data: bytes, *, used_at: float, pinned: bool = False
+        self,
+        claim: Claim,
+        data: bytes,
+        *,
+        used_at: float,
+        pinned: bool = False,
+        tail: int = 0,
+        kept: int = 0,
     ) -> int:
         key = claim.key
+        if not 0 <= kept <= tail <= len(data):
+            raise ValueError(f"commit: kept {kept}, tail {tail} of a {len(data)}-byte snapshot")
         if self.lock(key) != claim.fence:
             raise ClaimLostError(f"the claim on session {key} was lost; nothing written")
-        self._snaps[key] = (claim.fence, data)
+        split = len(data) - tail
+        version, _, tver = self._snaps.get(key, (0, b"", 0))
+        stored_tail = self._tails.get(key, b"")
+        if kept and version == tver == claim.version and len(stored_tail) == kept:
+            assert stored_tail == data[split : split + kept], "an append to another tail"
+            self._tails[key] = stored_tail + data[split + kept :]
+            self.appended += 1
+        else:  # kept 0, or the script's -1 and the whole commit sent after it
+            self._tails[key] = data[split:]
+            self.rewritten += 1
+        self._snaps[key] = (claim.fence, data[:split], claim.fence)
         self._held.pop(key, None)
         del self._locks[key]
         self._idle[key] = used_at
@@ -176,6 +207,7 @@ class MemoryStore:
             self._wake()
             return False
         existed = self._snaps.pop(key, None) is not None
+        self._tails.pop(key, None)
         self._held.pop(key, None)
         del self._locks[key]
         self._idle.pop(key, None)
@@ -187,7 +219,8 @@ class MemoryStore:
         claimed = self.lock(key) is not None
         if key not in self._snaps:
             return Stored(version=0, data=None, claimed=claimed)
-        version, data = self._snaps[key]
+        version, snap, tver = self._snaps[key]
+        data = snap + self._tails.get(key, b"") if tver == version else snap
         return Stored(version=version, data=data, claimed=claimed)
 
     async def idle(self, *, before: float, limit: int) -> list[str]:
@@ -248,7 +281,14 @@ class ReplicaStore:
         return await self._inner.renew(claim)
 
     async def commit(
-        self, claim: Claim, data: bytes, *, used_at: float, pinned: bool = False
+        self,
+        claim: Claim,
+        data: bytes,
+        *,
+        used_at: float,
+        pinned: bool = False,
+        tail: int = 0,
+        kept: int = 0,
     ) -> int:
         self._alive()
         self.held += 1
@@ -263,7 +303,9 @@ class ReplicaStore:
             self.held -= 1
         self._alive()
         try:
-            version = await self._inner.commit(claim, data, used_at=used_at, pinned=pinned)
+            version = await self._inner.commit(
+                claim, data, used_at=used_at, pinned=pinned, tail=tail, kept=kept
+            )
         except ClaimLostError:
             self.refused += 1
             self.lost["refused"] += 1
@@ -376,6 +418,8 @@ class Counters:
     refused = 0
     stranded = 0  # pins left at the end: all explained by deaths and refused commits
     stranded_fenced = 0  # of which in sequences where no replica died, only commits were refused
+    appended = 0  # commits that appended to the stored token ids
+    rewritten = 0  # commits that wrote them whole
     unblocked: dict[str, int] = {}  # noqa: RUF012 - a tally, read by the test module
     handles: dict[str, int] = {}  # noqa: RUF012 - a tally, read by the test module
 
@@ -389,7 +433,8 @@ class Counters:
             f"sequences={cls.sequences} steps={cls.steps} answered={cls.answered} "
             f"failed={cls.failed} races={cls.races} races_overlapped={cls.races_overlapped} "
             f"kills_with_commit_in_flight={cls.kills_in_flight} lapses={cls.lapses} "
-            f"refused_commits={cls.refused} stranded_pins={cls.stranded} "
+            f"refused_commits={cls.refused} appended={cls.appended} rewritten={cls.rewritten} "
+            f"stranded_pins={cls.stranded} "
             f"(no death: {cls.stranded_fenced}) "
             f"unblocked={dict(sorted(cls.unblocked.items()))} "
             f"handle_states={dict(sorted(cls.handles.items()))}"
@@ -665,6 +710,8 @@ class ReplicaMachine(RuleBasedStateMachine):
             for replica in self.replicas:
                 self.run(replica.registry.written())
             Counters.refused += self.lost["refused"]
+            Counters.appended += self.store.appended
+            Counters.rewritten += self.store.rewritten
             self.store.advance(LEASE_S + 1.0)  # dead replicas' claims
             response = self.run(
                 live.http.delete(

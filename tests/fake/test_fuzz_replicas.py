@@ -81,4 +81,22 @@ async def test_the_fuzzers_memory_store_answers_as_the_redis_store_does(redis_ur
     assert gone.dirty is False
     assert await both(lambda s: s.remove(gone)) is True
     assert await both(lambda s: s.peek("k")) == Stored(version=0, data=None, claimed=False)
+    # Commits that append to the stored tail, one that rewrites it, and a lost one.
+    new = await both(lambda s: s.claim("k", known_version=0, wait_s=0.0))
+    one = await both(lambda s: s.commit(new, b"h1" + b"a" * 8, used_at=500.0, tail=8))
+    grow = await both(lambda s: s.claim("k", known_version=one, wait_s=0.0))
+    two = b"h2" + b"a" * 8 + b"b" * 4
+    assert await both(lambda s: s.commit(grow, two, used_at=501.0, tail=12, kept=8)) == grow.fence
+    stale = await both(lambda s: s.claim("k", known_version=0, wait_s=0.0))
+    assert (stale.version, stale.data) == (grow.fence, two)
+    await lapse()
+    taken = await both(lambda s: s.claim("k", known_version=grow.fence, wait_s=0.0))
+    assert (taken.dirty, taken.data) == (True, two)
+    late = b"h3" + b"a" * 8 + b"b" * 4 + b"c"
+    assert await both(lambda s: s.commit(stale, late, used_at=502.0, tail=13, kept=12)) == (
+        "ClaimLostError"
+    )
+    fork = b"h4" + b"a" * 3
+    assert await both(lambda s: s.commit(taken, fork, used_at=503.0, tail=3)) == taken.fence
+    assert (await both(lambda s: s.peek("k"))).data == fork
     await redis.aclose()

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import socket
 import time
 
 import httpx2
 import pytest
 from openai import AsyncOpenAI
+from redis.asyncio import Redis
 
 from agentkv import AsyncCluster, Message
 from agentkv.proxy import ProxyConfig, create_app
@@ -187,11 +189,13 @@ class HeldCommits:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    async def commit(self, claim, data, *, used_at, pinned=False):
+    async def commit(self, claim, data, *, used_at, pinned=False, tail=0, kept=0):
         self.held += 1
         await self.go.wait()
         try:
-            return await self._inner.commit(claim, data, used_at=used_at, pinned=pinned)
+            return await self._inner.commit(
+                claim, data, used_at=used_at, pinned=pinned, tail=tail, kept=kept
+            )
         except ClaimLostError:
             self.refused += 1
             raise
@@ -523,3 +527,51 @@ async def test_a_write_behind_cancelled_while_stopping_its_renewer_commits_nothi
     assert write.cancelled()
     assert store.held == 0  # no commit was attempted
     await a.aclose(release=False)
+
+
+class RecordedCommits:
+    """A replica's store noting each commit's ``tail`` and ``kept`` (how much of the stored
+    token ids it said it extends)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.lease_s = inner.lease_s
+        self.commits = []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def commit(self, claim, data, *, used_at, pinned=False, tail=0, kept=0):
+        version = await self._inner.commit(
+            claim, data, used_at=used_at, pinned=pinned, tail=tail, kept=kept
+        )
+        self.commits.append((tail, kept))
+        return version
+
+
+async def test_replicas_commit_each_turn_by_appending_its_token_ids_to_the_stored_ones(
+    fake, clock, redis_url
+):
+    """After the first turn every commit extends the stored ids, whether the replica served the
+    turn before (its own copy) or took the snapshot the other one committed (its claim's), and
+    Redis holds exactly the session's ids: the turns keep their ideal reuse."""
+    stores = [RecordedCommits(RedisSessions.from_url(redis_url, lease_s=5.0)) for _ in range(2)]
+    a, b = (Replica(fake, clock, redis_url, store=store) for store in stores)
+    messages = [{"role": "system", "content": SYSTEM}]
+    for replica in (a, a, b, b, a):
+        await _ask(replica, "appends", messages, QUESTIONS[len(messages) // 2])
+    await a.app.state.registry.written()
+    await b.app.state.registry.written()
+    commits = stores[0].commits[:2] + stores[1].commits + stores[0].commits[2:]
+    assert commits[0][1] == 0  # nothing stored before the first turn
+    for (tail, _), (next_tail, kept) in itertools.pairwise(commits):
+        assert 0 < kept == tail < next_tail  # each turn appends to what the one before stored
+    raw = Redis.from_url(redis_url)
+    try:
+        (key,) = await raw.keys("agentkv:t:*")
+        assert await raw.strlen(key) == commits[-1][0]
+    finally:
+        await raw.aclose()
+    _assert_ideal(await b.turns("appends"))
+    await a.aclose()
+    await b.aclose()

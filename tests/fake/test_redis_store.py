@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from redis.asyncio import Redis
 
 from agentkv.proxy._redis_store import RedisSessions
 from agentkv.proxy._store import ClaimLostError, Stored, StoreUnavailableError
@@ -175,3 +176,154 @@ async def test_a_redis_that_accepts_but_never_answers_is_unavailable_within_the_
             writer.close()
         server.close()
         await server.wait_closed()
+
+
+# --- commits that append ---------------------------------------------------------------------
+
+
+@pytest.fixture
+async def raw(redis_url):
+    """A plain client on the store's Redis, to look at what it holds."""
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+async def _bytes_in(raw) -> int:
+    return int((await raw.info("stats"))["total_net_input_bytes"])
+
+
+async def _turn(store, key, version, data, *, tail, kept):
+    claim = await store.claim(key, known_version=version, wait_s=1)
+    return await store.commit(claim, data, used_at=1.0, tail=tail, kept=kept)
+
+
+async def test_a_commit_that_extends_the_stored_tail_sends_and_stores_only_the_new_bytes(
+    store, raw
+):
+    """The head is replaced, the tail appended: Redis receives the head and the new ids, not
+    the ids it holds (a turn adds hundreds of ids to thousands)."""
+    ids = bytes(range(256)) * 96  # 24 KB: a 6k-token transcript
+    version = await _turn(store, "k", 0, b"head-1" + ids, tail=len(ids), kept=0)
+    assert await raw.strlen("agentkv:t:k") == len(ids)
+    delta = b"\x07" * 1200  # one turn: 300 ids
+    data = b"head-two" + ids + delta
+    before = await _bytes_in(raw)
+    version = await _turn(store, "k", version, data, tail=len(ids + delta), kept=len(ids))
+    received = await _bytes_in(raw) - before  # the claim, the commit and one INFO
+    assert received < len(b"head-two") + len(delta) + 600 < len(data)
+    assert await raw.strlen("agentkv:t:k") == len(ids) + len(delta)
+    assert await raw.hget("agentkv:s:k", "snap") == b"head-two"
+    assert await raw.hmget("agentkv:s:k", "ver", "tver") == [str(version).encode()] * 2
+    assert (await store.peek("k")).data == data
+
+
+async def test_a_stale_claimant_gets_the_appended_snapshot_byte_for_byte_as_written_whole(store):
+    """Whatever mix of appends and rewrites built it, a claim and a peek return exactly the
+    last snapshot committed, as a store that only ever rewrote would."""
+    ids, version, data = b"", 0, b""
+    for turn in range(6):
+        delta = bytes([turn]) * (40 + turn)
+        kept = len(ids) if turn % 3 else 0  # every third commit a rewrite
+        ids += delta
+        data = f"head {turn} ".encode() * (turn + 1) + ids
+        version = await _turn(store, "appended", version, data, tail=len(ids), kept=kept)
+        await _turn(store, "whole", 0, data, tail=0, kept=0)
+    stale = await store.claim("appended", known_version=0, wait_s=1)
+    assert (stale.version, stale.data) == (version, data)
+    await store.release(stale)
+    assert (await store.peek("appended")).data == data == (await store.peek("whole")).data
+    current = await store.claim("appended", known_version=version, wait_s=1)
+    assert current.data is None  # the caller's copy is current: nothing transferred
+    await store.release(current)
+
+
+async def test_a_snapshot_that_does_not_extend_the_stored_tail_rewrites_it(store, raw):
+    """A fork or a truncation: the caller says ``kept=0`` and the tail is replaced whole."""
+    version = await _turn(store, "k", 0, b"h" + b"a" * 400, tail=400, kept=0)
+    version = await _turn(store, "k", version, b"h2" + b"b" * 100, tail=100, kept=0)
+    assert await raw.get("agentkv:t:k") == b"b" * 100
+    assert (await store.peek("k")).data == b"h2" + b"b" * 100
+
+
+async def test_an_append_onto_a_tail_not_of_the_claimed_version_is_sent_again_whole(store, raw):
+    """The script appends only onto the tail of the claimed version, exactly ``kept`` bytes
+    long; otherwise it writes nothing and the commit goes again whole. A hash an older
+    agentkv wrote (its snapshot whole in ``snap``, no ``tver``) is read and replaced so."""
+    version = await _turn(store, "k", 0, b"h" + b"a" * 40, tail=40, kept=0)
+    await raw.append("agentkv:t:k", b"!")  # a tail of another length than the caller's
+    version = await _turn(store, "k", version, b"h" + b"a" * 40 + b"b", tail=41, kept=40)
+    assert (await store.peek("k")).data == b"h" + b"a" * 40 + b"b"
+    # An older agentkv's commit: the whole snapshot in ``snap``, ``ver``, nothing else.
+    await raw.hset("agentkv:s:k", mapping={"snap": b"old" + b"c" * 50, "ver": version + 100})
+    old = await store.claim("k", known_version=0, wait_s=1)
+    assert (old.version, old.data) == (version + 100, b"old" + b"c" * 50)
+    await store.commit(old, b"new" + b"c" * 60, used_at=1.0, tail=60, kept=50)
+    assert (await store.peek("k")).data == b"new" + b"c" * 60
+    assert await raw.get("agentkv:t:k") == b"c" * 60
+
+
+async def test_a_lost_claim_appends_nothing(store, raw):
+    version = await _turn(store, "k", 0, b"h" + b"a" * 40, tail=40, kept=0)
+    stale = await store.claim("k", known_version=version, wait_s=1)
+    await asyncio.sleep(0.3)  # lease 0.2 s: another replica takes the session
+    current = await store.claim("k", known_version=version, wait_s=1)
+    with pytest.raises(ClaimLostError):
+        await store.commit(stale, b"h" + b"a" * 40 + b"late", used_at=1.0, tail=44, kept=40)
+    assert await raw.get("agentkv:t:k") == b"a" * 40
+    assert await raw.hget("agentkv:s:k", "ver") == str(version).encode()
+    await store.release(current)
+
+
+async def test_a_removed_session_leaves_no_tail(store, raw):
+    await _turn(store, "k", 0, b"h" + b"a" * 40, tail=40, kept=0)
+    claim = await store.claim("k", known_version=0, wait_s=1)
+    assert await store.remove(claim)
+    assert await raw.exists("agentkv:s:k", "agentkv:t:k") == 0
+
+
+async def test_two_replicas_appending_in_turn_never_show_a_head_and_a_tail_of_two_versions(
+    redis_url,
+):
+    """Two stores (two replicas) extend one session in turn, each from the copy it holds or the
+    snapshot its claim brought, while a reader peeks all along: every snapshot read is exactly
+    the one committed as its version."""
+    replicas = [RedisSessions.from_url(redis_url, lease_s=5.0) for _ in range(2)]
+    written: dict[int, bytes] = {}  # version (the committing fence) -> the snapshot committed
+    done = asyncio.Event()
+
+    async def replica(store, index):
+        version, ids = 0, b""
+        for turn in range(40):
+            claim = await store.claim("k", known_version=version, wait_s=5)
+            if claim.data is not None:
+                ids = claim.data[claim.data.index(b"|") + 1 :]
+            elif claim.version == 0:
+                ids = b""
+            kept = len(ids) if claim.version else 0
+            ids += bytes([index]) * (turn % 7 + 1)
+            data = f"replica {index} turn {turn}|".encode() + ids
+            written[claim.fence] = data
+            version = await store.commit(claim, data, used_at=1.0, tail=len(ids), kept=kept)
+            await asyncio.sleep(0)
+
+    async def reader():
+        seen = 0
+        while not done.is_set():
+            stored = await replicas[0].peek("k")
+            if stored.data is not None:
+                assert stored.data == written[stored.version]
+                seen += 1
+            await asyncio.sleep(0)
+        return seen
+
+    watching = asyncio.ensure_future(reader())
+    await asyncio.gather(replica(replicas[0], 0), replica(replicas[1], 1))
+    done.set()
+    assert await watching > 0
+    final = await replicas[1].peek("k")
+    assert final.data == written[final.version]
+    ids = final.data.split(b"|", 1)[1]  # every turn's ids, none lost to a rewrite
+    assert ids.count(b"\x00") == ids.count(b"\x01") == sum(t % 7 + 1 for t in range(40))
+    for store in replicas:
+        await store.aclose()
