@@ -14,7 +14,7 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agentkv import ConfigError
+from agentkv import ConfigError, Route
 
 __all__ = ["DEFAULT_MODES", "BenchConfig", "Mode", "parse_modes"]
 
@@ -28,6 +28,12 @@ class Mode(enum.StrEnum):
     """A pinned pair: P keeps its own prefix cache between turns, nothing is pulled from decode."""
     AGENTKV = "agentkv"
     """The agentkv SDK: token-exact transcript, decode's turn-end KV pulled back, cache policy."""
+    AGENTKV_DECODE = "agentkv-decode"
+    """The agentkv SDK on the ``decode`` route: every later turn goes to the session's decode
+    alone, whose prefix cache holds the pinned turn-end KV; decode computes the new tokens."""
+    AGENTKV_AUTO = "agentkv-auto"
+    """The agentkv SDK on the ``auto`` route: the route policy chooses per turn (a short append
+    on decode, a longer one pulled back to prefill)."""
     ORACLE = "oracle"
     """The limit of reuse: before each turn, off the clock, prefill's cache is filled with the
     previous turn's prompt and output, so the timed turn pulls nothing and computes only what
@@ -43,6 +49,14 @@ class Mode(enum.StrEnum):
     AGGREGATED = "aggregated"
     """Reference: one server (the prefill server) prefills and decodes, with its prefix cache."""
 
+
+# The modes that run agentkv's SDK with its cache policy, and the route each one's sessions take.
+SDK_ROUTES: dict[Mode, Route] = {
+    Mode.AGENTKV: "pull",
+    Mode.AGENTKV_DECODE: "decode",
+    Mode.AGENTKV_AUTO: "auto",
+    Mode.TIER: "pull",
+}
 
 # Order of the modes in results and plots (the order of the enum, baseline first).
 _ORDER = {mode: index for index, mode in enumerate(Mode)}

@@ -10,6 +10,11 @@ disagg     never                       fresh every turn    no
 affinity   never                       one per session     no
 agentkv    when the policy says so     one per session     yes (pinned, extended to
                                                            cover each pause)
+agentkv-   never: no P leg after the   (no P leg)          yes, as agentkv
+decode     first turn; decode's cache
+           holds the pinned KV
+agentkv-   the route policy's choice   one per session     yes, as agentkv
+auto       (decode or pull, per turn)
 tier       the tier reference after    one per session     pinned until the pause, then
            a pause, else the handle                        in its file tier, pin freed
 oracle     never; the previous turn's  one per session     no
@@ -37,7 +42,7 @@ import httpx2
 
 from agentkv import AsyncCluster, AsyncSession, CachePolicy, Message, TurnResult
 from agentkv._core import dumps, stream_events
-from agentkv.bench._config import Mode
+from agentkv.bench._config import SDK_ROUTES, Mode
 from agentkv.bench._legs import LegRewriter
 from agentkv.bench._limit import LimitRunner, fill_cache
 from agentkv.bench._samples import Held, TurnSample
@@ -145,7 +150,7 @@ class SdkRunner:
         assert result is not None  # a stream that ends without a result raises instead
         stats = result.stats
         error = None
-        if self._mode in (Mode.AGENTKV, Mode.TIER) and session.handle is None:
+        if self._mode in SDK_ROUTES and session.handle is None:
             # Without a handle the next turn cannot pull: the lane would measure affinity, not
             # agentkv. Stock vLLM puts no handle on streamed answers (vllm#40186).
             error = _NO_STREAMED_HANDLE if self._stream else _NO_HANDLE
@@ -169,7 +174,7 @@ class SdkRunner:
         session = self._session
         if self._mode is Mode.TIER:
             await session.persist()
-        elif self._mode is Mode.AGENTKV and session.handle is not None:
+        elif self._mode in SDK_ROUTES and session.handle is not None:
             # The reference "unlimited pin": decode keeps the KV however long the pause.
             await session.extend_handle(expected_s + _PIN_SLACK_S)
         handle, tier = session.handle, session.tier
@@ -298,11 +303,13 @@ def open_runner(
         prefill=target.urls("prefill"),
         decode=target.urls("decode"),
         prefill_salt=prefill_salt,
-        pin_on_decode=mode in (Mode.AGENTKV, Mode.TIER),
+        pin_on_decode=mode in SDK_ROUTES,
     )
-    policy = CachePolicy() if mode in (Mode.AGENTKV, Mode.TIER) else NEVER_ATTACH
+    policy = CachePolicy() if mode in SDK_ROUTES else NEVER_ATTACH
     cluster = AsyncCluster.from_dict(target.spec, transport=transport, policy=policy)
-    session = cluster.session(session_id=f"{mode.value}-s{index}")  # see _run.session_id
+    session = cluster.session(  # the id: see _run.session_id
+        session_id=f"{mode.value}-s{index}", route=SDK_ROUTES.get(mode, "pull")
+    )
     return SdkRunner(
         mode=mode, index=index, cluster=cluster, session=session, system=system,
         decode_salt=salt, stream=stream, warm=warm,

@@ -146,15 +146,19 @@ def build_report(
     ]
     if errors:
         report["errors"] = errors
-    if Mode.ORACLE in config.modes or Mode.LIMIT in config.modes:
+    routes = [m for m in (Mode.AGENTKV_DECODE, Mode.AGENTKV_AUTO) if m in config.modes]
+    if Mode.ORACLE in config.modes or Mode.LIMIT in config.modes or routes:
         # The issue's shape otherwise; speedups() reads it.
         report["ratios"] = ratios(report)
+        for mode in routes:
+            report["ratios"].update(ratios(report, mode=mode.value))
     return report
 
 
 def ratios(report: Mapping[str, Any], *, mode: str = Mode.AGENTKV.value) -> dict[str, Any]:
-    """``mode``'s TTFT as a ratio to ``limit``, ``oracle`` and ``disagg``: overall (p50 of turns
-    >= 2) and per turn (median across sessions), for the references that ran.
+    """``mode``'s TTFT as a ratio to ``limit``, ``oracle``, ``disagg`` and, for another route's
+    mode, ``agentkv`` (the pull route): overall (p50 of turns >= 2) and per turn (median across
+    sessions), for the references that ran.
 
     A ratio to the limit near 1 means reuse costs next to nothing over serving the turn where its
     KV already is (only the new tokens computed, nothing transferred); the oracle is the P/D path
@@ -165,8 +169,8 @@ def ratios(report: Mapping[str, Any], *, mode: str = Mode.AGENTKV.value) -> dict
         return {}
     out: dict[str, Any] = {}
     ours = modes[mode]
-    for other in (Mode.LIMIT.value, Mode.ORACLE.value, Mode.DISAGG.value):
-        if other not in modes:
+    for other in (Mode.LIMIT.value, Mode.ORACLE.value, Mode.DISAGG.value, Mode.AGENTKV.value):
+        if other not in modes or other == mode:
             continue
         base = modes[other]
         p50 = ours["summary"]["ttft_p50_ms_after_first_turn"]

@@ -293,3 +293,25 @@ def test_the_limit_alone_never_reaches_the_prefill_server():
     rows = report["modes"]["limit"]["turns"]
     assert all(row["reused_tokens"][0] > 0 for row in rows[1:])
     assert report["config"]["method"]["limit"].startswith("each turn's exact prompt ids")
+
+
+def test_the_route_lanes_compute_later_turns_on_decode_and_report_their_ratios():
+    """`--modes agentkv,agentkv-decode,agentkv-auto`: the decode lane's later turns are one
+    request each, to decode (no P leg after the first turn); the auto lane chooses per turn (the
+    short appends here go to decode); both report their ratio to the pull route."""
+    fake, recording, config, report = recorded_bench("agentkv,agentkv-decode,agentkv-auto")
+    assert "errors" not in report, report.get("errors")
+    assert fake.wrong_reuse_events == 0
+    assert set(report["ratios"]) == {"agentkv-decode_vs_agentkv", "agentkv-auto_vs_agentkv"}
+    run = config.run_id
+    prefill_host = httpx2.URL(fake.prefill(0).url).host
+    for mode in ("agentkv-decode", "agentkv-auto"):
+        for session in range(2):
+            legs = chats(recording, f"akvb-{run}-{mode}-s{session}")
+            hosts = [host for host, _ in legs]
+            # Decode route from the first turn (decode alone); auto's first turn has nothing to
+            # reuse, so it recomputes through prefill; every later turn is decode's alone.
+            first = [prefill_host] if mode == "agentkv-auto" else []
+            assert hosts[: len(first)] == first
+            assert prefill_host not in hosts[len(first) + 1 :]
+        assert all(r > 0 for r in later_turns(report, mode, "reused_tokens"))
