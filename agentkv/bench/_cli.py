@@ -19,7 +19,7 @@ import httpx2
 import structlog
 
 from agentkv import ConfigError
-from agentkv.bench._config import DEFAULT_MODES, BenchConfig, parse_modes
+from agentkv.bench._config import DEFAULT_MODES, BenchConfig, Mode, parse_modes
 from agentkv.bench._modes import ClusterTarget
 from agentkv.bench._progress import ProgressBar
 from agentkv.bench._report import speedups
@@ -42,8 +42,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--cluster-file", help="cluster file (default $AGENTKV_CLUSTER or "
                    ".agentkv/cluster.json)")
     p.add_argument("--modes", default=",".join(m.value for m in DEFAULT_MODES),
-                   help="comma-separated: disagg, affinity, agentkv, tier, oracle, limit, "
-                   "aggregated (default %(default)s)")
+                   help=f"comma-separated: {', '.join(Mode)} (default %(default)s)")
     p.add_argument("--sessions", type=int, default=_DEFAULTS.sessions,
                    help="sessions per mode (default %(default)s)")
     p.add_argument("--turns", type=int, default=_DEFAULTS.turns,
