@@ -13,16 +13,19 @@ recompute   prefill computes what its own cache lacks          P leg, then D leg
 
 ``decode`` never reuses wrong KV: decode's prefix cache matches blocks by the hash of their
 tokens, so a history that differs is recomputed, where a pull is positional and checks nothing.
-It costs decode's other sessions a share of its steps while it computes, so ``auto`` sends an
+It costs decode's other sessions their next tokens while it computes, so ``auto`` sends an
 append there only while decode's local prefills in flight (this one included) stay within
-``RoutePolicy.decode_max_tokens``, and only where the cost model says it is the faster way.
+``RoutePolicy.decode_max_tokens`` (``decode_busy_max_tokens`` while decode is serving other
+requests), and only where the cost model says it is the faster way.
+
+Set per session or turn (``route="auto"``), the default is ``pull``: today's path.
 
 >>> policy = RoutePolicy()
->>> policy.decide("auto", new_tokens=300, held_tokens=4000, decode_queued=0, attach=True).route
+>>> policy.decide("auto", new_tokens=40, held_tokens=4096, decode_queued=0, attach=True).route
 'decode'
->>> policy.decide("auto", new_tokens=3000, held_tokens=4000, decode_queued=0, attach=True).route
+>>> policy.decide("auto", new_tokens=3000, held_tokens=4096, decode_queued=0, attach=True).route
 'pull'
->>> policy.decide("auto", new_tokens=300, held_tokens=0, decode_queued=0, attach=False).route
+>>> policy.decide("auto", new_tokens=40, held_tokens=0, decode_queued=0, attach=False).route
 'recompute'
 """
 
@@ -65,29 +68,38 @@ class RouteCostModel:
 
         pull_s(held, new)     = 2 * leg_s + (held + new) * bytes_per_token / transfer_bytes_per_s
                                 + new / prefill_tokens_per_s
-        decode_s(new, queued) = leg_s + (queued + new) / decode_tokens_per_s
+        decode_s(held, new, queued)
+                              = leg_s + (queued + new + held % block) / decode_tokens_per_s
 
     ``leg_s`` is one request's fixed cost (HTTP, scheduling, the answer's head); a pull moves the
     history to prefill and the new blocks back (prefill's own cache may hold part of the
     history: counting all of it over-prices the pull, never the local route); ``queued`` is
-    decode's local prefill already in flight, computed before this one.
+    decode's local prefill already in flight, computed before this one. Decode's prefix cache
+    matches whole blocks only, so the local route also recomputes the history's last partial
+    block (``held % block``), which a pull carries over.
 
-    The defaults are the local pair's (SmolLM2-135M in bf16; ``docs/benchmarks.md``, "Routes",
-    has the run): prefill and decode are the same hardware, so their rates are equal; on a GPU
-    deployment both rates are tens of times higher and a decode GPU's local prefill of a few
-    hundred tokens costs milliseconds, while ``leg_s`` and the transfer stay: the local route
-    wins by more.
+    The rates are the local pair's (SmolLM2-135M in bf16 on a 2-core Zen 4 EPYC; cold prefill of
+    2,134 tokens ran at 407-438 tokens/s in ``docs/bench/routes-epyc-zen4.json``'s first turns):
+    prefill and decode are the same hardware there, so the rates are equal. ``leg_s`` and the
+    transfer rate are assumptions, not measured apart (the tier's NIXL write rate stands in for
+    the pull); on that pair the routes measured level with an idle decode, and ``auto`` is
+    decided by ``RoutePolicy.decode_max_tokens`` first. On a GPU deployment both rates are tens
+    of times higher, a decode GPU's local prefill of a few hundred tokens costs milliseconds,
+    and ``leg_s`` and the transfer stay: the local route wins by more.
     """
 
     leg_s: float = 0.03
-    prefill_tokens_per_s: float = 540.0
-    decode_tokens_per_s: float = 540.0
+    prefill_tokens_per_s: float = 400.0
+    decode_tokens_per_s: float = 400.0
     transfer_bytes_per_s: float = 2.0e9
     bytes_per_token: int = 23_040
+    # The servers' KV block size when the cluster does not say (vLLM's CPU backend; GPUs: 16).
+    block_size: int = 128
 
     def __post_init__(self) -> None:
         rates = (self.prefill_tokens_per_s, self.decode_tokens_per_s, self.transfer_bytes_per_s)
-        if not all(math.isfinite(r) and r > 0 for r in rates) or self.bytes_per_token <= 0:
+        sizes = (self.bytes_per_token, self.block_size)
+        if not all(math.isfinite(r) and r > 0 for r in rates) or min(sizes) <= 0:
             raise ConfigError("the route cost model's rates and sizes must be positive")
         if not (math.isfinite(self.leg_s) and self.leg_s >= 0):
             raise ConfigError(f"leg_s must not be negative, got {self.leg_s}")
@@ -96,8 +108,9 @@ class RouteCostModel:
         moved = (held + new) * self.bytes_per_token / self.transfer_bytes_per_s
         return 2 * self.leg_s + moved + new / self.prefill_tokens_per_s
 
-    def decode_s(self, *, new: int, queued: int = 0) -> float:
-        return self.leg_s + (queued + new) / self.decode_tokens_per_s
+    def decode_s(self, *, held: int, new: int, queued: int = 0, block: int | None = None) -> float:
+        tail = held % (block or self.block_size)
+        return self.leg_s + (queued + new + tail) / self.decode_tokens_per_s
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,23 +127,30 @@ class RoutePolicy:
 
     Attributes:
         decode_max_tokens: the most tokens of local prefill in flight on one decode server,
-            this turn's new tokens included: a larger append, or one that would join others
-            past it, is pulled back to prefill. It bounds what decode's other sessions wait for
-            between two of their tokens (``docs/benchmarks.md``, "Routes", measures their
-            inter-token latency against it). 0 turns the local route off for ``auto``.
+            this turn's new tokens included, while it serves nothing else: a larger append, or
+            one that would join others past it, is pulled back to prefill. 0 turns the local
+            route off for ``auto``.
+        decode_busy_max_tokens: the same bound while decode is serving other requests (the
+            pool's own in flight there): a local prefill runs between their tokens. On the
+            2-core CPU pair, appends every 2 s beside three streaming sessions raised those
+            sessions' inter-token p90 by 5% (32 tokens), 7% (64), 14% (128) and 62x (512)
+            (``docs/benchmarks.md``, "Routes"): 64 is the largest measured within the 10% they
+            may pay. A GPU decode computes hundreds of tokens in a few milliseconds: the same
+            measurement there (``benchmarks/route_itl.py``) sets a higher one.
         cost: the cost model ``auto`` compares the routes by.
     """
 
     decode_max_tokens: int = 512
+    decode_busy_max_tokens: int = 64
     cost: RouteCostModel = field(default_factory=RouteCostModel)
 
     def __post_init__(self) -> None:
         if isinstance(self.cost, Mapping):  # from a saved session (dataclasses.asdict)
             object.__setattr__(self, "cost", RouteCostModel(**self.cost))
-        if type(self.decode_max_tokens) is not int or self.decode_max_tokens < 0:
-            raise ConfigError(
-                f"decode_max_tokens must be a non-negative integer, got {self.decode_max_tokens!r}"
-            )
+        for name in ("decode_max_tokens", "decode_busy_max_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
 
     def decide(  # noqa: PLR0911 - one return per rule, in the documented order
         self,
@@ -141,6 +161,8 @@ class RoutePolicy:
         decode_queued: int,
         attach: bool,
         tier: bool = False,
+        block_size: int | None = None,
+        decode_running: int = 0,
     ) -> RouteDecision:
         """The route of a turn that computes ``new_tokens`` beyond the ``held_tokens`` its
         handle covers on decode.
@@ -148,10 +170,11 @@ class RoutePolicy:
         ``attach``: the cache policy attaches the session's handle (``CachePolicy.
         decide_attach``); ``tier``: the session's KV waits in decode's file tier instead (a
         prefill loads it); ``decode_queued``: tokens of local prefill in flight on the session's
-        decode. Rules, in order: an explicit route is taken (``pull`` with nothing to pull is
-        ``recompute``); without a handle or a tier entry there is nothing to reuse; a tier entry
-        is loaded by prefill; an append over decode's budget is pulled; otherwise the cheaper
-        route by the cost model.
+        decode; ``block_size``: the servers' KV block size, when known; ``decode_running``: other
+        requests decode is serving. Rules, in order: an explicit route is taken (``pull`` with
+        nothing to pull is ``recompute``); without a handle or a tier entry there is nothing to
+        reuse; a tier entry is loaded by prefill; an append over decode's budget (its busy
+        budget while it serves others) is pulled; otherwise the cheaper route by the cost model.
         """
         reusable = attach or tier
         if requested == "decode":
@@ -164,14 +187,18 @@ class RoutePolicy:
             return RouteDecision(route="pull", reason="asked for")
         if tier:
             return RouteDecision(route="pull", reason="the KV is in decode's file tier")
-        budget = self.decode_max_tokens
+        busy = decode_running > 0
+        budget = self.decode_busy_max_tokens if busy else self.decode_max_tokens
         if decode_queued + new_tokens > budget:
             return RouteDecision(
                 route="pull",
                 reason=f"{new_tokens} new + {decode_queued} queued tokens exceed decode's "
-                f"local budget of {budget}",
+                + (f"busy budget of {budget} ({decode_running} requests running)" if busy
+                   else f"local budget of {budget}"),
             )
-        local = self.cost.decode_s(new=new_tokens, queued=decode_queued)
+        local = self.cost.decode_s(
+            held=held_tokens, new=new_tokens, queued=decode_queued, block=block_size
+        )
         pulled = self.cost.pull_s(held=held_tokens, new=new_tokens)
         if local < pulled:
             return RouteDecision(

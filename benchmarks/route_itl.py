@@ -31,6 +31,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx2
+
 from agentkv import AsyncCluster, AsyncSession, Message, Route, TextDelta, TurnResult
 
 FILLER = "The quick brown fox jumps over the lazy dog near the river bank. "
@@ -46,6 +48,16 @@ def _cpu() -> str:
 def _text(tokens: int, tag: str) -> str:
     # ~13 tokens per filler sentence for SmolLM2's tokenizer; the exact length is reported.
     return f"[{tag}] " + FILLER * max(1, tokens // 13)
+
+
+async def _kv_usage(decode: str) -> float | None:
+    """Decode's ``vllm:kv_cache_usage_perc`` (0-1): pins and running requests hold it."""
+    async with httpx2.AsyncClient(timeout=10) as client:
+        text = (await client.get(decode + "/metrics")).text
+    for line in text.splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc"):
+            return round(float(line.rsplit(" ", 1)[1]), 3)
+    return None
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -119,6 +131,7 @@ async def _phase(
                 )
             ))
         await asyncio.sleep(args.phase_s)
+        usage = await _kv_usage(fg.pair.decode)  # before anyone's turn ends and frees
         stop.set()
         await asyncio.gather(*tasks)
     ms = [g * 1e3 for g in gaps]
@@ -132,6 +145,7 @@ async def _phase(
         "appends": len(ttfts),
         "append_ttft_p50_ms": statistics.median(ttfts) * 1e3 if ttfts else None,
         "append_reused_median": statistics.median(reused) if reused else None,
+        "decode_kv_usage_at_end": usage,
     }
 
 

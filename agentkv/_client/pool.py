@@ -137,6 +137,8 @@ class PairPool:
         self._prefill_loads = dict.fromkeys(self._prefills, 0)
         # Tokens of local prefill in flight per decode server (the ``decode`` route's turns).
         self._decode_queued = dict.fromkeys(self._pairs, 0)
+        # Requests in flight per decode server (every route's D leg).
+        self._decode_running = dict.fromkeys(self._pairs, 0)
         self._prefill_down: dict[str, float] = {}
         self._templates: dict[str, ChatTemplate] = {}
         self._probes: dict[str, asyncio.Task[bool]] = {}
@@ -289,11 +291,18 @@ class PairPool:
         route), sent and not answered yet."""
         return self._decode_queued[pair.name]
 
+    def decode_running(self, pair: Pair) -> int:
+        """Requests this pool's turns have in flight on ``pair``'s decode (D legs, any route)."""
+        return self._decode_running[pair.name]
+
     def decode_begin(self, pair: Pair, tokens: int) -> None:
+        """A D leg starts on ``pair``'s decode, computing ``tokens`` itself (the decode route)."""
         self._decode_queued[pair.name] += tokens
+        self._decode_running[pair.name] += 1
 
     def decode_end(self, pair: Pair, tokens: int) -> None:
         self._decode_queued[pair.name] = max(0, self._decode_queued[pair.name] - tokens)
+        self._decode_running[pair.name] = max(0, self._decode_running[pair.name] - 1)
 
     # --- health --------------------------------------------------------------------------------
 

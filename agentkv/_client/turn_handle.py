@@ -84,6 +84,8 @@ def take_handle(
         decode_queued=pool.decode_queued(pair),
         attach=sent is not None,
         tier=tier is not None,
+        block_size=pool.block_size,
+        decode_running=pool.decode_running(pair),
     )
     if routed.route == "recompute" and sent is not None:
         handle_state, reason = HandleState.UNUSED, "the route is recompute"

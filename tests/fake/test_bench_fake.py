@@ -296,22 +296,20 @@ def test_the_limit_alone_never_reaches_the_prefill_server():
 
 
 def test_the_route_lanes_compute_later_turns_on_decode_and_report_their_ratios():
-    """`--modes agentkv,agentkv-decode,agentkv-auto`: the decode lane's later turns are one
-    request each, to decode (no P leg after the first turn); the auto lane chooses per turn (the
-    short appends here go to decode); both report their ratio to the pull route."""
+    """`--modes agentkv,agentkv-decode,agentkv-auto`: the decode lane's turns are one request
+    each, to decode (no P leg at all); the auto lane chooses per turn (its first turn has nothing
+    to reuse and goes through prefill); both report their ratio to the pull route."""
     fake, recording, config, report = recorded_bench("agentkv,agentkv-decode,agentkv-auto")
     assert "errors" not in report, report.get("errors")
     assert fake.wrong_reuse_events == 0
     assert set(report["ratios"]) == {"agentkv-decode_vs_agentkv", "agentkv-auto_vs_agentkv"}
     run = config.run_id
     prefill_host = httpx2.URL(fake.prefill(0).url).host
+    for session in range(2):
+        decode_lane = chats(recording, f"akvb-{run}-agentkv-decode-s{session}")
+        assert decode_lane
+        assert prefill_host not in [host for host, _ in decode_lane]
+        auto_lane = chats(recording, f"akvb-{run}-agentkv-auto-s{session}")
+        assert auto_lane[0][0] == prefill_host
     for mode in ("agentkv-decode", "agentkv-auto"):
-        for session in range(2):
-            legs = chats(recording, f"akvb-{run}-{mode}-s{session}")
-            hosts = [host for host, _ in legs]
-            # Decode route from the first turn (decode alone); auto's first turn has nothing to
-            # reuse, so it recomputes through prefill; every later turn is decode's alone.
-            first = [prefill_host] if mode == "agentkv-auto" else []
-            assert hosts[: len(first)] == first
-            assert prefill_host not in hosts[len(first) + 1 :]
         assert all(r > 0 for r in later_turns(report, mode, "reused_tokens"))

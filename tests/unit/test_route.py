@@ -15,7 +15,15 @@ POLICY = RoutePolicy()
 
 
 def decide(
-    requested="auto", *, new=200, held=4000, queued=0, attach=True, tier=False, policy=POLICY
+    requested="auto",
+    *,
+    new=40,
+    held=4096,
+    queued=0,
+    attach=True,
+    tier=False,
+    decode_running=0,
+    policy=POLICY,
 ):
     return policy.decide(
         requested,
@@ -24,6 +32,7 @@ def decide(
         decode_queued=queued,
         attach=attach,
         tier=tier,
+        decode_running=decode_running,
     )
 
 
@@ -45,7 +54,8 @@ def test_auto_without_a_handle_recomputes_and_with_a_tier_entry_pulls():
 
 
 def test_auto_keeps_decodes_local_prefill_within_its_budget():
-    policy = RoutePolicy(decode_max_tokens=512)
+    fast = RouteCostModel(decode_tokens_per_s=1e6)  # the cost model never in the way here
+    policy = RoutePolicy(decode_max_tokens=512, cost=fast)
     assert decide(new=512, policy=policy).route == "decode"
     over = decide(new=513, policy=policy)
     assert over.route == "pull"
@@ -60,7 +70,9 @@ def test_auto_follows_the_cost_model():
     decision = decide(new=100, policy=slow)
     assert decision.route == "pull"
     assert decision.reason.startswith("est. ")
-    assert decide(new=100).route == "decode"
+    assert decide(new=40).route == "decode"
+    # Decode recomputes the history's partial last block, which a pull carries over.
+    assert decide(new=40, held=4096 + 127).route == "pull"
 
 
 def test_the_cost_model_prices_each_route():
@@ -70,9 +82,12 @@ def test_the_cost_model_prices_each_route():
         decode_tokens_per_s=500.0,
         transfer_bytes_per_s=1e9,
         bytes_per_token=1000,
+        block_size=128,
     )
     assert cost.pull_s(held=1000, new=100) == pytest.approx(0.02 + 1100 * 1e-6 + 0.1)
-    assert cost.decode_s(new=100, queued=50) == pytest.approx(0.01 + 0.3)
+    # Decode recomputes the history's partial last block: 1000 % 128 = 104 tokens.
+    assert cost.decode_s(held=1000, new=100, queued=50) == pytest.approx(0.01 + 254 / 500)
+    assert cost.decode_s(held=1000, new=100, block=16) == pytest.approx(0.01 + 108 / 500)
 
 
 @given(
@@ -115,3 +130,19 @@ def test_bad_settings_are_refused():
 def test_a_saved_policy_round_trips_through_its_dict():
     policy = CachePolicy(route=RoutePolicy(decode_max_tokens=128, cost=RouteCostModel(leg_s=0.5)))
     assert CachePolicy(**dataclasses.asdict(policy)) == policy
+
+
+def test_while_decode_serves_others_auto_keeps_to_the_busy_budget():
+    """A local prefill runs between decode's other requests' tokens: while any run there, the
+    busy budget applies (64 tokens by default)."""
+    assert decide(new=200, decode_running=0).route == "decode"
+    busy = decide(new=200, decode_running=3)
+    assert busy.route == "pull"
+    assert busy.reason == (
+        "200 new + 0 queued tokens exceed decode's busy budget of 64 (3 requests running)"
+    )
+    assert decide(new=40, decode_running=3).route == "decode"
+    strict = RoutePolicy(decode_busy_max_tokens=0)
+    assert decide(new=1, decode_running=1, policy=strict).route == "pull"
+    with pytest.raises(ConfigError, match="decode_busy_max_tokens"):
+        RoutePolicy(decode_busy_max_tokens=-1)
