@@ -128,6 +128,27 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
                 request.kv_transfer_params["_remote_blocks_processed"] = True
             return
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        self._track_local(request)
+
+    def _track_local(self, request: Any) -> None:
+        """Have the workers track a local request that vLLM will pin when it finishes.
+
+        With bidirectional transfer on, vLLM pins every finished request that carried params,
+        also one that neither pulled nor was prefilled for another server (agentkv's ``decode``
+        route: the turn computed on decode itself). But vLLM 0.32 puts only pulling and
+        producing requests in ``_reqs_in_batch``, and a worker frees a pinned request's blocks
+        (read, expired or released) only if it was in a batch: such a pin would never be freed,
+        by a release or by its TTL. Marked here like the others, it is freed as they are.
+        """
+        scheduler = self.connector_scheduler
+        params = request.kv_transfer_params
+        if (
+            params
+            and scheduler.is_bidirectional_kv_xfer_enabled
+            and not params.get("do_remote_prefill")
+            and not params.get("do_remote_decode")
+        ):
+            scheduler._reqs_in_batch.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)

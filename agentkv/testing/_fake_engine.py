@@ -126,6 +126,9 @@ class _Pin:
     # The tokens whose KV the blocks hold and the request's salt (what a tier persist records).
     tokens: tuple[int, ...] = ()
     cache_salt: str | None = None
+    # Whether vLLM's worker tracks the pin (``_reqs_in_batch``): it frees the blocks of a pin
+    # it does not track never (not on a read, a release or the deadline).
+    tracked: bool = True
 
 
 @dataclass(slots=True)
@@ -201,17 +204,18 @@ class FakeEngine:
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, request_id = heapq.heappop(self._deadlines)
             pin = self._pins.get(request_id)
-            if pin is not None and pin.deadline == deadline:
+            if pin is not None and pin.deadline == deadline and pin.tracked:
                 del self._pins[request_id]
                 self._pool.free(pin.block_ids)
                 self._forget(request_id)
 
     def on_remote_read(self, request_id: Any) -> None:
         """A consumer's "done reading" notification: free the blocks, or log a stale read."""
-        pin = self._pins.pop(request_id, None) if isinstance(request_id, str) else None
-        if pin is None:
+        pin = self._pins.get(request_id) if isinstance(request_id, str) else None
+        if pin is None or not pin.tracked:  # vLLM: "unrecognized request ... retrieved"
             self.stats.nixl_notifications_after_expiry.inc()
             return
+        del self._pins[request_id]
         self._pool.free(pin.block_ids)
         self._forget(request_id)
 
@@ -305,6 +309,15 @@ class FakeEngine:
         local_ids = self._pool.lookup(keys[: (n_prompt - 1) // bs])
         local = len(local_ids) * bs
         params = dict(request.kv_transfer_params) if request.kv_transfer_params else None
+        # A request that neither pulls nor is prefilled for another server (agentkv's decode
+        # route): vLLM 0.32 pins it at the end but leaves it out of ``_reqs_in_batch``;
+        # AgentKVConnector puts it in (``_track_local``).
+        untracked = (
+            params is not None
+            and not params.get("do_remote_prefill")
+            and not params.get("do_remote_decode")
+            and self._book is None
+        )
 
         load = self._connector_load(params, prompt, hashes, local, salt=request.cache_salt)
         blocks = [self._pool.read(b) for b in local_ids] + load.blocks
@@ -345,7 +358,9 @@ class FakeEngine:
             self._pool.free(block_ids)
             kv_params = None
         else:
-            kv_params = self._finish(request, params, block_ids, seq, num_cached)
+            kv_params = self._finish(
+                request, params, block_ids, seq, num_cached, tracked=not untracked
+            )
             if kv_params is not None and load.tier is not None:
                 kv_params = with_tier_load(kv_params, load.tier)  # AgentKVConnector too
         return EngineResult(
@@ -538,6 +553,8 @@ class FakeEngine:
         block_ids: list[int],
         seq_tokens: list[int],
         num_cached: int,
+        *,
+        tracked: bool = True,
     ) -> dict[str, Any] | None:
         """``request_finished``: keep the blocks for a remote reader and describe them."""
         num_computed = len(seq_tokens)
@@ -554,6 +571,7 @@ class FakeEngine:
             turn_end=not is_producer,
             tokens=() if is_producer else tuple(seq_tokens),
             cache_salt=request.cache_salt,
+            tracked=tracked,
         )
         heapq.heappush(self._deadlines, (deadline, request.request_id))
         out = self._handle_params(

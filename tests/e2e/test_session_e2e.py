@@ -118,6 +118,13 @@ def _block_size(url: str) -> int:
     return int(found[1])
 
 
+def _kv_usage(url: str) -> float:
+    metrics = httpx2.get(url + "/metrics", timeout=10).text
+    found = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
+    assert found is not None, "the server's /metrics has no kv_cache_usage_perc"
+    return float(found[1])
+
+
 def test_every_later_turn_reuses_exactly_the_ideal_per_prefill(cluster_file: Path) -> None:
     """Turns >= 2 reuse exactly the previous turn's prompt + output - 1, as prefill counts it.
 
@@ -152,10 +159,15 @@ def test_the_decode_route_reuses_decodes_own_cache_and_answers_as_a_pull_does(
     """Turns >= 2 on the decode route send one request, to decode, which reuses the previous
     turn's whole blocks from its own prefix cache (the pinned turn-end KV) and computes the rest;
     the answers are the pulled run's, with no logprob further from a cold recompute than the
-    dtype's rounding."""
+    dtype's rounding. Every pin the route left on decode is freed by the session's close (vLLM
+    tracks such a local request only through agentkv's connector: untracked, it would hold its
+    blocks for good)."""
+    decode = local_cluster.pairs[0].decode.url
+    before = _kv_usage(decode)
     local = _conversation(cluster_file, CachePolicy(), salted=True, route="decode")
+    assert _kv_usage(decode) <= before, "the decode route left KV pinned on decode"
     pulled = _conversation(cluster_file, CachePolicy(), salted=True)
-    block = _block_size(local_cluster.pairs[0].decode.url)
+    block = _block_size(decode)
     for result, _ in local[1:]:
         stats = result.stats
         assert (stats.route, stats.prefill, stats.pulled_tokens) == ("decode", "", 0)

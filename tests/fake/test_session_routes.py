@@ -178,3 +178,16 @@ def test_a_failed_decode_turn_frees_the_handle_and_changes_nothing(clock):
         assert s.handle is None  # single use: a failed turn never sends it again
         assert fake.decode(0).pinned_handles == 0
     assert fake.wrong_reuse_events == 0
+
+
+def test_a_stock_decode_never_frees_a_local_turns_pin_and_agentkvs_connector_does(clock):
+    """vLLM 0.32 pins a turn computed on decode itself but leaves it out of the requests its
+    workers track, so not even its TTL frees it; agentkv's connector tracks it like a D leg's."""
+    for leases, left in ((False, 1), (True, 0)):
+        fake = FakeCluster(pairs=1, clock=clock, leases=leases)
+        with open_cluster(fake, clock) as cluster, cluster.session(route="decode", **LONG) as s:
+            s.append(SYSTEM)
+            s.send(QUESTIONS[0])
+        clock.advance(10_000)  # past every TTL
+        fake.decode(0).engine.expire()
+        assert fake.decode(0).pinned_handles == left
