@@ -163,6 +163,7 @@ class RoutePolicy:
         tier: bool = False,
         block_size: int | None = None,
         decode_running: int = 0,
+        local_ok: bool = True,
     ) -> RouteDecision:
         """The route of a turn that computes ``new_tokens`` beyond the ``held_tokens`` its
         handle covers on decode.
@@ -171,12 +172,20 @@ class RoutePolicy:
         decide_attach``); ``tier``: the session's KV waits in decode's file tier instead (a
         prefill loads it); ``decode_queued``: tokens of local prefill in flight on the session's
         decode; ``block_size``: the servers' KV block size, when known; ``decode_running``: other
-        requests decode is serving. Rules, in order: an explicit route is taken (``pull`` with
-        nothing to pull is ``recompute``); without a handle or a tier entry there is nothing to
-        reuse; a tier entry is loaded by prefill; an append over decode's budget (its busy
-        budget while it serves others) is pulled; otherwise the cheaper route by the cost model.
+        requests decode is serving; ``local_ok``: decode runs agentkv's connector (a stock vLLM
+        0.32 decode never frees a local turn's pin, ``docs/connector.md``). Rules, in order: no
+        local turn on a decode that would keep it pinned for good; an explicit route is taken
+        (``pull`` with nothing to pull is ``recompute``); without a handle or a tier entry there
+        is nothing to reuse; a tier entry is loaded by prefill; an append over decode's budget
+        (its busy budget while it serves others) is pulled; otherwise the cheaper route by the
+        cost model.
         """
         reusable = attach or tier
+        if requested == "decode" and not local_ok:
+            return RouteDecision(
+                route="pull" if reusable else "recompute",
+                reason="decode lacks agentkv's connector: a turn computed there stays pinned",
+            )
         if requested == "decode":
             return RouteDecision(route="decode", reason="asked for")
         if requested == "recompute":
@@ -187,6 +196,8 @@ class RoutePolicy:
             return RouteDecision(route="pull", reason="asked for")
         if tier:
             return RouteDecision(route="pull", reason="the KV is in decode's file tier")
+        if not local_ok:
+            return RouteDecision(route="pull", reason="decode lacks agentkv's connector")
         busy = decode_running > 0
         budget = self.decode_busy_max_tokens if busy else self.decode_max_tokens
         if decode_queued + new_tokens > budget:

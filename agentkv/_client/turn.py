@@ -290,7 +290,10 @@ class TurnRunner:
         # Asked once per decode server, then cached: whether to send hints at all.
         supported = await pool.leases.supported(pair.decode)
         await confirm_loaded(pool, state, supported, len(prompt))
-        taken = take_handle(pool, state, prompt, pair=pair, route=self._options.route)
+        taken = take_handle(
+            pool, state, prompt, pair=pair, route=self._options.route,
+            agentkv_decode=supported is True,
+        )
         sent, handle_state, reason, tier = taken.sent, taken.state, taken.reason, taken.tier
         route = taken.route
         self._handle_state = handle_state

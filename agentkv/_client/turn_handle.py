@@ -43,10 +43,17 @@ class TakenHandle:
 
 
 def take_handle(
-    pool: PairPool, state: SessionState, prompt: TurnPrompt, *, pair: Pair, route: Route
+    pool: PairPool,
+    state: SessionState,
+    prompt: TurnPrompt,
+    *,
+    pair: Pair,
+    route: Route,
+    agentkv_decode: bool,
 ) -> TakenHandle:
     """Take the stored handle off the session for a turn of ``prompt``, and choose its route
-    (``route`` as asked: ``"auto"`` lets the policy choose).
+    (``route`` as asked: ``"auto"`` lets the policy choose; ``agentkv_decode``: decode runs
+    agentkv's connector, without which no turn is computed there).
 
     The tier reference (a persisted turn whose tokens the prompt starts with) stays on the
     session until the turn commits: a prefill only reads the tier, so a retry may send it again.
@@ -86,6 +93,7 @@ def take_handle(
         tier=tier is not None,
         block_size=pool.block_size,
         decode_running=pool.decode_running(pair),
+        local_ok=agentkv_decode,
     )
     if routed.route == "recompute" and sent is not None:
         handle_state, reason = HandleState.UNUSED, "the route is recompute"

@@ -6,6 +6,9 @@ previous turn's pinned blocks, it computes the rest and pins the new turn's KV a
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx2
 import pytest
 from structlog.testing import capture_logs
 
@@ -185,9 +188,39 @@ def test_a_stock_decode_never_frees_a_local_turns_pin_and_agentkvs_connector_doe
     workers track, so not even its TTL frees it; agentkv's connector tracks it like a D leg's."""
     for leases, left in ((False, 1), (True, 0)):
         fake = FakeCluster(pairs=1, clock=clock, leases=leases)
-        with open_cluster(fake, clock) as cluster, cluster.session(route="decode", **LONG) as s:
-            s.append(SYSTEM)
-            s.send(QUESTIONS[0])
+        local = {"do_remote_prefill": False, "do_remote_decode": False}
+
+        async def turn(fake=fake, local=local):
+            async with httpx2.AsyncClient(transport=fake.transport) as client:
+                return await client.post(
+                    fake.decode(0).url + "/v1/chat/completions",
+                    json={
+                        "model": fake.model,
+                        "messages": [{"role": "user", "content": "Hi there."}],
+                        "max_tokens": 8,
+                        "kv_transfer_params": local,
+                    },
+                )
+
+        response = asyncio.run(turn())
+        assert response.status_code == 200, response.text
+        assert response.json()["kv_transfer_params"]["remote_block_ids"]  # pinned
         clock.advance(10_000)  # past every TTL
         fake.decode(0).engine.expire()
         assert fake.decode(0).pinned_handles == left
+
+
+def test_the_sdk_computes_no_turn_on_a_decode_without_agentkvs_connector(clock):
+    fake = FakeCluster(pairs=1, clock=clock, leases=False)
+    with open_cluster(fake, clock) as cluster, cluster.session(route="decode", **LONG) as s:
+        s.append(SYSTEM)
+        first = s.send(QUESTIONS[0])
+        second = s.send(QUESTIONS[1])
+        auto = s.send(QUESTIONS[2], route="auto")
+    assert (first.stats.route, second.stats.route, auto.stats.route) == (
+        "recompute",
+        "pull",
+        "pull",
+    )
+    assert "lacks agentkv's connector" in second.stats.route_reason
+    assert len(fake.prefill(0).requests) == 3

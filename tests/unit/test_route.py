@@ -97,18 +97,22 @@ def test_the_cost_model_prices_each_route():
     attach=st.booleans(),
     tier=st.booleans(),
     budget=st.integers(0, 10**5),
+    running=st.integers(0, 3),
 )
 def test_auto_never_goes_local_past_the_budget_or_reuses_nothing_by_pulling(
-    new, held, queued, attach, tier, budget
+    new, held, queued, attach, tier, budget, running
 ):
-    policy = RoutePolicy(decode_max_tokens=budget)
-    decision = decide(new=new, held=held, queued=queued, attach=attach, tier=tier, policy=policy)
+    policy = RoutePolicy(decode_max_tokens=budget, decode_busy_max_tokens=budget // 2)
+    decision = decide(
+        new=new, held=held, queued=queued, attach=attach, tier=tier, policy=policy,
+        decode_running=running,
+    )
     assert decision.route in ("pull", "decode", "recompute")
     assert decision.reason
     if decision.route == "decode":
         assert attach
         assert not tier
-        assert new + queued <= budget
+        assert new + queued <= (budget // 2 if running else budget)
     if decision.route == "pull":
         assert attach or tier
     if not (attach or tier):
@@ -146,3 +150,21 @@ def test_while_decode_serves_others_auto_keeps_to_the_busy_budget():
     assert decide(new=1, decode_running=1, policy=strict).route == "pull"
     with pytest.raises(ConfigError, match="decode_busy_max_tokens"):
         RoutePolicy(decode_busy_max_tokens=-1)
+
+
+def test_no_turn_is_computed_on_a_decode_that_would_keep_it_pinned():
+    """A stock vLLM 0.32 decode never frees a local turn's pin: without agentkv's connector
+    there, neither an explicit nor an automatic decode route."""
+    stock = POLICY.decide(
+        "decode", new_tokens=40, held_tokens=4096, decode_queued=0, attach=True, local_ok=False
+    )
+    assert stock.route == "pull"
+    assert "lacks agentkv's connector" in stock.reason
+    fresh = POLICY.decide(
+        "decode", new_tokens=40, held_tokens=0, decode_queued=0, attach=False, local_ok=False
+    )
+    assert fresh.route == "recompute"
+    auto = POLICY.decide(
+        "auto", new_tokens=40, held_tokens=4096, decode_queued=0, attach=True, local_ok=False
+    )
+    assert auto.route == "pull"
