@@ -132,11 +132,12 @@ class RoutePolicy:
             route off for ``auto``.
         decode_busy_max_tokens: the same bound while decode is serving other requests (the
             pool's own in flight there): a local prefill runs between their tokens. On the
-            2-core CPU pair, appends every 2 s beside three streaming sessions raised those
-            sessions' inter-token p90 by 5% (32 tokens), 7% (64), 14% (128) and 62x (512)
-            (``docs/benchmarks.md``, "Routes"): 64 is the largest measured within the 10% they
-            may pay. A GPU decode computes hundreds of tokens in a few milliseconds: the same
-            measurement there (``benchmarks/route_itl.py``) sets a higher one.
+            2-core CPU pair, appends every 2 s beside three streaming sessions put those
+            sessions' inter-token p90 at 0.94x (32 tokens), 0.95x (64), 1.11x (128) of the
+            no-append phases', 62x at 512 (``docs/benchmarks.md``, "Routes"): 64 is the largest
+            measured within the 10% they may pay. A GPU decode computes hundreds of tokens in a
+            few milliseconds: the same measurement there (``benchmarks/route_itl.py``) sets a
+            higher one.
         cost: the cost model ``auto`` compares the routes by.
     """
 

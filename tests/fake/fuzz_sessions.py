@@ -77,6 +77,7 @@ from agentkv import (
     HandleState,
     Message,
     RetryPolicy,
+    Route,
     SessionBusyError,
     TurnResult,
 )
@@ -104,6 +105,8 @@ questions = st.builds(
     st.lists(st.sampled_from(WORDS), min_size=1, max_size=4),
 )
 sizes = st.sampled_from(["long", "long", "short"])
+# How a turn reaches decode: the pull (the default), decode's own compute, or the policy's choice.
+routes = st.sampled_from(["pull", "pull", "decode", "auto"])
 # Scheduling points an answer to a lease call is late by, in a concurrent step.
 lags = st.sampled_from([0, 1, 4])
 # Lease answers late, too: found with them, a turn started while ``session.persist()`` waited
@@ -322,14 +325,23 @@ class SessionMachine(RuleBasedStateMachine):
         return tracked
 
     async def _turn(
-        self, t: Tracked, text: str, size: str, *, final: bool = False, refusable: bool = False
+        self,
+        t: Tracked,
+        text: str,
+        size: str,
+        *,
+        final: bool = False,
+        refusable: bool = False,
+        route: Route = "pull",
     ) -> TurnResult | None:
         """One turn, tracked; ``None`` when it failed. ``refusable``: a ``SessionBusyError`` is
         raised (a race's expected refusal), not counted as a failed turn."""
         s = t.session
         before = s.transcript.token_ids
         try:
-            result = await s.send(text, final=final, **(LONG if size == "long" else SHORT))
+            result = await s.send(
+                text, final=final, route=route, **(LONG if size == "long" else SHORT)
+            )
         except SessionBusyError:
             if refusable:
                 raise
@@ -362,11 +374,11 @@ class SessionMachine(RuleBasedStateMachine):
         tracked.pending.append(SYSTEM)
         return tracked
 
-    @rule(t=sessions, text=questions, size=sizes)
-    def send(self, t: Tracked, text: str, size: str) -> None:
+    @rule(t=sessions, text=questions, size=sizes, route=routes)
+    def send(self, t: Tracked, text: str, size: str, route: Route = "pull") -> None:
         if t.session.closed:
             return
-        self.run(self._turn(t, text, size))
+        self.run(self._turn(t, text, size, route=route))
 
     @rule(t=sessions, text=questions, leave=st.booleans())
     def stream(self, t: Tracked, text: str, leave: bool) -> None:
