@@ -24,7 +24,7 @@ BLOCK = 128  # vLLM's CPU backend block size
 def report(cluster_file: Path):
     spec = json.loads(cluster_file.read_text())
     # Five-minute pauses, run in a fraction of a second: the SDK is told the full pause.
-    config = BenchConfig(modes=(Mode.DISAGG, Mode.AFFINITY, Mode.AGENTKV, Mode.TIER),
+    config = BenchConfig(modes=(Mode.DISAGG, Mode.AFFINITY, Mode.AGENTKV, Mode.LIMIT, Mode.TIER),
                          sessions=2, turns=3, context_tokens=256, tool_tokens=64,
                          output_tokens=48, think_time_s=300.0, time_scale=0.001)
 
@@ -44,7 +44,7 @@ def column(report, mode, field):
 
 def test_the_report_has_the_issue_shape(report):
     assert "errors" not in report, report.get("errors")
-    assert list(report["modes"]) == ["disagg", "affinity", "agentkv", "tier"]
+    assert list(report["modes"]) == ["disagg", "affinity", "agentkv", "limit", "tier"]
     for block in report["modes"].values():
         assert [row["turn"] for row in block["turns"]] == [1, 2, 3]
         for row in block["turns"]:
@@ -75,6 +75,21 @@ def test_agentkv_reuses_more_than_disagg_and_affinity_at_the_ideal(report):
 def test_every_mode_ran_the_same_prompts(report):
     prompts = {mode: column(report, mode, "prompt_tokens") for mode in report["modes"]}
     assert prompts["disagg"] == prompts["affinity"] == prompts["agentkv"] == prompts["tier"]
+    assert prompts["limit"] == prompts["agentkv"]  # the SDK's exact ids, on one server
+
+
+def test_the_limit_recomputes_at_most_a_block_of_the_previous_turn(report):
+    """Decode's own cached_tokens on the limit's turns >= 2: every whole block of the previous
+    turn's prompt and output (filled off the clock), so it computed the new tokens and less than
+    one block of old ones."""
+    got = column(report, "limit", "reused_tokens")[1:]
+    ideal = column(report, "limit", "ideal_reused_tokens")[1:]
+    for row, best in zip(got, ideal, strict=True):
+        for g, b in zip(row, best, strict=True):
+            assert b + 1 - BLOCK < g <= b + 1
+            assert g % BLOCK == 0
+    assert report["modes"]["limit"]["summary"]["old_tokens_recomputed_max_after_first_turn"] < BLOCK
+    assert "agentkv_vs_limit" in report["ratios"]
 
 
 def test_through_a_pause_the_tier_holds_the_kv_and_decode_holds_nothing(report):
