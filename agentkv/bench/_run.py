@@ -12,7 +12,7 @@ import structlog
 from agentkv import AgentKVError, ConfigError, MalformedResponseError
 from agentkv._core import dumps, post_json
 from agentkv.bench._config import BenchConfig, Mode
-from agentkv.bench._decode_watch import DecodeWatch, watch_decode
+from agentkv.bench._decode_watch import DEFAULT_INTERVAL_S, DecodeWatch, watch_decode
 from agentkv.bench._env import environment, server_cache
 from agentkv.bench._modes import ClusterTarget, NotOwned, SessionRunner, open_runner
 from agentkv.bench._report import build_report
@@ -118,6 +118,7 @@ class _Lanes:
         self.modes = modes
         self.samples: list[TurnSample] = []
         self.runners: list[SessionRunner] = []
+        self._closed: set[int] = set()
         self._target = target
         self._workload = workload
         self._on_turn = on_turn
@@ -131,12 +132,13 @@ class _Lanes:
             self.runners.append(runner)
             lanes.append(Lane(session=session, mode=mode,
                               turns=list(self._workload.sessions[session].turns),
-                              run=self._runner(runner, session, mode),
+                              run=self._runner(runner, session, mode,
+                                               last=self._workload.sessions[session].turns[-1]),
                               start_s=self._workload.sessions[session].start_s))
         return lanes
 
     def _runner(
-        self, runner: SessionRunner, session: int, mode: Mode
+        self, runner: SessionRunner, session: int, mode: Mode, *, last: TurnScript
     ) -> Callable[[TurnScript], Awaitable[bool]]:
         async def run(script: TurnScript) -> bool:
             try:
@@ -175,13 +177,22 @@ class _Lanes:
             self.samples.append(sample)
             if self._on_turn is not None:
                 self._on_turn(sample)
+            if not sample.ok or script is last:
+                # The agent is done: its session closes (decode's pin of its last turn freed)
+                # now, as a real agent's does, not when the whole run ends.
+                await self._close(runner)
             return sample.ok
 
         return run
 
+    async def _close(self, runner: SessionRunner) -> None:
+        if id(runner) not in self._closed:
+            self._closed.add(id(runner))
+            await runner.aclose()
+
     async def aclose(self) -> None:
         for runner in self.runners:
-            await runner.aclose()
+            await self._close(runner)
 
 
 async def _run_phases(
@@ -218,13 +229,15 @@ async def run_bench(
     target: ClusterTarget,
     on_turn: OnTurn | None = None,
     replay: ReplayPlan | None = None,
+    decode_sample_s: float = DEFAULT_INTERVAL_S,
 ) -> dict[str, Any]:
     """Run the benchmark on ``target``; returns the JSON report (see ``_report``).
 
     ``on_turn`` is called after every turn (the CLI's progress bar). A failed turn is recorded in
     the report's ``errors`` and ends its lane; the other lanes go on. ``replay`` (a planned trace,
     ``agentkv.bench._trace.plan_replay``) replaces the synthetic sessions; ``config.sessions`` and
-    ``config.turns`` must then be its session count and longest session.
+    ``config.turns`` must then be its session count and longest session. Decode's KV usage and
+    preemptions are sampled every ``decode_sample_s`` seconds (``_decode_watch``).
     """
     if replay is not None and (config.sessions, config.turns) != (
         len(replay.sessions), replay.max_turns
@@ -253,7 +266,8 @@ async def run_bench(
         system_tokens=system_tokens,
         run_id=config.run_id,
     )
-    watch = DecodeWatch(servers=tuple(dict.fromkeys(target.urls("decode"))))
+    watch = DecodeWatch(servers=tuple(dict.fromkeys(target.urls("decode"))),
+                        interval_s=decode_sample_s)
     samples = await _run_phases(config, target, workload, on_turn, watch)
     method = dict(METHOD) if replay is None else {**METHOD, **TRACE_METHOD}
     if config.pause == "tool-wait":
