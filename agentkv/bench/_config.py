@@ -80,13 +80,14 @@ WORKLOADS: Mapping[str, Mapping[str, Any]] = {
     "synthetic": {},
     # Decode pressure: more sessions than decode's memory keeps pinned, pausing as agents do,
     # several turns in flight, each mode on its own so that decode's memory is its alone.
-    # 32 sessions end their pauses with ~2.5-4k tokens each: ~100k tokens, twice what a 1 GiB
-    # decode holds on the local pair's model (and 4x at --decode-kv-cache-gib 0.5).
+    # 32 sessions pause with ~2.5-4.5k tokens each (~100k tokens), twice what a 1 GiB decode
+    # holds on the local pair's model in bf16 (46k tokens) and four times 0.5 GiB; four turns
+    # in flight need ~16k of them, so that the pins, not the running turns, fill decode.
     "pressure": {
         "sessions": 32,
         "turns": 6,
         "think_time_s": 20.0,
-        "concurrency": 8,
+        "concurrency": 4,
         "pause": "tool-wait",
         "serial_modes": True,
     },

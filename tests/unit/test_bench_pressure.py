@@ -37,7 +37,7 @@ def parse(argv):
 
 def test_the_pressure_workload_sets_the_flags_not_given_and_the_given_ones_win():
     config = _config(parse(["bench", "--workload", "pressure", "--json", "x.json"]))
-    assert (config.sessions, config.turns, config.concurrency) == (32, 6, 8)
+    assert (config.sessions, config.turns, config.concurrency) == (32, 6, 4)
     assert config.think_time_s == 20.0
     assert (config.pause, config.serial_modes) == ("tool-wait", True)
     mine = _config(parse(["bench", "--workload", "pressure", "--sessions", "40", "--pause",
