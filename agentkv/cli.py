@@ -41,7 +41,7 @@ def _local_config(args: argparse.Namespace) -> LocalClusterConfig:
     overrides = {
         name: getattr(args, name)
         for name in ("pairs", "prefill", "decode", "model", "base_port", "base_side_channel_port",
-                     "kv_cache_gib",
+                     "kv_cache_gib", "decode_kv_cache_gib",
                      "decoder_kv_blocks_ttl", "kv_recompute_threshold", "max_model_len",
                      "startup_timeout_s", "dtype")
         if getattr(args, name, None) is not None
@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--base-port", type=int, help="first HTTP port (default 18100)")
     up.add_argument("--base-side-channel-port", type=int, help="first NIXL port (default 15600)")
     up.add_argument("--kv-cache-gib", type=int, help="KV cache per server in GiB (default 1)")
+    up.add_argument("--decode-kv-cache-gib", type=float,
+                    help="KV cache of each decode server in GiB, fractions allowed (default: "
+                    "--kv-cache-gib); a small decode puts its pinned KV under pressure "
+                    "(docs/benchmarks.md, Decode pressure)")
     up.add_argument("--decoder-kv-blocks-ttl", type=float,
                     help="seconds decode pins turn-end KV (default 480)")
     up.add_argument("--kv-recompute-threshold", type=int, help="below this many missing tokens "

@@ -19,7 +19,14 @@ import httpx2
 import structlog
 
 from agentkv import ConfigError
-from agentkv.bench._config import DEFAULT_MODES, BenchConfig, Mode, parse_modes
+from agentkv.bench._config import (
+    DEFAULT_MODES,
+    PAUSES,
+    WORKLOADS,
+    BenchConfig,
+    Mode,
+    parse_modes,
+)
 from agentkv.bench._modes import ClusterTarget
 from agentkv.bench._progress import ProgressBar
 from agentkv.bench._report import speedups
@@ -29,6 +36,22 @@ from agentkv.bench._trace import SAMPLE_TRACE, ReplayPlan, load_trace, plan_repl
 __all__ = ["add_parser", "cmd_bench"]
 
 _DEFAULTS = BenchConfig(run_id="0")
+# Flags a named workload may set: flag dest -> BenchConfig field.
+_PRESET_FIELDS = {
+    "sessions": "sessions",
+    "turns": "turns",
+    "think_time": "think_time_s",
+    "concurrency": "concurrency",
+    "pause": "pause",
+    "serial_modes": "serial_modes",
+}
+
+
+def _default(field: str) -> str:
+    """The help text's default of ``field``: the plain one, and each named workload's own."""
+    plain = getattr(_DEFAULTS, field)
+    named = [f"{name}: {values[field]}" for name, values in WORKLOADS.items() if field in values]
+    return f"default {plain}" + "".join(f"; {n}" for n in named)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -43,24 +66,38 @@ def add_parser(subparsers: Any) -> None:
                    ".agentkv/cluster.json)")
     p.add_argument("--modes", default=",".join(m.value for m in DEFAULT_MODES),
                    help=f"comma-separated: {', '.join(Mode)} (default %(default)s)")
-    p.add_argument("--sessions", type=int, default=_DEFAULTS.sessions,
-                   help="sessions per mode (default %(default)s)")
-    p.add_argument("--turns", type=int, default=_DEFAULTS.turns,
-                   help="turns per session (default %(default)s)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="synthetic",
+                   help="named settings for the flags not given: 'pressure' is the decode-"
+                   "pressure workload, more sessions than decode's memory keeps pinned, pausing "
+                   "as agents do (docs/benchmarks.md, Decode pressure; default %(default)s)")
+    p.add_argument("--sessions", type=int,
+                   help=f"sessions per mode ({_default('sessions')})")
+    p.add_argument("--turns", type=int, help=f"turns per session ({_default('turns')})")
     p.add_argument("--context-tokens", type=int, default=_DEFAULTS.context_tokens,
                    help="system prompt with tool schemas, in tokens (default %(default)s)")
     p.add_argument("--tool-tokens", type=int, default=_DEFAULTS.tool_tokens,
                    help="tool result per turn, in tokens (default %(default)s)")
     p.add_argument("--output-tokens", type=int, default=_DEFAULTS.output_tokens,
                    help="median model output per turn, in tokens (default %(default)s)")
-    p.add_argument("--think-time", type=float, default=_DEFAULTS.think_time_s,
-                   help="mean pause between a session's turns, seconds (default %(default)s)")
+    p.add_argument("--think-time", type=float,
+                   help="mean pause between a session's turns, seconds "
+                   f"({_default('think_time_s')})")
     p.add_argument("--time-scale", type=float, default=_DEFAULTS.time_scale,
                    help="pauses last think time x this in real time; the SDK is told the full "
                    "pause (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=None,
-                   help=f"turns in flight at once (default {_DEFAULTS.concurrency}; with --trace: "
+                   help=f"turns in flight at once ({_default('concurrency')}; with --trace: "
                    "no cap, the trace's timestamps decide)")
+    p.add_argument("--pause", choices=PAUSES,
+                   help="what the SDK modes but tier do with decode's pin at a pause: 'extend' "
+                   "it to cover the pause (an unlimited pin), or 'tool-wait' as an agent does, "
+                   "session.tool_wait(persist='auto') until the next turn: the SDK's policy "
+                   "keeps the pin or moves it to decode's file tier when the pause is long or "
+                   f"decode's KV memory is full ({_default('pause')})")
+    p.add_argument("--serial-modes", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the modes one after another instead of interleaved, each with "
+                   "decode's memory to itself; decode's sampled KV usage and preemptions are "
+                   f"then reported per mode ({_default('serial_modes')})")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed,
                    help="workload seed (default %(default)s)")
     p.add_argument("--trace", metavar="FILE",
@@ -105,21 +142,33 @@ def _replay(args: argparse.Namespace) -> ReplayPlan | None:
     return plan
 
 
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The preset fields: each flag given, else the named workload's value, else the default."""
+    preset = WORKLOADS[args.workload]
+    out: dict[str, Any] = {}
+    for dest, field in _PRESET_FIELDS.items():
+        value = getattr(args, dest, None)
+        out[field] = value if value is not None else preset.get(field, getattr(_DEFAULTS, field))
+    return out
+
+
 def _config(args: argparse.Namespace, replay: ReplayPlan | None = None) -> BenchConfig:
     modes = parse_modes(args.modes)
-    concurrency = args.concurrency
-    if concurrency is None:
+    if replay is not None and args.workload != "synthetic":
+        raise ConfigError(f"--workload {args.workload} is synthetic sessions: not with --trace")
+    settings = _settings(args)
+    concurrency = settings["concurrency"]
+    if args.concurrency is None and replay is not None:
         # A trace's arrivals set its concurrency: no cap beyond one turn per lane.
-        concurrency = (_DEFAULTS.concurrency if replay is None
-                       else len(modes) * len(replay.sessions))
+        concurrency = len(modes) * len(replay.sessions)
     return BenchConfig(
         modes=modes,
-        sessions=args.sessions if replay is None else len(replay.sessions),
-        turns=args.turns if replay is None else replay.max_turns,
+        sessions=settings["sessions"] if replay is None else len(replay.sessions),
+        turns=settings["turns"] if replay is None else replay.max_turns,
         context_tokens=args.context_tokens,
         tool_tokens=args.tool_tokens,
         output_tokens=args.output_tokens,
-        think_time_s=args.think_time,
+        think_time_s=settings["think_time_s"],
         time_scale=args.time_scale,
         concurrency=concurrency,
         seed=args.seed,
@@ -128,6 +177,8 @@ def _config(args: argparse.Namespace, replay: ReplayPlan | None = None) -> Bench
         trace_limit=args.trace_limit,
         length_scale=args.length_scale,
         max_model_len=args.max_model_len,
+        pause=settings["pause"],
+        serial_modes=settings["serial_modes"],
     )
 
 
@@ -176,6 +227,10 @@ def command_line(config: BenchConfig, *, cluster_file: Path, json_out: str,
         "--time-scale", f"{config.time_scale:g}",
         "--concurrency", str(config.concurrency), "--seed", str(config.seed), "--json", json_out,
     ]
+    if config.pause != _DEFAULTS.pause:
+        argv += ["--pause", config.pause]
+    if config.serial_modes:
+        argv.append("--serial-modes")
     if plot:
         argv += ["--plot", plot]
     if not config.stream:
@@ -193,6 +248,33 @@ def _configure_logging(level: str) -> None:
 
 def _fmt(value: float | None, unit: str = "") -> str:
     return "-" if value is None else f"{value:,.1f}{unit}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _pressure_lines(report: Mapping[str, Any]) -> list[str]:
+    """What became of the SDK modes' handles, and decode's memory, per phase and server."""
+    lines = []
+    for mode, block in report["modes"].items():
+        s = block["summary"]
+        if "evictions" in s:
+            states = ", ".join(f"{k} {v}" for k, v in s["handle_states_after_first_turn"].items())
+            lines.append(
+                f"{mode} handles on turns >= 2: {s['evictions']} evicted, {s['tier_resumes']} "
+                f"resumed from the tier ({s['tier_shortfalls']} short); {states or '-'}"
+            )
+    decode = report.get("decode", {})
+    for phase, servers in decode.get("phases", {}).items():
+        for server, d in servers.items():
+            preempted = "-" if d["preemptions"] is None else d["preemptions"]
+            lines.append(
+                f"decode {server} during {phase}: KV usage peak {_pct(d['kv_usage_peak'])}, "
+                f"mean {_pct(d['kv_usage_mean'])}, {preempted} preemptions "
+                f"({d['samples']} samples, every {decode['interval_s']:g} s)"
+            )
+    return lines
 
 
 def summary_table(report: Mapping[str, Any]) -> str:
@@ -225,6 +307,7 @@ def summary_table(report: Mapping[str, Any]) -> str:
                 f" tokens (mean), at most {'-' if old is None else old} of them from the "
                 "previous turn (prefix caching keeps whole blocks only)"
             )
+    lines += _pressure_lines(report)
     workload = report.get("config", {}).get("workload", {})
     if workload.get("kind") == "trace":
         lines.append(

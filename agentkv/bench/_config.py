@@ -11,12 +11,21 @@ from __future__ import annotations
 
 import enum
 import secrets
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 from agentkv import ConfigError, Route
 
-__all__ = ["DEFAULT_MODES", "BenchConfig", "Mode", "parse_modes"]
+__all__ = [
+    "DEFAULT_MODES",
+    "PAUSES",
+    "WORKLOADS",
+    "BenchConfig",
+    "Mode",
+    "Pause",
+    "parse_modes",
+]
 
 
 class Mode(enum.StrEnum):
@@ -56,6 +65,32 @@ SDK_ROUTES: dict[Mode, Route] = {
     Mode.AGENTKV_DECODE: "decode",
     Mode.AGENTKV_AUTO: "auto",
     Mode.TIER: "pull",
+}
+
+Pause: TypeAlias = Literal["extend", "tool-wait"]
+PAUSES: tuple[Pause, ...] = ("extend", "tool-wait")
+"""What the SDK modes (but ``tier``, which always persists) do with their pin at a pause:
+``extend`` it to cover the pause whatever it costs decode (the reference "unlimited pin"), or
+``tool-wait``: what an agent does, ``session.tool_wait(expected_s=..., persist="auto")`` held
+open until the next turn, so that the SDK's policy (``CachePolicy.decide_tier``) keeps, extends
+or persists the pin, reading decode's KV usage when only memory pressure could decide."""
+
+# Named workloads: settings for the flags a run does not give (``agentkv bench --workload``).
+WORKLOADS: Mapping[str, Mapping[str, Any]] = {
+    "synthetic": {},
+    # Decode pressure: more sessions than decode's memory keeps pinned, pausing as agents do,
+    # several turns in flight, each mode on its own so that decode's memory is its alone.
+    # 32 sessions pause with ~2.5-4.5k tokens each (~100k tokens), twice what a 1 GiB decode
+    # holds on the local pair's model in bf16 (46k tokens) and four times 0.5 GiB; four turns
+    # in flight need ~16k of them, so that the pins, not the running turns, fill decode.
+    "pressure": {
+        "sessions": 32,
+        "turns": 6,
+        "think_time_s": 20.0,
+        "concurrency": 4,
+        "pause": "tool-wait",
+        "serial_modes": True,
+    },
 }
 
 # Order of the modes in results and plots (the order of the enum, baseline first).
@@ -113,6 +148,11 @@ class BenchConfig:
         length_scale: the trace's lengths (prompts, outputs, blocks) times this.
         max_model_len: the served model's context: a trace turn that would not fit ends its
             session (counted in the report).
+        pause: what the SDK modes do with their pin at a pause (``PAUSES``): ``extend`` it
+            through the pause, or ``tool-wait`` as an agent does (the SDK's policy decides).
+        serial_modes: run the modes one after another (all sessions of one, then the next)
+            instead of interleaved, so that each mode has decode's memory to itself and the
+            sampled decode metrics are that mode's.
     """
 
     modes: tuple[Mode, ...] = DEFAULT_MODES
@@ -131,6 +171,8 @@ class BenchConfig:
     trace_limit: int | None = None
     length_scale: float = 1.0
     max_model_len: int = 8192
+    pause: Pause = "extend"
+    serial_modes: bool = False
 
     def __post_init__(self) -> None:
         if not self.modes:
@@ -156,6 +198,8 @@ class BenchConfig:
             raise ConfigError(
                 f"max_model_len must be an integer >= 256, got {self.max_model_len!r}"
             )
+        if self.pause not in PAUSES:
+            raise ConfigError(f"pause must be one of {', '.join(PAUSES)}, got {self.pause!r}")
         if not self.run_id.isalnum() or len(self.run_id) > 32:
             # It goes into vLLM cache salts, which refuse '/', '@', '\\' and long values.
             raise ConfigError(f"run_id must be 1-32 letters or digits, got {self.run_id!r}")

@@ -39,8 +39,10 @@ def environment(target: ClusterTarget) -> dict[str, Any]:
         "cluster": {
             "model": target.model,
             "pairs": pairs,
-            # What `agentkv up` recorded: the serving dtype, and an emulated ISA if any.
-            **{key: target.spec[key] for key in ("dtype", "cpu_isa") if key in target.spec},
+            # What `agentkv up` recorded: the serving dtype, an emulated ISA if any, and each
+            # role's KV cache size (a small decode is the decode-pressure workload's setting).
+            **{key: target.spec[key] for key in ("dtype", "cpu_isa", "kv_cache_gib")
+               if key in target.spec},
         },
         "host": {
             "platform": platform.platform(),

@@ -9,7 +9,9 @@ mode       handle sent to prefill      prefill cache_salt  decode keeps turn KV
 disagg     never                       fresh every turn    no
 affinity   never                       one per session     no
 agentkv    when the policy says so     one per session     yes (pinned, extended to
-                                                           cover each pause)
+                                                           cover each pause; with
+                                                           ``pause="tool-wait"`` the
+                                                           SDK's tool_wait decides)
 agentkv-   never: no P leg after the   (no P leg)          yes, as agentkv
 decode     first turn; decode's cache
            holds the pinned KV
@@ -32,6 +34,7 @@ prompt ids to the decode server alone: only the new tokens (and a block's tail) 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Mapping
@@ -42,7 +45,7 @@ import httpx2
 
 from agentkv import AsyncCluster, AsyncSession, CachePolicy, Message, TurnResult
 from agentkv._core import dumps, stream_events
-from agentkv.bench._config import SDK_ROUTES, Mode
+from agentkv.bench._config import SDK_ROUTES, Mode, Pause
 from agentkv.bench._legs import LegRewriter
 from agentkv.bench._limit import LimitRunner, fill_cache
 from agentkv.bench._samples import Held, TurnSample
@@ -121,8 +124,12 @@ class SdkRunner:
         decode_salt: str,
         stream: bool,
         warm: CacheFiller | None = None,
+        pause: Pause = "extend",
     ) -> None:
         self._mode = mode
+        self._pause = pause
+        # A tool wait opened at a pause, closed when the next turn starts (or the lane ends).
+        self._waits = contextlib.AsyncExitStack()
         self._warm = warm
         self._index = index
         self._cluster = cluster
@@ -133,6 +140,7 @@ class SdkRunner:
 
     async def turn(self, script: TurnScript) -> TurnSample:
         session = self._session
+        await self._waits.aclose()  # the tool returned: the wait ends as the next turn starts
         if self._warm is not None and session.turns:
             await self._warm(session)
         if self._system is not None:
@@ -174,6 +182,14 @@ class SdkRunner:
         session = self._session
         if self._mode is Mode.TIER:
             await session.persist()
+        elif self._mode in SDK_ROUTES and self._pause == "tool-wait":
+            # As an agent waits on its tool: the SDK's policy keeps the pin (extended if the
+            # pause outlasts it) or persists it to decode's tier, when the pause is long or
+            # decode's memory is full. The wait spans the pause, so it stays open until the
+            # next turn.
+            await self._waits.enter_async_context(
+                session.tool_wait(expected_s=expected_s, persist="auto")
+            )
         elif self._mode in SDK_ROUTES and session.handle is not None:
             # The reference "unlimited pin": decode keeps the KV however long the pause.
             await session.extend_handle(expected_s + _PIN_SLACK_S)
@@ -184,6 +200,7 @@ class SdkRunner:
         )
 
     async def aclose(self) -> None:
+        await self._waits.aclose()
         await self._session.aclose()
         await self._cluster.aclose()
         if self._warm is not None:
@@ -269,9 +286,17 @@ class NotOwned(httpx2.AsyncBaseTransport):
 
 
 def open_runner(
-    mode: Mode, index: int, *, target: ClusterTarget, system: str, run_id: str, stream: bool
+    mode: Mode,
+    index: int,
+    *,
+    target: ClusterTarget,
+    system: str,
+    run_id: str,
+    stream: bool,
+    pause: Pause = "extend",
 ) -> SessionRunner:
-    """A runner for session ``index`` in ``mode``, with its own salts and HTTP client."""
+    """A runner for session ``index`` in ``mode``, with its own salts and HTTP client;
+    ``pause`` says what the SDK modes do at a pause (``BenchConfig.pause``)."""
     salt = _salt(run_id, mode, index)
     if mode is Mode.AGGREGATED:
         client = httpx2.AsyncClient(transport=NotOwned(target.transport), timeout=600.0)
@@ -312,7 +337,7 @@ def open_runner(
     )
     return SdkRunner(
         mode=mode, index=index, cluster=cluster, session=session, system=system,
-        decode_salt=salt, stream=stream, warm=warm,
+        decode_salt=salt, stream=stream, warm=warm, pause=pause,
     )
 
 

@@ -20,19 +20,33 @@ The ``limit`` mode's summary adds ``computed_tokens_mean_after_first_turn`` (pro
 server's cached tokens, mean over turns >= 2) and ``old_tokens_recomputed_max_after_first_turn``
 (the most tokens of the previous turn's prompt and output that a turn recomputed: below the
 block size when only prefix caching's whole-block rule costs anything).
+
+The SDK modes' summaries (those that hold a decode handle between turns) count what became of
+it on turns >= 2: ``handle_states_after_first_turn`` (turns by ``TurnStats.handle_state``),
+``evictions`` (turns whose handle could not be used: ``EVICTED_STATES``), ``tier_resumes``
+(turns that loaded the KV from decode's file tier) and ``tier_shortfalls`` (those that reused
+less than the tier held: the entry was gone or cut short). ``decode`` holds decode's KV usage
+and preemptions sampled through the run (``_decode_watch``), by phase and server; when modes
+run one at a time each mode's summary also gets its phase's ``decode_kv_usage_peak``,
+``decode_kv_usage_mean`` and ``decode_preemptions``.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from agentkv.bench._config import BenchConfig, Mode
+from agentkv import HandleState
+from agentkv.bench._config import SDK_ROUTES, BenchConfig, Mode
+from agentkv.bench._decode_watch import DecodeWatch
 from agentkv.bench._samples import TurnSample
 
 __all__ = [
+    "EVICTED_STATES",
     "build_report",
+    "handle_counts",
     "median_by_turn",
     "percentile",
     "ratios",
@@ -41,6 +55,14 @@ __all__ = [
 ]
 
 _TURN_FIELDS = ("ttft_ms", "prompt_tokens", "reused_tokens", "ideal_reused_tokens")
+
+# A turn's handle could not be used: decode freed it (its deadline passed, or decode said it no
+# longer held it at an extend or persist), a failed attempt may have read it, the session moved
+# pair, or the prompt no longer starts with its tokens. Not counted: ``none`` (there was none
+# to use), ``below_threshold`` and ``unused`` (the policy chose to recompute), ``tier``.
+EVICTED_STATES = frozenset({
+    HandleState.EXPIRED, HandleState.CONSUMED, HandleState.INVALIDATED, HandleState.DIVERGED,
+})
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -67,11 +89,39 @@ def _value(sample: TurnSample | None, name: str) -> float | int | None:
     return value
 
 
+def handle_counts(samples: Iterable[TurnSample]) -> dict[str, Any]:
+    """What became of the decode handle on the (successful) turns >= 2 of an SDK mode.
+
+    >>> from agentkv.bench._config import Mode
+    >>> def turn(state, reused=9):
+    ...     return TurnSample(mode=Mode.AGENTKV, session=0, turn=2, ttft_s=0.1, total_s=0.2,
+    ...                       prompt_tokens=20, reused_tokens=reused, ideal_reused_tokens=9,
+    ...                       generated_tokens=4, handle_state=state)
+    >>> counts = handle_counts([turn("attached"), turn("expired"), turn("tier"),
+    ...                         turn("tier", reused=0)])
+    >>> counts["handle_states_after_first_turn"]
+    {'attached': 1, 'expired': 1, 'tier': 2}
+    >>> counts["evictions"], counts["tier_resumes"], counts["tier_shortfalls"]
+    (1, 2, 1)
+    """
+    later = [s for s in samples if s.ok and s.turn >= 2]
+    states = Counter(s.handle_state for s in later)
+    tier = [s for s in later if s.handle_state == HandleState.TIER]
+    return {
+        "handle_states_after_first_turn": dict(sorted(states.items())),
+        "evictions": sum(states[state] for state in EVICTED_STATES),
+        "tier_resumes": len(tier),
+        "tier_shortfalls": sum(1 for s in tier if s.reused_tokens < s.ideal_reused_tokens),
+    }
+
+
 def summarize(
-    samples: Iterable[TurnSample], *, computed: bool = False
-) -> dict[str, float | None]:
+    samples: Iterable[TurnSample], *, computed: bool = False, handles: bool = False
+) -> dict[str, Any]:
     """The summary block of one mode (``None`` where nothing was measured); ``computed`` adds
-    what the turns >= 2 computed (the ``limit`` mode's check on itself)."""
+    what the turns >= 2 computed (the ``limit`` mode's check on itself), ``handles`` what
+    became of the decode handle (``handle_counts``, for the SDK modes)."""
+    samples = list(samples)
     ok = [s for s in samples if s.ok]
     later = [s for s in ok if s.turn >= 2]
     ttfts = [s.ttft_s * 1000.0 for s in later]
@@ -105,11 +155,17 @@ def summarize(
         summary["paused_tier_tokens_mean"] = rounded(
             statistics.fmean(s.paused_tier_tokens or 0 for s in paused), 1
         )
+    if handles:
+        summary.update(handle_counts(samples))
     return summary
 
 
 def _mode_block(
-    config: BenchConfig, samples: Sequence[TurnSample], *, mode: Mode
+    config: BenchConfig,
+    samples: Sequence[TurnSample],
+    *,
+    mode: Mode,
+    decode: DecodeWatch | None = None,
 ) -> dict[str, Any]:
     by_key = {(s.session, s.turn): s for s in samples}
     turns = []
@@ -118,7 +174,13 @@ def _mode_block(
         for name in _TURN_FIELDS:
             row[name] = [_value(by_key.get((i, turn)), name) for i in range(config.sessions)]
         turns.append(row)
-    return {"turns": turns, "summary": summarize(samples, computed=mode is Mode.LIMIT)}
+    summary = summarize(samples, computed=mode is Mode.LIMIT, handles=mode in SDK_ROUTES)
+    phase = decode.peak(mode.value) if decode is not None and config.serial_modes else None
+    if phase is not None:
+        summary["decode_kv_usage_peak"] = phase["kv_usage_peak"]
+        summary["decode_kv_usage_mean"] = phase["kv_usage_mean"]
+        summary["decode_preemptions"] = phase["preemptions"]
+    return {"turns": turns, "summary": summary}
 
 
 def build_report(
@@ -126,18 +188,24 @@ def build_report(
     samples: Iterable[TurnSample],
     *,
     environment: Mapping[str, Any],
+    decode: DecodeWatch | None = None,
 ) -> dict[str, Any]:
-    """The JSON report of a run: ``config`` (with ``environment`` merged in) and ``modes``, and
-    ``ratios`` (see :func:`ratios`) when the oracle or the limit ran."""
+    """The JSON report of a run: ``config`` (with ``environment`` merged in) and ``modes``,
+    ``decode`` (the metrics ``decode`` sampled, when given), and ``ratios`` (see
+    :func:`ratios`) when the oracle, the limit or another route ran, or agentkv beside
+    affinity."""
     by_mode: dict[Mode, list[TurnSample]] = {mode: [] for mode in config.modes}
     for sample in samples:
         by_mode[sample.mode].append(sample)
     report: dict[str, Any] = {
         "config": {**config.to_json(), **environment},
         "modes": {
-            mode.value: _mode_block(config, by_mode[mode], mode=mode) for mode in config.modes
+            mode.value: _mode_block(config, by_mode[mode], mode=mode, decode=decode)
+            for mode in config.modes
         },
     }
+    if decode is not None:
+        report["decode"] = decode.summary()
     errors = [
         {"mode": s.mode.value, "session": s.session, "turn": s.turn, "error": s.error}
         for mode in config.modes
@@ -147,7 +215,8 @@ def build_report(
     if errors:
         report["errors"] = errors
     routes = [m for m in (Mode.AGENTKV_DECODE, Mode.AGENTKV_AUTO) if m in config.modes]
-    if Mode.ORACLE in config.modes or Mode.LIMIT in config.modes or routes:
+    pair = {Mode.AFFINITY, Mode.AGENTKV} <= set(config.modes)  # the decode-pressure target
+    if Mode.ORACLE in config.modes or Mode.LIMIT in config.modes or routes or pair:
         # The issue's shape otherwise; speedups() reads it.
         report["ratios"] = ratios(report)
         for mode in routes:
@@ -156,9 +225,9 @@ def build_report(
 
 
 def ratios(report: Mapping[str, Any], *, mode: str = Mode.AGENTKV.value) -> dict[str, Any]:
-    """``mode``'s TTFT as a ratio to ``limit``, ``oracle``, ``disagg`` and, for another route's
-    mode, ``agentkv`` (the pull route): overall (p50 of turns >= 2) and per turn (median across
-    sessions), for the references that ran.
+    """``mode``'s TTFT as a ratio to ``limit``, ``oracle``, ``disagg``, ``affinity`` and, for
+    another route's mode, ``agentkv`` (the pull route): overall (p50 of turns >= 2) and per turn
+    (median across sessions), for the references that ran.
 
     A ratio to the limit near 1 means reuse costs next to nothing over serving the turn where its
     KV already is (only the new tokens computed, nothing transferred); the oracle is the P/D path
@@ -169,7 +238,8 @@ def ratios(report: Mapping[str, Any], *, mode: str = Mode.AGENTKV.value) -> dict
         return {}
     out: dict[str, Any] = {}
     ours = modes[mode]
-    for other in (Mode.LIMIT.value, Mode.ORACLE.value, Mode.DISAGG.value, Mode.AGENTKV.value):
+    for other in (Mode.LIMIT.value, Mode.ORACLE.value, Mode.DISAGG.value, Mode.AFFINITY.value,
+                  Mode.AGENTKV.value):
         if other not in modes or other == mode:
             continue
         base = modes[other]

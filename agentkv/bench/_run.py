@@ -12,6 +12,7 @@ import structlog
 from agentkv import AgentKVError, ConfigError, MalformedResponseError
 from agentkv._core import dumps, post_json
 from agentkv.bench._config import BenchConfig, Mode
+from agentkv.bench._decode_watch import DEFAULT_INTERVAL_S, DecodeWatch, watch_decode
 from agentkv.bench._env import environment, server_cache
 from agentkv.bench._modes import ClusterTarget, NotOwned, SessionRunner, open_runner
 from agentkv.bench._report import build_report
@@ -54,6 +55,24 @@ METHOD = {
     "another's cache, and none hits an earlier run's",
     "output_length": "every turn generates exactly its planned tokens (min_tokens = max_tokens)",
     "interleaving": "round-robin over (session, mode) lanes, mode order rotated per session",
+    "decode_metrics": "each decode server's /metrics every interval_s (and at each phase's "
+    "start and end): vllm:kv_cache_usage_perc (peak and mean) and vllm:num_preemptions_total "
+    "(added during the phase); a phase is a mode with serial_modes, else the whole run",
+    "evictions": "SDK modes: turns >= 2 whose decode handle could not be used (handle_state "
+    "expired, consumed, invalidated or diverged); tier_resumes: turns that loaded the "
+    "session's KV from decode's file tier, tier_shortfalls: those that reused less than the "
+    "tier held",
+}
+# Replaces METHOD's entries with pause="tool-wait" and with serial_modes.
+TOOL_WAIT_METHOD = {
+    "agentkv": "agentkv SDK with the default CachePolicy; one cache_salt per session on both "
+    "legs; each pause is session.tool_wait(expected_s=pause, persist='auto'), open until the "
+    "next turn: the policy keeps the pin (extended if the pause outlasts it) or persists it to "
+    "decode's file tier (a pause >= persist_after_s, or decode's KV usage >= persist_kv_usage)",
+}
+SERIAL_METHOD = {
+    "interleaving": "modes one after another, each with decode to itself; within a mode, "
+    "round-robin over its sessions",
 }
 # Added to METHOD when the workload is a replayed trace.
 TRACE_METHOD = {
@@ -94,28 +113,32 @@ class _Lanes:
     """Builds the lanes of a run and records their samples."""
 
     def __init__(self, config: BenchConfig, target: ClusterTarget, workload: Workload,
-                 on_turn: OnTurn | None) -> None:
+                 on_turn: OnTurn | None, *, modes: tuple[Mode, ...]) -> None:
         self.config = config
+        self.modes = modes
         self.samples: list[TurnSample] = []
         self.runners: list[SessionRunner] = []
+        self._closed: set[int] = set()
         self._target = target
         self._workload = workload
         self._on_turn = on_turn
 
     def build(self) -> list[Lane]:
         lanes = []
-        for session, mode in interleave(self.config.sessions, self.config.modes):
+        for session, mode in interleave(self.config.sessions, self.modes):
             runner = open_runner(mode, session, target=self._target, system=self._workload.system,
-                                 run_id=self.config.run_id, stream=self.config.stream)
+                                 run_id=self.config.run_id, stream=self.config.stream,
+                                 pause=self.config.pause)
             self.runners.append(runner)
             lanes.append(Lane(session=session, mode=mode,
                               turns=list(self._workload.sessions[session].turns),
-                              run=self._runner(runner, session, mode),
+                              run=self._runner(runner, session, mode,
+                                               last=self._workload.sessions[session].turns[-1]),
                               start_s=self._workload.sessions[session].start_s))
         return lanes
 
     def _runner(
-        self, runner: SessionRunner, session: int, mode: Mode
+        self, runner: SessionRunner, session: int, mode: Mode, *, last: TurnScript
     ) -> Callable[[TurnScript], Awaitable[bool]]:
         async def run(script: TurnScript) -> bool:
             try:
@@ -154,13 +177,50 @@ class _Lanes:
             self.samples.append(sample)
             if self._on_turn is not None:
                 self._on_turn(sample)
+            if not sample.ok or script is last:
+                # The agent is done: its session closes (decode's pin of its last turn freed)
+                # now, as a real agent's does, not when the whole run ends.
+                await self._close(runner)
             return sample.ok
 
         return run
 
+    async def _close(self, runner: SessionRunner) -> None:
+        if id(runner) not in self._closed:
+            self._closed.add(id(runner))
+            await runner.aclose()
+
     async def aclose(self) -> None:
         for runner in self.runners:
-            await runner.aclose()
+            await self._close(runner)
+
+
+async def _run_phases(
+    config: BenchConfig,
+    target: ClusterTarget,
+    workload: Workload,
+    on_turn: OnTurn | None,
+    watch: DecodeWatch,
+) -> list[TurnSample]:
+    """Run the lanes, all modes interleaved or (``serial_modes``) one mode after another, with
+    decode's metrics sampled through each phase; a phase's sessions are closed (their pins
+    released) before the next one starts."""
+    phases = ([(mode.value, (mode,)) for mode in config.modes] if config.serial_modes
+              else [("run", config.modes)])
+    samples: list[TurnSample] = []
+    async with httpx2.AsyncClient(transport=NotOwned(target.transport), timeout=10.0) as client:
+        for phase, modes in phases:
+            lanes = _Lanes(config, target, workload, on_turn, modes=modes)
+            try:
+                async with watch_decode(client, watch, phase=phase):
+                    await run_lanes(
+                        lanes.build(), concurrency=config.concurrency,
+                        time_scale=config.time_scale,
+                    )
+            finally:
+                await lanes.aclose()
+            samples.extend(lanes.samples)
+    return samples
 
 
 async def run_bench(
@@ -169,13 +229,15 @@ async def run_bench(
     target: ClusterTarget,
     on_turn: OnTurn | None = None,
     replay: ReplayPlan | None = None,
+    decode_sample_s: float = DEFAULT_INTERVAL_S,
 ) -> dict[str, Any]:
     """Run the benchmark on ``target``; returns the JSON report (see ``_report``).
 
     ``on_turn`` is called after every turn (the CLI's progress bar). A failed turn is recorded in
     the report's ``errors`` and ends its lane; the other lanes go on. ``replay`` (a planned trace,
     ``agentkv.bench._trace.plan_replay``) replaces the synthetic sessions; ``config.sessions`` and
-    ``config.turns`` must then be its session count and longest session.
+    ``config.turns`` must then be its session count and longest session. Decode's KV usage and
+    preemptions are sampled every ``decode_sample_s`` seconds (``_decode_watch``).
     """
     if replay is not None and (config.sessions, config.turns) != (
         len(replay.sessions), replay.max_turns
@@ -204,14 +266,14 @@ async def run_bench(
         system_tokens=system_tokens,
         run_id=config.run_id,
     )
-    lanes = _Lanes(config, target, workload, on_turn)
-    try:
-        await run_lanes(
-            lanes.build(), concurrency=config.concurrency, time_scale=config.time_scale
-        )
-    finally:
-        await lanes.aclose()
+    watch = DecodeWatch(servers=tuple(dict.fromkeys(target.urls("decode"))),
+                        interval_s=decode_sample_s)
+    samples = await _run_phases(config, target, workload, on_turn, watch)
     method = dict(METHOD) if replay is None else {**METHOD, **TRACE_METHOD}
+    if config.pause == "tool-wait":
+        method.update(TOOL_WAIT_METHOD)
+    if config.serial_modes:
+        method.update(SERIAL_METHOD)
     if not config.stream:
         method["ttft"] = ("request to the end of a non-streamed turn (whole decode included): "
                           "NOT time to first token")
@@ -226,7 +288,7 @@ async def run_bench(
         },
         "method": method,
     }
-    report = build_report(config, lanes.samples, environment=env)
+    report = build_report(config, samples, environment=env, decode=watch)
     logger.info("agentkv.bench.done", errors=len(report.get("errors", ())),
                 summary={m: b["summary"] for m, b in report["modes"].items()})
     return report

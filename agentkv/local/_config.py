@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -45,6 +46,9 @@ class LocalClusterConfig:
     base_side_channel_port: int = 15600  # NIXL side channels, same layout
     max_model_len: int = 8192
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE per server
+    # The decode servers' KV cache in GiB (None: ``kv_cache_gib``). A fraction is allowed: a
+    # small decode is how the bench's decode-pressure workload makes pins compete for memory.
+    decode_kv_cache_gib: float | None = None
     # The serving dtype; None picks per CPU (bf16 only where it is native, see _cpu.py).
     dtype: str | None = None
     # Run the servers as on a CPU limited to this ISA ("avx2"; AGENTKV_CPU_ISA, see _cpu.py).
@@ -73,10 +77,27 @@ class LocalClusterConfig:
             self.decode is not None and self.decode < 1
         ):
             raise ConfigError("a pool needs at least one prefill and one decode server")
+        for name in ("kv_cache_gib", "decode_kv_cache_gib"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive number of GiB, got {value!r}")
 
     @property
     def pool(self) -> bool:
         return self.prefill is not None
+
+    def kv_cache_gib_of(self, role: str) -> float:
+        """The KV cache of a ``role`` server in GiB: ``decode_kv_cache_gib`` for decode, when
+        given, else ``kv_cache_gib``.
+
+        >>> LocalClusterConfig(decode_kv_cache_gib=0.25).kv_cache_gib_of("decode")
+        0.25
+        >>> LocalClusterConfig(decode_kv_cache_gib=0.25).kv_cache_gib_of("prefill")
+        1
+        """
+        if role == "decode" and self.decode_kv_cache_gib is not None:
+            return self.decode_kv_cache_gib
+        return self.kv_cache_gib
 
     @property
     def servers(self) -> list[tuple[str, str, int]]:
@@ -155,6 +176,9 @@ class ClusterRecord:
     # The servers' shared KV file tier (None: no tier, or not recorded) and its byte budget.
     tier_dir: str | None = None
     tier_budget_bytes: int | None = None
+    # Each role's KV cache in GiB, as started (None: not recorded).
+    kv_cache_gib: float | None = None
+    decode_kv_cache_gib: float | None = None
 
     @property
     def servers(self) -> list[tuple[str, str, ServerRecord]]:
@@ -202,6 +226,12 @@ class ClusterRecord:
             **(
                 {"tier": {"dir": self.tier_dir, "budget_bytes": self.tier_budget_bytes}}
                 if self.tier_dir is not None
+                else {}
+            ),
+            **(
+                {"kv_cache_gib": {"prefill": self.kv_cache_gib,
+                                  "decode": self.decode_kv_cache_gib}}
+                if self.kv_cache_gib is not None and self.decode_kv_cache_gib is not None
                 else {}
             ),
         }
@@ -273,6 +303,7 @@ class ClusterRecord:
                     cpu_isa=None if cpu_isa is None else str(cpu_isa),
                     kv_recompute_threshold=None if threshold is None else int(threshold),
                     **_tier_fields(data),
+                    **_kv_cache_fields(data),
                 )
             pairs = tuple(
                 PairRecord(
@@ -297,6 +328,7 @@ class ClusterRecord:
                 cpu_isa=None if cpu_isa is None else str(cpu_isa),
                 kv_recompute_threshold=None if threshold is None else int(threshold),
                 **_tier_fields(data),
+                **_kv_cache_fields(data),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"cluster file {path} is malformed: {exc!r}") from exc
@@ -309,3 +341,11 @@ def _tier_fields(data: Mapping[str, Any]) -> dict[str, Any]:
     budget = tier.get("budget_bytes")
     return {"tier_dir": str(tier["dir"]),
             "tier_budget_bytes": None if budget is None else int(budget)}
+
+
+def _kv_cache_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    sizes = data.get("kv_cache_gib")
+    if not isinstance(sizes, Mapping):
+        return {}
+    return {"kv_cache_gib": float(sizes["prefill"]),
+            "decode_kv_cache_gib": float(sizes["decode"])}

@@ -104,6 +104,27 @@ def _prepared_model(config: LocalClusterConfig, say: Progress) -> Path:
     )
 
 
+_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+_GIB = 1 << 30
+
+
+def kv_cache_env(gib: float) -> dict[str, str]:
+    """The environment that sizes a server's KV cache: whole GiB the way vLLM CPU documents
+    (``VLLM_CPU_KVCACHE_SPACE``, an integer); a fraction goes by ``kv_cache_args`` instead."""
+    return {_KV_CACHE_ENV: str(int(gib))} if float(gib).is_integer() else {}
+
+
+def kv_cache_args(gib: float) -> tuple[str, ...]:
+    """The server arguments that size a KV cache of a fraction of a GiB (none for whole GiB).
+
+    >>> kv_cache_args(0.25), kv_cache_args(2)
+    (('--kv-cache-memory-bytes', '268435456'), ())
+    """
+    if float(gib).is_integer():
+        return ()
+    return ("--kv-cache-memory-bytes", str(round(gib * _GIB)))
+
+
 STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 """The local pair's ``--structured-outputs-config`` (see ``plan_servers``)."""
 
@@ -136,12 +157,16 @@ def plan_servers(config: LocalClusterConfig, *, model_path: Path) -> list[Server
             # what "auto" picks for every schema agentkv sends.
             "--structured-outputs-config",
             json.dumps(STRUCTURED_OUTPUTS, separators=(",", ":")),
+            *kv_cache_args(config.kv_cache_gib_of(role)),
             *config.extra_args,
         )
         env = dict(os.environ)
+        # vLLM's CPU platform lets this variable override --kv-cache-memory-bytes: one of the
+        # two, never both (and never the caller's own).
+        env.pop(_KV_CACHE_ENV, None)
+        env.update(kv_cache_env(config.kv_cache_gib_of(role)))
         env.update(
             HF_HUB_OFFLINE="1",
-            VLLM_CPU_KVCACHE_SPACE=str(config.kv_cache_gib),
             VLLM_CPU_OMP_THREADS_BIND=str(core),
             VLLM_NIXL_SIDE_CHANNEL_PORT=str(channels[offset]),
             VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
@@ -188,7 +213,7 @@ def check_preconditions(plans: list[ServerPlan], config: LocalClusterConfig) -> 
                     f"{what} port {port} for {plan.pair} {plan.role} is already in use; "
                     "stop what holds it or pass --base-port / --base-side-channel-port"
                 )
-    needed = len(plans) * (_SERVER_MEMORY_GIB + config.kv_cache_gib)
+    needed = sum(_SERVER_MEMORY_GIB + config.kv_cache_gib_of(plan.role) for plan in plans)
     available = _available_memory_gib()
     if available < needed:
         raise StartupError(
@@ -268,6 +293,8 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
             dtype=serving_dtype(config),
             cpu_isa=config.cpu_isa,
             kv_recompute_threshold=config.kv_recompute_threshold,
+            kv_cache_gib=config.kv_cache_gib,
+            decode_kv_cache_gib=config.kv_cache_gib_of("decode"),
             **_tier_record(config),
             pool=tuple(
                 PoolServerRecord(
@@ -285,6 +312,8 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
         dtype=serving_dtype(config),
         cpu_isa=config.cpu_isa,
         kv_recompute_threshold=config.kv_recompute_threshold,
+        kv_cache_gib=config.kv_cache_gib,
+        decode_kv_cache_gib=config.kv_cache_gib_of("decode"),
         **_tier_record(config),
         pairs=tuple(
             PairRecord(

@@ -137,6 +137,11 @@ class EngineStats:
             "External prefix cache hits from KV connector cross-instance cache sharing, "
             "in terms of number of cached tokens.",
         )
+        # Never incremented: the fake refuses a request it has no blocks for instead of
+        # preempting a running one (``KVCacheFullError``); the counter is there as vLLM has it.
+        self.num_preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.prompt_tokens_cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."

@@ -20,6 +20,7 @@ SUMMARY_KEYS = {
     "reuse_vs_ideal",
     "throughput_tokens_per_s",
 }
+HANDLE_KEYS = {"handle_states_after_first_turn", "evictions", "tier_resumes", "tier_shortfalls"}
 TURN_KEYS = {"turn", "ttft_ms", "prompt_tokens", "reused_tokens", "ideal_reused_tokens"}
 
 
@@ -49,11 +50,15 @@ def report():
 
 
 def test_the_report_has_the_issue_shape(report):
-    assert set(report) == {"config", "modes"}  # no "errors": every turn succeeded
+    # No "errors": every turn succeeded.
+    assert set(report) == {"config", "modes", "decode", "ratios"}
     assert list(report["modes"]) == ["disagg", "affinity", "agentkv"]
-    for block in report["modes"].values():
+    assert list(report["ratios"]) == ["agentkv_vs_disagg", "agentkv_vs_affinity"]
+    for mode, block in report["modes"].items():
         assert set(block) == {"turns", "summary"}
-        assert set(block["summary"]) == SUMMARY_KEYS
+        # The SDK mode also says what became of its handles (no pressure here: nothing lost).
+        handles = HANDLE_KEYS if mode == "agentkv" else set()
+        assert set(block["summary"]) == SUMMARY_KEYS | handles
         assert [row["turn"] for row in block["turns"]] == [1, 2, 3]
         for row in block["turns"]:
             assert set(row) == TURN_KEYS

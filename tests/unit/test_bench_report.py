@@ -75,11 +75,16 @@ def test_the_report_has_exactly_the_issue_shape_with_one_value_per_session():
         "reused_tokens": [20, 20],
         "ideal_reused_tokens": [20, 20],
     }
-    assert set(block["summary"]) == {
+    issue = {
         "ttft_p50_ms_after_first_turn",
         "ttft_p90_ms_after_first_turn",
         "reuse_vs_ideal",
         "throughput_tokens_per_s",
+    }
+    assert set(report["modes"]["disagg"]["summary"]) == issue
+    # An SDK mode also counts what became of its decode handle (issue 27's evictions).
+    assert set(block["summary"]) == issue | {
+        "handle_states_after_first_turn", "evictions", "tier_resumes", "tier_shortfalls",
     }
 
 

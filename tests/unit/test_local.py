@@ -380,3 +380,48 @@ def test_the_cluster_file_records_the_tier(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "cluster.json").read_text())["tier"] == {
         "dir": "/t/tier", "budget_bytes": 123}
     assert ClusterRecord.read(tmp_path / "cluster.json") == record
+
+
+def test_a_small_decode_kv_cache_sizes_the_decode_servers_alone(tmp_path: Path) -> None:
+    """`agentkv up --decode-kv-cache-gib 0.25`: decode gets a quarter GiB (a fraction goes by
+    vLLM's --kv-cache-memory-bytes, which VLLM_CPU_KVCACHE_SPACE would override), prefill keeps
+    --kv-cache-gib, and the memory check counts each server's own size."""
+    from agentkv.cli import _local_config, build_parser
+
+    args = build_parser().parse_args([
+        "up", "--pairs", "2", "--kv-cache-gib", "2", "--decode-kv-cache-gib", "0.25",
+        "--cluster-file", str(tmp_path / "c.json"),
+    ])
+    config = _local_config(args)
+    assert (config.kv_cache_gib, config.decode_kv_cache_gib) == (2, 0.25)
+    plans = plan_servers(config, model_path=tmp_path / "model")
+    for plan in plans:
+        flags = list(plan.argv)
+        if plan.role == "decode":
+            assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str(1 << 28)
+            assert "VLLM_CPU_KVCACHE_SPACE" not in plan.env
+        else:
+            assert "--kv-cache-memory-bytes" not in flags
+            assert plan.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    whole = plan_servers(replace(config, decode_kv_cache_gib=3.0), model_path=tmp_path / "m")
+    assert [p.env["VLLM_CPU_KVCACHE_SPACE"] for p in whole] == ["2", "3", "2", "3"]
+    assert not any("--kv-cache-memory-bytes" in p.argv for p in whole)
+    default = plan_servers(replace(config, decode_kv_cache_gib=None), model_path=tmp_path / "m")
+    assert {p.env["VLLM_CPU_KVCACHE_SPACE"] for p in default} == {"2"}
+
+
+@pytest.mark.parametrize("gib", [0.0, -1.0, float("nan")])
+def test_a_decode_kv_cache_must_be_positive(gib: float) -> None:
+    with pytest.raises(ConfigError, match="decode_kv_cache_gib"):
+        LocalClusterConfig(decode_kv_cache_gib=gib)
+
+
+def test_the_cluster_file_records_each_roles_kv_cache(tmp_path: Path) -> None:
+    record = replace(_record(), kv_cache_gib=1, decode_kv_cache_gib=0.25)
+    record.write(tmp_path / "cluster.json")
+    data = json.loads((tmp_path / "cluster.json").read_text())
+    assert data["kv_cache_gib"] == {"prefill": 1, "decode": 0.25}
+    assert ClusterRecord.read(tmp_path / "cluster.json") == record
+    _record().write(tmp_path / "old.json")  # written before it was recorded
+    assert "kv_cache_gib" not in json.loads((tmp_path / "old.json").read_text())
+    assert ClusterRecord.read(tmp_path / "old.json").decode_kv_cache_gib is None
