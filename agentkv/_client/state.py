@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import logging
 from array import array
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,10 +41,13 @@ def tokens_digest(tokens: Iterable[int]) -> str:
 
 logger = structlog.get_logger("agentkv")
 _turn_logger: tuple[tuple[object, ...], Any] | None = None
+_CONFIG_KEYS = ("processors", "wrapper_class", "context_class", "logger_factory")
 
 
 def turn_logger() -> Any:
-    """``logger`` bound once per structlog configuration, for the event of every turn.
+    """``logger`` bound once per structlog configuration, for the event of every turn; ``None``
+    when that configuration drops info events (a filtering wrapper above ``INFO``), so the turn
+    builds no event for nothing.
 
     The module's lazy proxy binds a new logger on every call (~4 us) unless structlog caches on
     first use; rebinding when the configuration changes (``configure``, ``capture_logs``) logs
@@ -51,12 +55,15 @@ def turn_logger() -> Any:
     """
     global _turn_logger  # noqa: PLW0603 - one cache for the process, as structlog's own
     config = structlog.get_config()
-    key = tuple(
-        config[k] for k in ("processors", "wrapper_class", "context_class", "logger_factory")
-    )
     cached = _turn_logger
-    if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
-        cached = _turn_logger = (key, logger.bind())
+    if cached is None or any(
+        a is not config[k] for a, k in zip(cached[0], _CONFIG_KEYS, strict=True)
+    ):
+        bound = logger.bind()
+        # structlog's filtering wrappers say their level; any other wrapper gets the event.
+        enabled = getattr(bound, "is_enabled_for", None)
+        use = bound if enabled is None or enabled(logging.INFO) else None
+        cached = _turn_logger = (tuple(config[k] for k in _CONFIG_KEYS), use)
     return cached[1]
 
 
@@ -372,7 +379,10 @@ class SessionState:
                 else "decode returned no handle",
             )
         self.ideal_base = prompt_len + len(result.token_ids) - 1
-        turn_logger().info(
+        log = turn_logger()
+        if log is None:
+            return stats
+        log.info(
             "agentkv.turn",
             session_id=self.session_id,
             turn=stats.turn,
