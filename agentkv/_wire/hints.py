@@ -151,7 +151,8 @@ def request_tag(secret: str) -> str:
     >>> request_tag("s3cret")[:20]
     'agentkv-1ec1c26b50d5'
     """
-    return REQUEST_TAG_PREFIX + _sha256(secret.encode()).hexdigest()
+    digest: str = _sha256(secret.encode()).hexdigest()
+    return REQUEST_TAG_PREFIX + digest
 
 
 def tag_of_request_id(request_id: str) -> str | None:
@@ -183,7 +184,8 @@ def positive_seconds(value: object, what: str) -> float:
 
 
 def _object(value: object, what: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
+    # Parsed JSON is a dict: its exact type answers before Mapping's ABC check.
+    if type(value) is not dict and not isinstance(value, Mapping):
         raise HintError(f"{what} must be an object, got {type(value).__name__}")
     return value
 
