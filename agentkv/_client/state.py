@@ -28,7 +28,7 @@ from agentkv._route import TakenRoute
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TurnStats
 from agentkv._wire.decode_answer import no_handle_cause
 from agentkv._wire.handoff import DecodeResult, PrefillResult, TurnRequest
-from agentkv._wire.json import fragment
+from agentkv._wire.json import dumps, json_fragment
 from agentkv._wire.tier import TierRef
 
 __all__ = ["SessionState", "TurnOutcome", "pulled_estimate", "tokens_digest"]
@@ -56,8 +56,11 @@ def turn_logger() -> Any:
     global _turn_logger  # noqa: PLW0603 - one cache for the process, as structlog's own
     config = structlog.get_config()
     cached = _turn_logger
-    if cached is None or any(
-        a is not config[k] for a, k in zip(cached[0], _CONFIG_KEYS, strict=True)
+    if cached is None or not (
+        (key := cached[0])[0] is config["processors"]
+        and key[1] is config["wrapper_class"]
+        and key[2] is config["context_class"]
+        and key[3] is config["logger_factory"]
     ):
         bound = logger.bind()
         # structlog's filtering wrappers say their level; any other wrapper gets the event.
@@ -140,6 +143,7 @@ class SessionState:
         "unconfirmed",
         "wait_note",
         "wire",
+        "wire_count",
     )
 
     def __init__(
@@ -156,8 +160,10 @@ class SessionState:
         self.policy = policy
         self.options = options
         self.transcript = transcript
-        # OpenAI dicts of the committed messages, built once (requests carry the conversation).
-        self.wire: list[dict[str, Any]] = [m.to_openai() for m in transcript.messages]
+        # The committed messages as a JSON array's items (OpenAI dicts, comma-separated), each
+        # serialized once: every D leg carries the whole conversation.
+        self.wire = _json_items(m.to_openai() for m in transcript.messages)
+        self.wire_count = len(transcript.messages)
         self.handle: KVHandle | None = None
         # Why there is no handle, when one was lost (expired, consumed by a failed turn, ...).
         self.lost: tuple[HandleState, str] | None = None
@@ -291,12 +297,11 @@ class SessionState:
         self, prompt: TurnPrompt, options: SessionOptions, *, model: str
     ) -> TurnRequest:
         """What the turn asks ``model`` for: the conversation with ``prompt``'s messages."""
-        messages = [*self.wire, *(m.to_openai() for m in prompt.messages)]
+        added = _json_items(m.to_openai() for m in prompt.messages)
         return TurnRequest(
             model=model,
-            # Serialized once for both legs.
-            messages=fragment(messages),
-            num_messages=len(messages),
+            messages=json_fragment(b"[" + b",".join(filter(None, (self.wire, added))) + b"]"),
+            num_messages=self.wire_count + len(prompt.messages),
             max_tokens=options.max_tokens,
             temperature=options.temperature,
             tools=options.tools,
@@ -318,8 +323,11 @@ class SessionState:
             finish_reason=result.finish_reason,
         )
         self.tools_key = tools_key(outcome.tools)
-        self.wire.extend(m.to_openai() for m in prompt.messages)
-        self.wire.append(result.message.to_openai())
+        added = _json_items(
+            [*(m.to_openai() for m in prompt.messages), result.message.to_openai()]
+        )
+        self.wire = self.wire + b"," + added if self.wire else added
+        self.wire_count += len(prompt.messages) + 1
         prompt_len = len(prompt)
         if outcome.prefill is None:  # the decode route: decode's own prefix-cache hits
             reused = min(result.cached_tokens or 0, prompt_len)
@@ -405,6 +413,11 @@ class SessionState:
             leased=result.handle is not None and result.handle.leased,
         )
         return stats
+
+
+def _json_items(values: Iterable[Any]) -> bytes:
+    """``values`` as the items of a JSON array, without its brackets (``b""`` for none)."""
+    return dumps(list(values))[1:-1]
 
 
 def pulled_estimate(
