@@ -326,7 +326,7 @@ class SessionState:
         added = _json_items(
             [*(m.to_openai() for m in prompt.messages), result.message.to_openai()]
         )
-        self.wire = self.wire + b"," + added if self.wire else added
+        self.wire = b",".join((self.wire, added)) if self.wire else added
         self.wire_count += len(prompt.messages) + 1
         prompt_len = len(prompt)
         if outcome.prefill is None:  # the decode route: decode's own prefix-cache hits
