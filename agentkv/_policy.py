@@ -20,6 +20,7 @@ Where a session lives and where each turn prefills are decided the same way in `
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -149,6 +150,15 @@ class TierDecision:
         return self.action == "persist"
 
 
+_NO_PIN = PersistHint(persist=False)
+
+
+@functools.lru_cache(maxsize=32)
+def _pin_hint(ttl_s: float | None) -> PersistHint:
+    # A policy's TTL is fixed: its (frozen) hint is built and checked once, not every turn.
+    return PersistHint(ttl_s=ttl_s)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CachePolicy:
     """When a decode handle is still good to send, and what decode should do with it.
@@ -261,9 +271,7 @@ class CachePolicy:
 
     def decide_persist(self, *, final: bool) -> PersistHint:
         """The hint for a D leg: pin for the next turn, or nothing on a turn no other follows."""
-        if final:
-            return PersistHint(persist=False)
-        return PersistHint(ttl_s=self.pin_ttl_s)
+        return _NO_PIN if final else _pin_hint(self.pin_ttl_s)
 
     def decide_extend(
         self, handle: KVHandle | None, *, now: float, expected_wait_s: float

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import logging
 from array import array
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from agentkv._route import TakenRoute
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TurnStats
 from agentkv._wire.decode_answer import no_handle_cause
 from agentkv._wire.handoff import DecodeResult, PrefillResult, TurnRequest
-from agentkv._wire.json import fragment
+from agentkv._wire.json import dumps, json_fragment
 from agentkv._wire.tier import TierRef
 
 __all__ = ["SessionState", "TurnOutcome", "pulled_estimate", "tokens_digest"]
@@ -40,10 +41,13 @@ def tokens_digest(tokens: Iterable[int]) -> str:
 
 logger = structlog.get_logger("agentkv")
 _turn_logger: tuple[tuple[object, ...], Any] | None = None
+_CONFIG_KEYS = ("processors", "wrapper_class", "context_class", "logger_factory")
 
 
 def turn_logger() -> Any:
-    """``logger`` bound once per structlog configuration, for the event of every turn.
+    """``logger`` bound once per structlog configuration, for the event of every turn; ``None``
+    when that configuration drops info events (a filtering wrapper above ``INFO``), so the turn
+    builds no event for nothing.
 
     The module's lazy proxy binds a new logger on every call (~4 us) unless structlog caches on
     first use; rebinding when the configuration changes (``configure``, ``capture_logs``) logs
@@ -51,12 +55,18 @@ def turn_logger() -> Any:
     """
     global _turn_logger  # noqa: PLW0603 - one cache for the process, as structlog's own
     config = structlog.get_config()
-    key = tuple(
-        config[k] for k in ("processors", "wrapper_class", "context_class", "logger_factory")
-    )
     cached = _turn_logger
-    if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
-        cached = _turn_logger = (key, logger.bind())
+    if cached is None or not (
+        (key := cached[0])[0] is config["processors"]
+        and key[1] is config["wrapper_class"]
+        and key[2] is config["context_class"]
+        and key[3] is config["logger_factory"]
+    ):
+        bound = logger.bind()
+        # structlog's filtering wrappers say their level; any other wrapper gets the event.
+        enabled = getattr(bound, "is_enabled_for", None)
+        use = bound if enabled is None or enabled(logging.INFO) else None
+        cached = _turn_logger = (tuple(config[k] for k in _CONFIG_KEYS), use)
     return cached[1]
 
 
@@ -133,6 +143,7 @@ class SessionState:
         "unconfirmed",
         "wait_note",
         "wire",
+        "wire_count",
     )
 
     def __init__(
@@ -149,8 +160,10 @@ class SessionState:
         self.policy = policy
         self.options = options
         self.transcript = transcript
-        # OpenAI dicts of the committed messages, built once (requests carry the conversation).
-        self.wire: list[dict[str, Any]] = [m.to_openai() for m in transcript.messages]
+        # The committed messages as a JSON array's items (OpenAI dicts, comma-separated), each
+        # serialized once: every D leg carries the whole conversation.
+        self.wire = _json_items(m.to_openai() for m in transcript.messages)
+        self.wire_count = len(transcript.messages)
         self.handle: KVHandle | None = None
         # Why there is no handle, when one was lost (expired, consumed by a failed turn, ...).
         self.lost: tuple[HandleState, str] | None = None
@@ -284,12 +297,11 @@ class SessionState:
         self, prompt: TurnPrompt, options: SessionOptions, *, model: str
     ) -> TurnRequest:
         """What the turn asks ``model`` for: the conversation with ``prompt``'s messages."""
-        messages = [*self.wire, *(m.to_openai() for m in prompt.messages)]
+        added = _json_items(m.to_openai() for m in prompt.messages)
         return TurnRequest(
             model=model,
-            # Serialized once for both legs.
-            messages=fragment(messages),
-            num_messages=len(messages),
+            messages=json_fragment(b"[" + b",".join(filter(None, (self.wire, added))) + b"]"),
+            num_messages=self.wire_count + len(prompt.messages),
             max_tokens=options.max_tokens,
             temperature=options.temperature,
             tools=options.tools,
@@ -311,8 +323,11 @@ class SessionState:
             finish_reason=result.finish_reason,
         )
         self.tools_key = tools_key(outcome.tools)
-        self.wire.extend(m.to_openai() for m in prompt.messages)
-        self.wire.append(result.message.to_openai())
+        added = _json_items(
+            [*(m.to_openai() for m in prompt.messages), result.message.to_openai()]
+        )
+        self.wire = b",".join((self.wire, added)) if self.wire else added
+        self.wire_count += len(prompt.messages) + 1
         prompt_len = len(prompt)
         if outcome.prefill is None:  # the decode route: decode's own prefix-cache hits
             reused = min(result.cached_tokens or 0, prompt_len)
@@ -372,7 +387,10 @@ class SessionState:
                 else "decode returned no handle",
             )
         self.ideal_base = prompt_len + len(result.token_ids) - 1
-        turn_logger().info(
+        log = turn_logger()
+        if log is None:
+            return stats
+        log.info(
             "agentkv.turn",
             session_id=self.session_id,
             turn=stats.turn,
@@ -395,6 +413,11 @@ class SessionState:
             leased=result.handle is not None and result.handle.leased,
         )
         return stats
+
+
+def _json_items(values: Iterable[Any]) -> bytes:
+    """``values`` as the items of a JSON array, without its brackets (``b""`` for none)."""
+    return dumps(list(values))[1:-1]
 
 
 def pulled_estimate(

@@ -308,7 +308,8 @@ def parse_prefill(data: Any, *, url: str) -> PrefillResult:
         prompt_tokens=prompt_tokens,
         cached_tokens=cached or 0,
         # agentkv's key in prefill's answer is for this client only: decode gets its own hint.
-        kv_params=MappingProxyType(for_prefill(params)),
+        # (a copy only when there is such a key: the parsed dict is ours alone otherwise)
+        kv_params=MappingProxyType(for_prefill(params) if HINTS_KEY in params else params),
         tier_load=_tier_load(params, url),
     )
 

@@ -101,7 +101,7 @@ def _count(value: object, what: str) -> int:
 
 
 def _object(value: object, what: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
+    if type(value) is not dict and not isinstance(value, Mapping):
         raise HintError(f"{what} must be an object, got {type(value).__name__}")
     return value
 
@@ -115,7 +115,8 @@ def _secret(value: object) -> str:
 def _agentkv_field(params: Mapping[str, Any] | None, key: str, what: str) -> object:
     """``params["agentkv"][key]``, ``None`` when absent; ``HintError`` for another wire version."""
     raw = params.get(HINTS_KEY) if params else None
-    if not isinstance(raw, Mapping) or key not in raw:
+    # Parsed JSON is a dict; Mapping's ABC check is for other callers' (and costs a turn more).
+    if raw is None or (type(raw) is not dict and not isinstance(raw, Mapping)) or key not in raw:
         return None
     if raw.get("v") != WIRE_VERSION:
         raise HintError(f"{what} has wire version {raw.get('v')!r}")

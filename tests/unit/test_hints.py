@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import pytest
@@ -19,6 +20,8 @@ from agentkv._wire.hints import (
     PersistHint,
     ServerInfo,
     for_prefill,
+    new_request_secret,
+    request_tag,
     with_expiry,
     with_hint,
 )
@@ -168,3 +171,12 @@ def test_server_info_round_trips_and_rejects_other_versions() -> None:
     assert ServerInfo.from_wire(info.to_wire()) == info
     with pytest.raises(HintError):
         ServerInfo.from_wire({**info.to_wire(), "v": 0})
+
+
+@given(st.text(min_size=1, max_size=64))
+def test_a_request_tag_is_the_hex_sha256_of_its_secret(secret: str) -> None:
+    """Decode's connector checks tags with hashlib: the client's digest must be the same."""
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    assert request_tag(secret) == "agentkv-" + digest
+    fresh = new_request_secret()
+    assert request_tag(fresh) == "agentkv-" + hashlib.sha256(fresh.encode()).hexdigest()
