@@ -36,13 +36,11 @@ PersistHint(persist=False, ttl_s=None)
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib
 import math
 import re
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,22 +122,6 @@ REQUEST_TAG_PREFIX = "agentkv-"
 _ENGINE_ID = re.compile(r"chatcmpl-(agentkv-[0-9a-f]{64})(?:-[0-9A-Za-z]{1,16})?")
 
 
-def _plain_sha256() -> Callable[[bytes], Any]:
-    """CPython's own SHA-256 (``_sha2``, ``_sha256`` before 3.12), else hashlib's.
-
-    The same digest; hashlib's is OpenSSL's, whose digest setup runs cold once per D leg (the
-    turn's other work evicts it): ~20 us of a turn's CPU, against ~5 us for CPython's.
-    """
-    for name in ("_sha2", "_sha256"):
-        with contextlib.suppress(ImportError):
-            sha256: Callable[[bytes], Any] = importlib.import_module(name).sha256
-            return sha256
-    return hashlib.sha256
-
-
-_sha256 = _plain_sha256()
-
-
 def new_request_secret() -> str:
     """A fresh secret for one D leg (128 random bits, as hex: base64's pure-Python layers cost a
     cold turn ~8 us more, and decode takes any short string)."""
@@ -152,8 +134,7 @@ def request_tag(secret: str) -> str:
     >>> request_tag("s3cret")[:20]
     'agentkv-1ec1c26b50d5'
     """
-    digest: str = _sha256(secret.encode()).hexdigest()
-    return REQUEST_TAG_PREFIX + digest
+    return REQUEST_TAG_PREFIX + hashlib.sha256(secret.encode()).hexdigest()
 
 
 def tag_of_request_id(request_id: str) -> str | None:
