@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx2
 import structlog
-from prometheus_client.parser import text_string_to_metric_families
 
 from agentkv import _constants as defaults
 from agentkv._exceptions import TransportError
@@ -36,6 +35,7 @@ from agentkv._wire.hints import (
 )
 from agentkv._wire.http import exchange
 from agentkv._wire.json import dumps
+from agentkv._wire.metrics import sample_values
 from agentkv._wire.tier import (
     PERSIST_PATH,
     TIER_DELETE_PATH,
@@ -196,17 +196,7 @@ class LeaseCalls:
             return None
         if response.status_code != 200:
             return None
-        try:
-            families = list(text_string_to_metric_families(response.text))
-        except ValueError:
-            return None
-        usage = [
-            sample.value
-            for family in families
-            if family.name == KV_USAGE_METRIC
-            for sample in family.samples
-            if sample.name == KV_USAGE_METRIC
-        ]
+        usage = sample_values(response.text, KV_USAGE_METRIC)
         return max(usage) if usage else None
 
     async def _call(self, url: str, body: dict[str, Any]) -> tuple[int, Any] | CallResult:

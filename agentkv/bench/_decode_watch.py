@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import statistics
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
+
+from agentkv._core import sample_values
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
@@ -49,29 +50,11 @@ class Reading:
     preemptions: float | None
 
 
-def _value(line: str) -> float | None:
-    # "<name>{labels} <value> [timestamp]": the value is the first field after the labels.
-    rest = line[line.rfind("}") + 1 :] if "}" in line else line.partition(" ")[2]
-    fields = rest.split()
-    try:
-        value = float(fields[0]) if fields else math.nan
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
-
-
 def parse_reading(text: str) -> Reading:
-    """The two series of a ``/metrics`` answer (Prometheus or OpenMetrics text). A line scan,
-    not a full parse: vLLM's exposition runs to tens of kilobytes of histograms, read twice a
-    second."""
-    usage: list[float] = []
-    preemptions: list[float] = []
-    for line in text.splitlines():
-        for name, into in ((KV_USAGE, usage), (PREEMPTIONS, preemptions)):
-            if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-                value = _value(line)
-                if value is not None:
-                    into.append(value)
+    """The two series of a ``/metrics`` answer (``sample_values``: a scan of their lines, not a
+    parse of vLLM's tens of kilobytes of histograms, read twice a second)."""
+    usage = sample_values(text, KV_USAGE)
+    preemptions = sample_values(text, PREEMPTIONS)
     return Reading(kv_usage=max(usage) if usage else None,
                    preemptions=sum(preemptions) if preemptions else None)
 
