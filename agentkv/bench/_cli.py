@@ -40,6 +40,7 @@ _DEFAULTS = BenchConfig(run_id="0")
 _PRESET_FIELDS = {
     "sessions": "sessions",
     "turns": "turns",
+    "context_tokens": "context_tokens",
     "think_time": "think_time_s",
     "concurrency": "concurrency",
     "pause": "pause",
@@ -73,8 +74,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--sessions", type=int,
                    help=f"sessions per mode ({_default('sessions')})")
     p.add_argument("--turns", type=int, help=f"turns per session ({_default('turns')})")
-    p.add_argument("--context-tokens", type=int, default=_DEFAULTS.context_tokens,
-                   help="system prompt with tool schemas, in tokens (default %(default)s)")
+    p.add_argument("--context-tokens", type=int,
+                   help="system prompt with tool schemas, in tokens "
+                   f"({_default('context_tokens')})")
     p.add_argument("--tool-tokens", type=int, default=_DEFAULTS.tool_tokens,
                    help="tool result per turn, in tokens (default %(default)s)")
     p.add_argument("--output-tokens", type=int, default=_DEFAULTS.output_tokens,
@@ -165,7 +167,7 @@ def _config(args: argparse.Namespace, replay: ReplayPlan | None = None) -> Bench
         modes=modes,
         sessions=settings["sessions"] if replay is None else len(replay.sessions),
         turns=settings["turns"] if replay is None else replay.max_turns,
-        context_tokens=args.context_tokens,
+        context_tokens=settings["context_tokens"],
         tool_tokens=args.tool_tokens,
         output_tokens=args.output_tokens,
         think_time_s=settings["think_time_s"],

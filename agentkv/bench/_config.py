@@ -80,12 +80,14 @@ WORKLOADS: Mapping[str, Mapping[str, Any]] = {
     "synthetic": {},
     # Decode pressure: more sessions than decode's memory keeps pinned, pausing as agents do,
     # several turns in flight, each mode on its own so that decode's memory is its alone.
-    # 32 sessions pause with ~2.5-4.5k tokens each (~100k tokens), twice what a 1 GiB decode
-    # holds on the local pair's model in bf16 (46k tokens) and four times 0.5 GiB; four turns
-    # in flight need ~16k of them, so that the pins, not the running turns, fill decode.
+    # 32 sessions pause with ~1.1-2.3k tokens each (~55k tokens), 2.4 times what a 0.5 GiB
+    # decode holds on the local pair's model in bf16 (23k tokens); four turns in flight need
+    # ~8k of them, so that the pins, not the running turns, fill decode. Sized to run in ~33
+    # minutes on two CPU cores (docs/benchmarks.md, Decode pressure).
     "pressure": {
         "sessions": 32,
-        "turns": 6,
+        "turns": 4,
+        "context_tokens": 1024,
         "think_time_s": 20.0,
         "concurrency": 4,
         "pause": "tool-wait",

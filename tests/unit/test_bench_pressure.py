@@ -37,12 +37,13 @@ def parse(argv):
 
 def test_the_pressure_workload_sets_the_flags_not_given_and_the_given_ones_win():
     config = _config(parse(["bench", "--workload", "pressure", "--json", "x.json"]))
-    assert (config.sessions, config.turns, config.concurrency) == (32, 6, 4)
+    assert (config.sessions, config.turns, config.concurrency) == (32, 4, 4)
+    assert config.context_tokens == 1024
     assert config.think_time_s == 20.0
     assert (config.pause, config.serial_modes) == ("tool-wait", True)
     mine = _config(parse(["bench", "--workload", "pressure", "--sessions", "40", "--pause",
                           "extend", "--no-serial-modes", "--json", "x.json"]))
-    assert (mine.sessions, mine.pause, mine.serial_modes, mine.turns) == (40, "extend", False, 6)
+    assert (mine.sessions, mine.pause, mine.serial_modes, mine.turns) == (40, "extend", False, 4)
     plain = _config(parse(["bench", "--json", "x.json"]))
     assert (plain.sessions, plain.pause, plain.serial_modes) == (2, "extend", False)
 
