@@ -26,7 +26,7 @@ def report(cluster_file: Path):
     # Five-minute pauses, run in a fraction of a second: the SDK is told the full pause.
     config = BenchConfig(modes=(Mode.DISAGG, Mode.AFFINITY, Mode.AGENTKV, Mode.LIMIT, Mode.TIER),
                          sessions=2, turns=3, context_tokens=256, tool_tokens=64,
-                         output_tokens=48, think_time_s=300.0, time_scale=0.001)
+                         output_tokens=16, think_time_s=300.0, time_scale=0.001)
 
     async def run():
         transport = httpx2.AsyncHTTPTransport()
