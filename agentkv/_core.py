@@ -22,6 +22,8 @@ The rest is not public, and is here for a reason each:
 - ``Transcript``/``ChatTemplate``/``ServerRenderer``: a turn's exact prompt built as a session
   builds it, without sending it through a pair (the benchmark's ``limit`` mode serves it on one
   server, so its token counts match the SDK modes').
+- ``listening_socket``: the socket a uvicorn server is handed (the proxy's, the fake pair's
+  HTTP host), with Nagle's delay off on the connections it accepts.
 - ``sample_values``: a few series out of a server's ``/metrics`` (the benchmark samples decode's
   KV usage as the SDK reads it before a tool wait).
 - the hint and file-tier wire values and routes: the benchmark's legs, ``agentkv status`` and the
@@ -82,6 +84,7 @@ from agentkv._wire.hints import (
 )
 from agentkv._wire.http import post_json, stream_events
 from agentkv._wire.json import JSONDecodeError, dumps, loads
+from agentkv._wire.listen import listening_socket
 from agentkv._wire.metrics import sample_values
 from agentkv._wire.tier import (
     PERSIST_PATH,
@@ -157,6 +160,7 @@ __all__ = [
     "UpstreamStatusError",
     "dumps",
     "lease_error",
+    "listening_socket",
     "loads",
     "post_json",
     "refusal",

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 
-from agentkv._core import AsyncCluster, Portal
+from agentkv._core import AsyncCluster, Portal, listening_socket
 from agentkv.proxy._app import create_app
 from agentkv.proxy._config import ProxyConfig
 
@@ -51,22 +50,12 @@ def _uvicorn_server(app: Starlette, *, log_level: str) -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
 async def serve(cluster_file: str | Path, config: ProxyConfig, *, log_level: str = "info") -> None:
     """Serve until interrupted: open the cluster, run the app, close the cluster."""
     async with AsyncCluster.from_file(cluster_file) as cluster:
         app = create_app(cluster, config)
         server = _uvicorn_server(app, log_level=log_level)
-        await server.serve(sockets=[_listen(config.host, config.port)])
+        await server.serve(sockets=[listening_socket(config.host, config.port)])
 
 
 def run(cluster_file: str | Path, config: ProxyConfig, *, log_level: str = "info") -> None:
@@ -113,7 +102,7 @@ class ProxyServer:
         cluster = self._cluster = self._make_cluster()
         try:
             self.app = create_app(cluster, self._config, clock=self._clock)
-            sock = _listen("127.0.0.1", self._config.port)
+            sock = listening_socket("127.0.0.1", self._config.port)
             self.port = sock.getsockname()[1]
             server = self._server = _uvicorn_server(self.app, log_level=self._log_level)
             serving = self._serving = asyncio.ensure_future(server.serve(sockets=[sock]))

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from agentkv._core import Portal
+from agentkv._core import Portal, listening_socket
 from agentkv.testing._fake_server import FakeServer
 
 _T = TypeVar("_T")
@@ -131,9 +131,7 @@ class _HttpHost:
         # Lazy: uvicorn is an optional dependency, needed only to serve over HTTP.
         import uvicorn
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", listener.port))
+        sock = listening_socket("127.0.0.1", listener.port)
         listener.port = sock.getsockname()[1]
         listener.closing = asyncio.Event()
         config = uvicorn.Config(
