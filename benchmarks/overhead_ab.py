@@ -7,6 +7,12 @@ ratio. Alternating spreads the machine's drift over both sides, so the ratio hol
 the absolute numbers move between runs.
 
     .venv/bin/python benchmarks/overhead_ab.py --base 0ee2cfd [--rounds 3] [--sessions 30]
+    .venv/bin/python benchmarks/overhead_ab.py --base 0ee2cfd --replay
+    .venv/bin/python benchmarks/overhead_ab.py --base 0ee2cfd --over-http
+
+``--replay`` and ``--over-http``: both sides run this tree's ``sdk_overhead.py`` in that mode (its
+docstring says what each measures), each importing its own tree's SDK: with ``--over-http`` the
+fake, this tree's, is served by a child process and each SDK sends with its default transport.
 """
 
 from __future__ import annotations
@@ -34,12 +40,16 @@ def _cpu() -> str:
 
 
 def _run(tree: Path, args: argparse.Namespace) -> dict[str, float]:
+    # One harness for both in these modes (older trees' scripts have neither).
+    mode = ["--over-http"] if args.over_http else ["--replay"] if args.replay else []
+    script = (ROOT if mode else tree) / "benchmarks" / "sdk_overhead.py"
     command = [
         sys.executable,
-        str(tree / "benchmarks" / "sdk_overhead.py"),
+        str(script),
         "--idle-sessions", "1",  # 1, not 0: older revisions have no 0
         "--sessions", str(args.sessions),
         "--turns", str(args.turns),
+        *mode,
     ]
     # ``python script.py`` puts the script's folder first on sys.path, not the tree: name it.
     env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -58,7 +68,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sessions", type=int, default=30)
     parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--over-http", action="store_true", help="see the module's doc")
+    parser.add_argument("--replay", action="store_true", help="see the module's doc")
     args = parser.parse_args()
+    if args.over_http and args.replay:
+        parser.error("--over-http and --replay are two measurements: run one at a time")
 
     with tempfile.TemporaryDirectory(prefix="agentkv-ab-") as scratch:
         base = Path(scratch) / "base"

@@ -8,43 +8,115 @@ and logs. Turns run one at a time so nothing else shares the loop.
 Both CPU time (``time.thread_time``: the async core and the fake share one thread) and wall time
 are reported; on a machine shared with other work, the CPU figure is the stable one.
 
+``--over-http`` measures what a user's process pays instead: the fake cluster is served over real
+HTTP on 127.0.0.1 by a child process (``FakeCluster.serve``), the SDK talks to it through its
+default transport, and a turn's CPU is this process's (user and system; nothing is subtracted:
+the servers' work is the child's). The in-process rows skip the transport (the fake is an httpx2
+transport); these include it: sockets, the HTTP client, its parser.
+
+``--replay`` measures the SDK alone: the fake answers a first pass of the same sessions, each
+answer recorded under its request (method, path, body), and the measured pass is answered from
+that recording, so no server code runs between the SDK's steps (the in-process fake's work evicts
+the SDK's code and data from the CPU's caches between them, and its garbage is collected on the
+SDK's time). Building each recorded answer is counted as server time, as the fake's is. A
+request not in the recording stops the run: the SDK sends the same bytes for the same turns.
+
     .venv/bin/python benchmarks/sdk_overhead.py [--turns 8] [--sessions 30] [--context 2000]
+    .venv/bin/python benchmarks/sdk_overhead.py --over-http
+    .venv/bin/python benchmarks/sdk_overhead.py --replay
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
+import json
 import logging
+import os
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
-import httpx2
 import structlog
 
+import agentkv._wire.http
 from agentkv import AsyncCluster, Cluster, Message
 from agentkv.testing import FakeCluster, ManualClock
 
+# The HTTP library the imported SDK speaks: httpx2, or httpx before issue 28 (``overhead_ab.py
+# --replay`` runs this script against an older tree's SDK).
+HTTP: Any = getattr(agentkv._wire.http, "httpx2", None) or agentkv._wire.http.httpx
 
-class TimedTransport(httpx2.AsyncBaseTransport):
+
+class _Transport:
+    """An async transport of either library: both call only these two methods."""
+
+    inner: Any = None
+
+    async def handle_async_request(self, request: Any) -> Any:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        if self.inner is not None:
+            await self.inner.aclose()
+
+
+class TimedTransport(_Transport):
     """Counts the wall and CPU seconds spent inside the wrapped (fake server) transport."""
 
-    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.server_s = 0.0
         self.server_cpu_s = 0.0
 
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+    async def handle_async_request(self, request: Any) -> Any:
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             return await self.inner.handle_async_request(request)
         finally:
             self.server_s += time.perf_counter() - start
             self.server_cpu_s += time.thread_time() - cpu
+
+
+Tape = dict[tuple[str, str, bytes], tuple[int, list[tuple[bytes, bytes]], bytes]]
+
+
+class Recorder(_Transport):
+    """Passes each request to the fake and records its answer under (method, path, body)."""
+
+    def __init__(self, inner: Any, tape: Tape) -> None:
+        self.inner = inner
+        self.tape = tape
+
+    async def handle_async_request(self, request: Any) -> Any:
+        response = await self.inner.handle_async_request(request)
+        body = await response.aread()
+        key = (request.method, request.url.path, request.content)
+        self.tape[key] = (response.status_code, list(response.headers.raw), body)
+        return HTTP.Response(response.status_code, headers=response.headers.raw, content=body)
+
+
+class Replayer(_Transport):
+    """Answers each request from a recording. The path, not the host: a turn may choose the
+    other prefill of its pair in this pass (the fake's load and warm prefixes differ), and every
+    server serves the same model."""
+
+    def __init__(self, tape: Tape) -> None:
+        self.tape = tape
+
+    async def handle_async_request(self, request: Any) -> Any:
+        found = self.tape.get((request.method, request.url.path, request.content))
+        if found is None:
+            raise RuntimeError(f"not in the recording: {request.method} {request.url}")
+        status, headers, body = found
+        return HTTP.Response(status, headers=headers, content=body)
 
 
 def _system_prompt(fake: FakeCluster, tokens: int) -> str:
@@ -75,9 +147,12 @@ class Samples:
         self.prompt_tokens = 0
 
 
-async def _async_overheads(args: argparse.Namespace) -> Samples:
+async def _async_overheads(
+    args: argparse.Namespace, wrap: Callable[[Any], Any] = lambda transport: transport
+) -> Samples:
+    """Turns against the in-process fake; ``wrap`` the fake's transport to record or replay."""
     fake = FakeCluster(pairs=2, clock=ManualClock())
-    timed = TimedTransport(fake.transport)
+    timed = TimedTransport(wrap(fake.transport))
     system = _system_prompt(fake, args.context)
     samples = Samples()
     async with AsyncCluster.from_dict(fake.cluster_spec, transport=timed) as cluster:
@@ -97,6 +172,62 @@ async def _async_overheads(args: argparse.Namespace) -> Samples:
                         samples.server.append(timed.server_s - server)
                     samples.prompt_tokens = max(samples.prompt_tokens, result.stats.prompt_tokens)
                     _forget_requests(fake)
+    return samples
+
+
+# The fake cluster served from a child process: its work runs on another core and another
+# interpreter (no GIL shared with the SDK). It prints the cluster spec, then serves until stdin
+# closes. The fake is this script's tree's, whichever ``agentkv`` the SDK side imports
+# (``overhead_ab.py --over-http`` measures an older SDK against the same servers).
+_SERVE = """
+import json, sys
+from agentkv.testing import FakeCluster
+with FakeCluster(pairs=2).serve() as served:
+    print(json.dumps(served.cluster_spec), flush=True)
+    sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def _served_fake() -> Iterator[dict[str, Any]]:
+    tree = Path(__file__).resolve().parent.parent
+    # ``python -c`` puts its working directory first on sys.path: run it in this tree too.
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SERVE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+    )
+    try:
+        assert child.stdout is not None
+        yield json.loads(child.stdout.readline())
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)
+
+
+async def _http_overheads(args: argparse.Namespace) -> Samples:
+    """Turns against the fake served over real HTTP by a child process; CPU is this process's."""
+    system = _system_prompt(FakeCluster(pairs=1), args.context)
+    samples = Samples()
+    with _served_fake() as spec:
+        async with AsyncCluster.from_dict(spec) as cluster:
+            for i in range(args.sessions):
+                async with cluster.session(max_tokens=args.max_tokens) as s:
+                    s.append(Message.system(system))
+                    for turn in range(args.turns):
+                        s.append(Message.user(f"Question {turn} of session {i}: what next?"))
+                        start, cpu = time.perf_counter(), time.process_time()
+                        result = await s.turn()
+                        if i:  # session 0 opens the connections and warms caches
+                            samples.wall.append(time.perf_counter() - start)
+                            samples.cpu.append(time.process_time() - cpu)
+                        samples.prompt_tokens = max(
+                            samples.prompt_tokens, result.stats.prompt_tokens
+                        )
     return samples
 
 
@@ -175,6 +306,16 @@ def _json_logs_to(sink: Callable[[str], object]) -> None:
     )
 
 
+def _print(
+    args: argparse.Namespace, rows: list[tuple[str, float, float]], prompt_tokens: int
+) -> None:
+    n = (args.sessions - 1) * args.turns
+    print(f"SDK overhead per turn ({n} turns, prompts up to {prompt_tokens} tokens)")
+    print(f"{'':30} {'median ms':>10} {'p99 ms':>10}")
+    for name, median, p99 in rows:
+        print(f"{name:30} {median * 1e3:10.3f} {p99 * 1e3:10.3f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=30)
@@ -182,10 +323,32 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=2000, help="system prompt tokens")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--idle-sessions", type=int, default=300)
+    parser.add_argument(
+        "--over-http",
+        action="store_true",
+        help="serve the fake over real HTTP from a child process; measure this process's CPU",
+    )
+    parser.add_argument(
+        "--replay", action="store_true", help="answer from a recording of the fake (see above)"
+    )
     args = parser.parse_args()
 
     rows = []
     _silence_logs()
+    if args.replay:
+        tape: Tape = {}
+        asyncio.run(_async_overheads(args, lambda fake: Recorder(fake, tape)))
+        samples = asyncio.run(_async_overheads(args, lambda _: Replayer(tape)))
+        rows.append(("async turn, replayed, CPU", *_quantiles(samples.cpu)))
+        rows.append(("async turn, replayed, wall", *_quantiles(samples.wall)))
+        _print(args, rows, samples.prompt_tokens)
+        return 0
+    if args.over_http:
+        samples = asyncio.run(_http_overheads(args))
+        rows.append(("async turn over HTTP, CPU", *_quantiles(samples.cpu)))
+        rows.append(("  (wall, servers included)", *_quantiles(samples.wall)))
+        _print(args, rows, samples.prompt_tokens)
+        return 0
     samples = asyncio.run(_async_overheads(args))
     rows.append(("async turn, CPU", *_quantiles(samples.cpu)))
     rows.append(("async turn, wall", *_quantiles(samples.wall)))
@@ -197,11 +360,7 @@ def main() -> int:
     rows.append(("sync turn, wall", *_quantiles(_sync_overheads(args))))
     prompt_tokens = samples.prompt_tokens
 
-    n = (args.sessions - 1) * args.turns
-    print(f"SDK overhead per turn ({n} turns, prompts up to {prompt_tokens} tokens)")
-    print(f"{'':30} {'median ms':>10} {'p99 ms':>10}")
-    for name, median, p99 in rows:
-        print(f"{name:30} {median * 1e3:10.3f} {p99 * 1e3:10.3f}")
+    _print(args, rows, prompt_tokens)
     if not args.idle_sessions:  # --idle-sessions 0: the turns only (the memory part is slow)
         return 0
     empty = asyncio.run(_idle_memory(args, with_turn=False))
