@@ -41,16 +41,27 @@ def _parsed(url: str) -> httpx2.URL:
 @functools.lru_cache(maxsize=512)
 def _template(
     url: str, client_headers: tuple[tuple[bytes, bytes], ...], names: tuple[str, ...]
-) -> tuple[httpx2.URL, httpx2.Headers] | None:
-    """The URL and the headers httpx2 builds for a JSON POST to ``url``, less Content-Length;
-    ``None`` if a header in ``names`` would replace one of them."""
+) -> tuple[httpx2.URL, httpx2.Headers, tuple[tuple[str, str], ...]] | None:
+    """The URL and the headers httpx2 builds for a JSON POST to ``url``, less Content-Length
+    (also as the ``(name, value)`` pairs it sends); ``None`` if a header in ``names`` would
+    replace one of them."""
     merged = httpx2.Headers(list(client_headers))
     merged.update(_JSON_HEADERS)  # as httpx2 merges them
     built = httpx2.Request("POST", url, headers=merged)
     del built.headers["Content-Length"]
     if any(name in built.headers for name in names):
         return None
-    return built.url, built.headers
+    return built.url, built.headers, tuple(built.headers.multi_items())
+
+
+def _cluster_template(
+    client: httpx2.AsyncClient, url: str, headers: Mapping[str, str] | None
+) -> tuple[httpx2.URL, httpx2.Headers, tuple[tuple[str, str], ...]] | None:
+    """The per-URL template, for the cluster's own client (others build their own requests: a
+    user's client may hold cookies, or a base URL, ...)."""
+    if type(client) is not ClusterClient or client.cookies:
+        return None
+    return _template(url, tuple(client.headers.raw), tuple(headers) if headers else ())
 
 
 def _request(
@@ -60,15 +71,12 @@ def _request(
     cluster's own client: httpx2 merges and normalizes every header on every request (~20 us),
     though a session sends the same ones to a handful of URLs. Others build their own (a user's
     client may hold cookies, or a base URL, ...)."""
-    template = None
-    if type(client) is ClusterClient and not client.cookies:
-        names = tuple(headers) if headers else ()
-        template = _template(url, tuple(client.headers.raw), names)
+    template = _cluster_template(client, url, headers)
     if template is None:
         return client.build_request(
             "POST", _parsed(url), content=body, headers={**_JSON_HEADERS, **(headers or {})}
         )
-    parsed, template_headers = template
+    parsed, template_headers, _ = template
     # Copying an ``httpx2.Headers`` skips the normalizing; the template is never changed.
     request = httpx2.Request(
         "POST",
@@ -140,14 +148,61 @@ async def post_json(
 
     ``unread``: a key whose list of integers the answer echoes and nobody reads; it is parsed as
     ``null`` (``loads_without``).
+
+    The cluster's own client on its default transport posts through ``ServerPools.post`` (the
+    same request, no httpx2 request or response built unless the answer is an error status or
+    compressed); any other client, through httpx2's ``send``.
     """
     try:
-        response = await client.send(_request(client, url, body, headers))
+        direct = await _post_direct(client, url, body, headers)
+        if direct is not None:
+            status, raw_headers, content = direct
+            if status < 300 and not _encoded(raw_headers):
+                return _parse(content, url, summary, unread)
+            # An error, or a body to decode as its headers say: httpx2's response, as sent.
+            response = httpx2.Response(
+                status,
+                headers=raw_headers,
+                content=content,
+                request=_request(client, url, body, headers),
+            )
+        else:
+            response = await client.send(_request(client, url, body, headers))
     except httpx2.HTTPError as exc:
         raise_transport_error(exc, url)
     if response.status_code >= 300:
         _raise_status(response, url, summary)
     return _parse(response.content, url, summary, unread)
+
+
+async def _post_direct(
+    client: httpx2.AsyncClient, url: str, body: bytes, headers: Mapping[str, str] | None
+) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+    """The exchange on the default transport's own ``post``, with the headers httpx2 would
+    send (``_request``'s); ``None`` where httpx2's path takes it (another client or transport,
+    an ``https`` URL, a header that replaces one of the template's)."""
+    pools = client.pools if type(client) is ClusterClient else None
+    if pools is None or not url.startswith("http://"):
+        return None
+    template = _cluster_template(client, url, headers)
+    if template is None:
+        return None
+    if client.is_closed:
+        raise RuntimeError("Cannot send a request, as the client has been closed.")
+    sent = [
+        *template[2],
+        *((name.lower(), value) for name, value in (headers or {}).items()),
+        ("content-length", str(len(body))),
+    ]
+    return await pools.post(url, body, sent, client.timeout.as_dict())
+
+
+def _encoded(raw_headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the body came compressed (``content-encoding`` other than identity)."""
+    return any(
+        name.lower() == b"content-encoding" and value.strip().lower() != b"identity"
+        for name, value in raw_headers
+    )
 
 
 async def stream_events(

@@ -13,6 +13,10 @@ The rest of agentkv speaks httpx2 (``_wire.http``, the fakes' ``FakeTransport``)
 ``httpx2.AsyncBaseTransport`` that sends each request httpx2 built through one
 ``aiohttp.ClientSession`` (aiohttp's public API only; ``benchmarks/transport_cpu.py`` measures it
 against httpx2's and httpx2's pools and ``httpx-aiohttp``, ``docs/benchmarks.md`` has the numbers).
+A turn's legs skip httpx2's objects: ``ServerPools.post`` takes the headers httpx2 would send
+and returns the answer's status, headers and body (``_wire.http.post_json`` on the cluster's own
+client), with the same limits, timeouts, errors and connection reuse. On a turn run alone, the
+request and response objects' code, cold after each wait, cost as much CPU as aiohttp's exchange.
 
 * ``httpx2.Limits``: ``max_connections`` applies per server (a place is taken from the request's
   start until its body is read or closed; no total limit), idle connections are closed after
@@ -120,6 +124,13 @@ def _error(exc: BaseException) -> httpx2.TransportError:
         if isinstance(exc, kind):
             return make(exc)
     return httpx2.TransportError(f"{exc!r}")
+
+
+@functools.lru_cache(maxsize=512)
+def _server(url: str) -> tuple[str, int]:
+    """``(host, port)`` of an ``http://`` URL (a session posts to a handful: parsed once each)."""
+    parsed = httpx2.URL(url)
+    return parsed.host, parsed.port or 80
 
 
 @functools.lru_cache(maxsize=64)
@@ -240,19 +251,16 @@ class ServerPools(httpx2.AsyncBaseTransport):
             place.release()
             raise
 
-    async def _send(self, request: httpx2.Request, place: _Place) -> httpx2.Response:
-        """Send ``request`` and return the answer's head; its body streams."""
+    async def _start(
+        self,
+        method: str,
+        url: str,
+        headers: list[tuple[str, str]],
+        body: bytes | AsyncIterator[bytes] | None,
+        phases: dict[str, float | None],
+    ) -> aiohttp.ClientResponse:
+        """Send a request; its answer once its head is in (aiohttp's errors as httpx2's)."""
         session = self._session or self._open()
-        phases = request.extensions.get("timeout", {})
-        headers = request.headers.multi_items()
-        body: bytes | AsyncIterator[bytes] | None
-        try:
-            body = request.content or None
-        except httpx2.RequestNotRead:
-            assert isinstance(request.stream, httpx2.AsyncByteStream)
-            body = aiter(request.stream)
-            # aiohttp frames a body of unknown length itself, and refuses httpx2's header for it
-            headers = [(k, v) for k, v in headers if k.lower() != "transfer-encoding"]
         deadline = asyncio.timeout(None)
         if isinstance(body, bytes) and len(body) > _PIECE:
             body = _pieces(body)  # with httpx2's content-length: not chunked
@@ -261,8 +269,8 @@ class ServerPools(httpx2.AsyncBaseTransport):
         try:
             async with deadline:
                 response = await session.request(
-                    request.method,
-                    str(request.url),
+                    method,
+                    url,
                     data=body,
                     headers=headers,
                     allow_redirects=False,
@@ -276,6 +284,60 @@ class ServerPools(httpx2.AsyncBaseTransport):
         if response.status == 101:
             response.close()
             raise httpx2.RemoteProtocolError("the server switched protocols")
+        return response
+
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: list[tuple[str, str]],
+        phases: dict[str, float | None],
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """POST ``body`` to an ``http://`` URL and read the whole answer: ``(status, raw headers,
+        body as sent)``, with none of httpx2's request and response objects in between.
+
+        ``headers`` are all of them, as httpx2 would build them (``_wire.http`` does);
+        ``phases`` are httpx2's timeouts (``Timeout.as_dict()``). The limits, timeouts, errors
+        (httpx2's) and connection reuse are ``handle_async_request``'s: a turn's legs are the
+        SDK's hot path, and on a turn run alone between waits the objects' code, cold each time,
+        cost a request as much as aiohttp's own (``benchmarks/transport_cpu.py --concurrency 1``).
+        """
+        if self._closed:
+            raise httpx2.ConnectError("the transport is closed")
+        parsed = _server(url)
+        place = await self._place(parsed, phases.get("pool"))
+        try:
+            response = await self._start("POST", url, headers, body, phases)
+            try:
+                content = await response.read()
+            except BaseException as exc:
+                response.close()  # the rest of the body is still on the wire (or cancelled)
+                if isinstance(exc, _AIOHTTP_ERRORS):
+                    raise _error(exc) from exc
+                raise
+            response.release()
+            return response.status, list(response.raw_headers), content
+        finally:
+            place.release()
+
+    async def _send(self, request: httpx2.Request, place: _Place) -> httpx2.Response:
+        """Send ``request`` and return the answer's head; its body streams."""
+        headers = request.headers.multi_items()
+        body: bytes | AsyncIterator[bytes] | None
+        try:
+            body = request.content or None
+        except httpx2.RequestNotRead:
+            assert isinstance(request.stream, httpx2.AsyncByteStream)
+            body = aiter(request.stream)
+            # aiohttp frames a body of unknown length itself, and refuses httpx2's header for it
+            headers = [(k, v) for k, v in headers if k.lower() != "transfer-encoding"]
+        response = await self._start(
+            request.method,
+            str(request.url),
+            headers,
+            body,
+            request.extensions.get("timeout", {}),
+        )
         return httpx2.Response(
             response.status,
             headers=list(response.raw_headers),
@@ -304,6 +366,12 @@ class ClusterClient(httpx2.AsyncClient):
     CPU as the exchange itself, for nothing here (``benchmarks/transport_cpu.py``). Requests are
     built as httpx2 builds them (base URL, default headers, the client's timeouts).
     """
+
+    @property
+    def pools(self) -> ServerPools | None:
+        """Its transport when that is the default one (``post`` reads answers directly)."""
+        transport = self._transport
+        return transport if isinstance(transport, ServerPools) else None
 
     async def send(
         self,

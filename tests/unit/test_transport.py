@@ -88,9 +88,11 @@ class Scripted:
         await self._server.wait_closed()
 
 
-@pytest.fixture
-async def client() -> AsyncIterator[httpx2.AsyncClient]:
-    async with httpx2.AsyncClient(transport=ServerPools(LIMITS), timeout=5.0) as c:
+@pytest.fixture(params=[httpx2.AsyncClient, ClusterClient], ids=["httpx2", "cluster"])
+async def client(request: pytest.FixtureRequest) -> AsyncIterator[httpx2.AsyncClient]:
+    """Either client on the default transport: ``post_json`` on the cluster's own client takes
+    ``ServerPools.post`` (no httpx2 request or response), on another client httpx2's path."""
+    async with request.param(transport=ServerPools(LIMITS), timeout=5.0) as c:
         yield c
 
 
