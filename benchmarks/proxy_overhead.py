@@ -39,7 +39,9 @@ aiohttp's public ``ClientSession`` since issue 28). An earlier transport (aiohtt
 modules up to 0ee2cfd, a hand-written HTTP/1.1 client up to a898df9) is measured by running this
 file against that tree: ``git archive 0ee2cfd | tar -x -C /tmp/base``, then
 ``PYTHONPATH=/tmp/base .venv/bin/python /tmp/base/benchmarks/proxy_overhead.py``
-(``docs/proxy.md``, "Overhead", has the figures).
+(``docs/proxy.md``, "Overhead", has the figures). That changes the client and the fake too;
+``--proxy-tree /tmp/base`` changes the proxy alone (its process imports that tree's agentkv;
+this file, the client and the fake are this tree's).
 """
 
 from __future__ import annotations
@@ -192,10 +194,16 @@ def _serve_proxy(args: argparse.Namespace) -> None:
 
 
 def _spawn(
-    argv: list[str], ready: Callable[[], bool], *, script: str = __file__
+    argv: list[str],
+    ready: Callable[[], bool],
+    *,
+    script: str = __file__,
+    pythonpath: str | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``script`` (this file by default) with ``argv``; wait until ``ready()``."""
-    process = subprocess.Popen([sys.executable, script, *argv])
+    """Start ``script`` (this file by default) with ``argv``, importing ``agentkv`` from
+    ``pythonpath`` when given; wait until ``ready()``."""
+    env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
+    process = subprocess.Popen([sys.executable, script, *argv], env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -378,6 +386,7 @@ def _run(args: argparse.Namespace) -> list[tuple[int, Samples, Samples]]:
         proxy = _spawn(
             ["--serve-proxy", pin, "--cluster-file", args.cluster_file, "--port", str(port)],
             lambda: _healthy(f"{url}/healthz"),
+            pythonpath=args.proxy_tree,
         )
         try:
             # The same event loop as the proxy's (``agentkv proxy`` runs on uvloop when installed).
@@ -410,6 +419,10 @@ def main() -> int:
         action=argparse.BooleanOptionalAction,
         default=len(_CORES) >= 2,
         help="give the fake pair a core of its own; the application and the SDK share another",
+    )
+    parser.add_argument(
+        "--proxy-tree",
+        help="run the proxy of another checkout (its agentkv), under this tree's client and fake",
     )
     parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-proxy", action="store_true", help=argparse.SUPPRESS)
