@@ -13,10 +13,11 @@ The rest of agentkv speaks httpx2 (``_wire.http``, the fakes' ``FakeTransport``)
 ``httpx2.AsyncBaseTransport`` that sends each request httpx2 built through one
 ``aiohttp.ClientSession`` (aiohttp's public API only; ``benchmarks/transport_cpu.py`` measures it
 against httpx2's and httpx2's pools and ``httpx-aiohttp``, ``docs/benchmarks.md`` has the numbers).
-A turn's legs skip httpx2's objects: ``ServerPools.post`` takes the headers httpx2 would send
-and returns the answer's status, headers and body (``_wire.http.post_json`` on the cluster's own
-client), with the same limits, timeouts, errors and connection reuse. On a turn run alone, the
-request and response objects' code, cold after each wait, cost as much CPU as aiohttp's exchange.
+A turn's posts (tokenize, the P leg, a D leg not streamed) skip httpx2's objects:
+``ServerPools.post`` takes the headers httpx2 would send and returns the answer's status, headers
+and body (``_wire.http.post_json`` on the cluster's own client), with the same limits, timeouts,
+errors and connection reuse. On a turn run alone, the request and response objects' code, cold
+after each wait, cost as much CPU as aiohttp's exchange.
 
 * ``httpx2.Limits``: ``max_connections`` applies per server (a place is taken from the request's
   start until its body is read or closed; no total limit), idle connections are closed after
