@@ -24,18 +24,11 @@ from agentkv._exceptions import (
     UpstreamStatusError,
 )
 from agentkv._wire.json import JSONDecodeError, loads, loads_without
-from agentkv._wire.transport import ClusterClient
+from agentkv._wire.transport import ClusterClient, parsed_url
 
 __all__ = ["exchange", "get_ok", "post_json", "raise_transport_error", "stream_events"]
 
 _JSON_HEADERS = {"content-type": "application/json"}
-
-
-@functools.lru_cache(maxsize=512)
-def _parsed(url: str) -> httpx2.URL:
-    # httpx2 parses string URLs in pure Python on every request; a session talks to a handful of
-    # URLs, so parse each once (URL objects are immutable).
-    return httpx2.URL(url)
 
 
 @functools.lru_cache(maxsize=512)
@@ -74,7 +67,7 @@ def _request(
     template = _cluster_template(client, url, headers)
     if template is None:
         return client.build_request(
-            "POST", _parsed(url), content=body, headers={**_JSON_HEADERS, **(headers or {})}
+            "POST", parsed_url(url), content=body, headers={**_JSON_HEADERS, **(headers or {})}
         )
     parsed, template_headers, _ = template
     # Copying an ``httpx2.Headers`` skips the normalizing; the template is never changed.
@@ -263,7 +256,7 @@ async def exchange(
     try:
         response = await client.request(
             method,
-            _parsed(url),
+            parsed_url(url),
             content=body,
             headers=_JSON_HEADERS if body is not None else None,
             timeout=timeout_s,

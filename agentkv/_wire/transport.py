@@ -59,7 +59,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 import httpx2
 
-__all__ = ["ClusterClient", "ServerPools"]
+__all__ = ["ClusterClient", "ServerPools", "parsed_url"]
 
 _HTTP_VERSIONS: dict[tuple[int, int], bytes] = {(1, 1): b"HTTP/1.1", (1, 0): b"HTTP/1.0"}
 # httpx2 built every header the request needs (host, user-agent, accept, content-length, ...):
@@ -128,10 +128,10 @@ def _error(exc: BaseException) -> httpx2.TransportError:
 
 
 @functools.lru_cache(maxsize=512)
-def _server(url: str) -> tuple[str, int]:
-    """``(host, port)`` of an ``http://`` URL (a session posts to a handful: parsed once each)."""
-    parsed = httpx2.URL(url)
-    return parsed.host, parsed.port or 80
+def parsed_url(url: str) -> httpx2.URL:
+    """``url`` parsed once: httpx2 parses string URLs in pure Python on every request, and a
+    session talks to a handful of URLs (URL objects are immutable)."""
+    return httpx2.URL(url)
 
 
 @functools.lru_cache(maxsize=64)
@@ -305,8 +305,8 @@ class ServerPools(httpx2.AsyncBaseTransport):
         """
         if self._closed:
             raise httpx2.ConnectError("the transport is closed")
-        parsed = _server(url)
-        place = await self._place(parsed, phases.get("pool"))
+        parsed = parsed_url(url)
+        place = await self._place((parsed.host, parsed.port or 80), phases.get("pool"))
         try:
             response = await self._start("POST", url, headers, body, phases)
             try:
