@@ -147,6 +147,37 @@ class Samples:
         self.prompt_tokens = 0
 
 
+async def _turns(
+    cluster: AsyncCluster,
+    system: str,
+    args: argparse.Namespace,
+    *,
+    cpu_clock: Callable[[], float],
+    server: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0),
+    after_turn: Callable[[], object] = lambda: None,
+) -> Samples:
+    """``args.sessions`` sessions of ``args.turns`` turns, one at a time; each turn's wall and
+    CPU time less what ``server()`` (wall and CPU seconds spent serving, so far) grew by."""
+    samples = Samples()
+    for i in range(args.sessions):
+        async with cluster.session(max_tokens=args.max_tokens) as s:
+            s.append(Message.system(system))
+            for turn in range(args.turns):
+                s.append(Message.user(f"Question {turn} of session {i}: what next?"))
+                server_s, server_cpu = server()
+                start, cpu = time.perf_counter(), cpu_clock()
+                result = await s.turn()
+                wall, used = time.perf_counter() - start, cpu_clock() - cpu
+                if i:  # session 0 warms caches (anchor renders, imports, connections)
+                    served_s, served_cpu = server()
+                    samples.wall.append(wall - (served_s - server_s))
+                    samples.cpu.append(used - (served_cpu - server_cpu))
+                    samples.server.append(served_s - server_s)
+                samples.prompt_tokens = max(samples.prompt_tokens, result.stats.prompt_tokens)
+                after_turn()
+    return samples
+
+
 async def _async_overheads(
     args: argparse.Namespace, wrap: Callable[[Any], Any] = lambda transport: transport
 ) -> Samples:
@@ -154,25 +185,16 @@ async def _async_overheads(
     fake = FakeCluster(pairs=2, clock=ManualClock())
     timed = TimedTransport(wrap(fake.transport))
     system = _system_prompt(fake, args.context)
-    samples = Samples()
     async with AsyncCluster.from_dict(fake.cluster_spec, transport=timed) as cluster:
-        for i in range(args.sessions):
-            async with cluster.session(max_tokens=args.max_tokens) as s:
-                s.append(Message.system(system))
-                for turn in range(args.turns):
-                    s.append(Message.user(f"Question {turn} of session {i}: what next?"))
-                    server, server_cpu = timed.server_s, timed.server_cpu_s
-                    start, cpu = time.perf_counter(), time.thread_time()
-                    result = await s.turn()
-                    wall = time.perf_counter() - start
-                    used = time.thread_time() - cpu
-                    if i:  # session 0 warms caches (anchor renders, imports)
-                        samples.wall.append(wall - (timed.server_s - server))
-                        samples.cpu.append(used - (timed.server_cpu_s - server_cpu))
-                        samples.server.append(timed.server_s - server)
-                    samples.prompt_tokens = max(samples.prompt_tokens, result.stats.prompt_tokens)
-                    _forget_requests(fake)
-    return samples
+        return await _turns(
+            cluster,
+            system,
+            args,
+            # The async core and the fake share one thread: its CPU, less the fake's.
+            cpu_clock=time.thread_time,
+            server=lambda: (timed.server_s, timed.server_cpu_s),
+            after_turn=lambda: _forget_requests(fake),
+        )
 
 
 # The fake cluster served from a child process: its work runs on another core and another
@@ -210,25 +232,12 @@ def _served_fake() -> Iterator[dict[str, Any]]:
 
 
 async def _http_overheads(args: argparse.Namespace) -> Samples:
-    """Turns against the fake served over real HTTP by a child process; CPU is this process's."""
+    """Turns against the fake served over real HTTP by a child process; CPU is this process's
+    (the servers' is the child's: nothing to subtract)."""
     system = _system_prompt(FakeCluster(pairs=1), args.context)
-    samples = Samples()
     with _served_fake() as spec:
         async with AsyncCluster.from_dict(spec) as cluster:
-            for i in range(args.sessions):
-                async with cluster.session(max_tokens=args.max_tokens) as s:
-                    s.append(Message.system(system))
-                    for turn in range(args.turns):
-                        s.append(Message.user(f"Question {turn} of session {i}: what next?"))
-                        start, cpu = time.perf_counter(), time.process_time()
-                        result = await s.turn()
-                        if i:  # session 0 opens the connections and warms caches
-                            samples.wall.append(time.perf_counter() - start)
-                            samples.cpu.append(time.process_time() - cpu)
-                        samples.prompt_tokens = max(
-                            samples.prompt_tokens, result.stats.prompt_tokens
-                        )
-    return samples
+            return await _turns(cluster, system, args, cpu_clock=time.process_time)
 
 
 def _sync_overheads(args: argparse.Namespace) -> list[float]:
