@@ -24,6 +24,8 @@ The rest is not public, and is here for a reason each:
   server, so its token counts match the SDK modes').
 - ``listening_socket``: the socket a uvicorn server is handed (the proxy's, the fake pair's
   HTTP host), with Nagle's delay off on the connections it accepts.
+- ``Answer``/``parsed_url``: the fakes' transport posts a turn's legs as the default transport
+  does (``PostTransport``), so a session on the fake cluster runs its real-server path.
 - ``sample_values``: a few series out of a server's ``/metrics`` (the benchmark samples decode's
   KV usage as the SDK reads it before a tool wait).
 - the hint and file-tier wire values and routes: the benchmark's legs, ``agentkv status`` and the
@@ -97,6 +99,7 @@ from agentkv._wire.tier import (
     TierUsage,
     with_tier_load,
 )
+from agentkv._wire.transport import Answer, parsed_url
 
 __all__ = [
     "AUTO",
@@ -112,6 +115,7 @@ __all__ = [
     "ROUTES",
     "TIER_DELETE_PATH",
     "AgentKVError",
+    "Answer",
     "AsyncCluster",
     "AsyncSession",
     "BadRequestError",
@@ -162,6 +166,7 @@ __all__ = [
     "lease_error",
     "listening_socket",
     "loads",
+    "parsed_url",
     "post_json",
     "refusal",
     "sample_values",

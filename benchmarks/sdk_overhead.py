@@ -1,9 +1,13 @@
 """SDK overhead per turn against the fake cluster, and memory per idle session.
 
 Overhead is a turn's time minus the time spent inside the fake servers' handlers (measured by
-wrapping the fake's transport), so it is what agentkv itself (with httpx2) costs a turn: the
-template-delta request, building and parsing the legs' JSON, the transcript, the policy, stats
-and logs. Turns run one at a time so nothing else shares the loop.
+wrapping the fake's transport), so it is what agentkv itself costs a turn: the template-delta
+request, building and parsing the legs' JSON, the transcript, the policy, stats and logs, and
+the HTTP library's objects where the SDK builds them. The fake's transport posts as the default
+one does (``post``, no httpx2 request or response: ``PostTransport``), so a turn runs the code it
+runs against real servers; an older tree's SDK (``overhead_ab.py``) builds its httpx requests and
+responses, as it did against real servers. Turns run one at a time so nothing else shares the
+loop.
 
 Both CPU time (``time.thread_time``: the async core and the fake share one thread) and wall time
 are reported; on a machine shared with other work, the CPU figure is the stable one.
@@ -43,6 +47,7 @@ import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -55,12 +60,21 @@ from agentkv.testing import FakeCluster, ManualClock
 HTTP: Any = getattr(agentkv._wire.http, "httpx2", None) or agentkv._wire.http.httpx
 
 
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
 class _Transport:
-    """An async transport of either library: both call only these two methods."""
+    """An async transport of either library: both call only these methods (``post`` only from
+    issue 28 on: ``agentkv._wire.transport.PostTransport``)."""
 
     inner: Any = None
 
     async def handle_async_request(self, request: Any) -> Any:
+        raise NotImplementedError
+
+    async def post(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, Any]
+    ) -> Answer:
         raise NotImplementedError
 
     async def aclose(self) -> None:
@@ -84,8 +98,19 @@ class TimedTransport(_Transport):
             self.server_s += time.perf_counter() - start
             self.server_cpu_s += time.thread_time() - cpu
 
+    async def post(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, Any]
+    ) -> Answer:
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            answer: Answer = await self.inner.post(url, body, headers, phases)
+            return answer
+        finally:
+            self.server_s += time.perf_counter() - start
+            self.server_cpu_s += time.thread_time() - cpu
 
-Tape = dict[tuple[str, str, bytes], tuple[int, list[tuple[bytes, bytes]], bytes]]
+
+Tape = dict[tuple[str, str, bytes], Answer]
 
 
 class Recorder(_Transport):
@@ -102,6 +127,13 @@ class Recorder(_Transport):
         self.tape[key] = (response.status_code, list(response.headers.raw), body)
         return HTTP.Response(response.status_code, headers=response.headers.raw, content=body)
 
+    async def post(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, Any]
+    ) -> Answer:
+        answer: Answer = await self.inner.post(url, body, headers, phases)
+        self.tape[("POST", urlsplit(url).path, body)] = answer
+        return answer
+
 
 class Replayer(_Transport):
     """Answers each request from a recording. The path, not the host: a turn may choose the
@@ -117,6 +149,14 @@ class Replayer(_Transport):
             raise RuntimeError(f"not in the recording: {request.method} {request.url}")
         status, headers, body = found
         return HTTP.Response(status, headers=headers, content=body)
+
+    async def post(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, Any]
+    ) -> Answer:
+        found = self.tape.get(("POST", urlsplit(url).path, body))
+        if found is None:
+            raise RuntimeError(f"not in the recording: POST {url}")
+        return found
 
 
 def _system_prompt(fake: FakeCluster, tokens: int) -> str:

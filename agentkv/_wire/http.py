@@ -142,9 +142,9 @@ async def post_json(
     ``unread``: a key whose list of integers the answer echoes and nobody reads; it is parsed as
     ``null`` (``loads_without``).
 
-    The cluster's own client on its default transport posts through ``ServerPools.post`` (the
-    same request, no httpx2 request or response built unless the answer is an error status or
-    compressed); any other client, through httpx2's ``send``.
+    The cluster's own client on a ``PostTransport`` (its default one, the fakes') posts through
+    its ``post`` (the same request, no httpx2 request or response built unless the answer is an
+    error status or compressed); any other client or transport, through httpx2's ``send``.
     """
     try:
         direct = await _post_direct(client, url, body, headers)
@@ -171,11 +171,11 @@ async def post_json(
 async def _post_direct(
     client: httpx2.AsyncClient, url: str, body: bytes, headers: Mapping[str, str] | None
 ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
-    """The exchange on the default transport's own ``post``, with the headers httpx2 would
-    send (``_request``'s); ``None`` where httpx2's path takes it (another client or transport,
-    an ``https`` URL, a header that replaces one of the template's)."""
-    pools = client.pools if type(client) is ClusterClient else None
-    if pools is None or not url.startswith("http://"):
+    """The exchange on the transport's own ``post``, with the headers httpx2 would send
+    (``_request``'s); ``None`` where httpx2's path takes it (another client, a transport that is
+    no ``PostTransport``, an ``https`` URL, a header that replaces one of the template's)."""
+    poster = client.poster if type(client) is ClusterClient else None
+    if poster is None or not url.startswith("http://"):
         return None
     template = _cluster_template(client, url, headers)
     if template is None:
@@ -187,7 +187,7 @@ async def _post_direct(
         *((name.lower(), value) for name, value in (headers or {}).items()),
         ("content-length", str(len(body))),
     ]
-    return await pools.post(url, body, sent, client.timeout.as_dict())
+    return await poster.post(url, body, sent, client.timeout.as_dict())
 
 
 def _encoded(raw_headers: list[tuple[bytes, bytes]]) -> bool:

@@ -59,7 +59,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 import httpx2
 
-__all__ = ["ClusterClient", "ServerPools", "parsed_url"]
+__all__ = ["ClusterClient", "PostTransport", "ServerPools", "parsed_url"]
 
 _HTTP_VERSIONS: dict[tuple[int, int], bytes] = {(1, 1): b"HTTP/1.1", (1, 0): b"HTTP/1.0"}
 # httpx2 built every header the request needs (host, user-agent, accept, content-length, ...):
@@ -190,6 +190,25 @@ class _Body(httpx2.AsyncByteStream):
         self._place.release()
 
 
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+"""An answer read whole: ``(status, raw headers, body as sent)``."""
+
+
+@typing.runtime_checkable
+class PostTransport(typing.Protocol):
+    """An httpx2 transport that also POSTs without httpx2's request and response objects: the
+    default one (``ServerPools``) and the fakes' (``agentkv.testing.FakeTransport``), so a turn
+    on the fake cluster runs the code it runs on real servers."""
+
+    async def post(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, float | None]
+    ) -> Answer:
+        """POST ``body`` to an ``http://`` URL with exactly ``headers`` (httpx2's, as
+        ``_wire.http`` builds them) under httpx2's timeout ``phases`` (``Timeout.as_dict()``);
+        the whole answer, or httpx2's exception for a failed exchange."""
+        ...
+
+
 class ServerPools(httpx2.AsyncBaseTransport):
     """An httpx2 transport on one ``aiohttp.ClientSession``; ``limits`` apply to each server."""
 
@@ -293,7 +312,7 @@ class ServerPools(httpx2.AsyncBaseTransport):
         body: bytes,
         headers: list[tuple[str, str]],
         phases: dict[str, float | None],
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    ) -> Answer:
         """POST ``body`` to an ``http://`` URL and read the whole answer: ``(status, raw headers,
         body as sent)``, with none of httpx2's request and response objects in between.
 
@@ -368,11 +387,11 @@ class ClusterClient(httpx2.AsyncClient):
     built as httpx2 builds them (base URL, default headers, the client's timeouts).
     """
 
-    @property
-    def pools(self) -> ServerPools | None:
-        """Its transport when that is the default one (``post`` reads answers directly)."""
+    @functools.cached_property
+    def poster(self) -> PostTransport | None:
+        """Its transport when that one posts without httpx2's objects (``PostTransport``)."""
         transport = self._transport
-        return transport if isinstance(transport, ServerPools) else None
+        return transport if isinstance(transport, PostTransport) else None
 
     async def send(
         self,

@@ -7,12 +7,13 @@ from collections.abc import Callable
 import anyio.lowlevel
 import httpx2
 
+from agentkv._core import Answer, parsed_url
 from agentkv.testing._fake_reply import Reply
 from agentkv.testing._fake_server import FakeServer
 
 
-def to_httpx_response(reply: Reply, request: httpx2.Request) -> httpx2.Response:
-    """Turn a reply into a response, or raise what httpx2 raises for a broken connection."""
+def _raise_failure(reply: Reply, request: httpx2.Request | None) -> None:
+    """Raise what httpx2 raises for the connection failure ``reply`` stands for, if any."""
     if reply.failure == "refused":
         raise httpx2.ConnectError("[Errno 111] Connection refused", request=request)
     if reply.failure == "timeout":
@@ -21,8 +22,18 @@ def to_httpx_response(reply: Reply, request: httpx2.Request) -> httpx2.Response:
         raise httpx2.RemoteProtocolError(
             "Server disconnected without sending a response.", request=request
         )
-    headers = {"content-type": reply.content_type} if reply.content_type else {}
-    return httpx2.Response(reply.status, headers=headers, content=reply.body(), request=request)
+
+
+def _raw_headers(reply: Reply) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", reply.content_type.encode())] if reply.content_type else []
+
+
+def to_httpx_response(reply: Reply, request: httpx2.Request) -> httpx2.Response:
+    """Turn a reply into a response, or raise what httpx2 raises for a broken connection."""
+    _raise_failure(reply, request)
+    return httpx2.Response(
+        reply.status, headers=_raw_headers(reply), content=reply.body(), request=request
+    )
 
 
 class FakeTransport(httpx2.MockTransport):
@@ -40,15 +51,19 @@ class FakeTransport(httpx2.MockTransport):
         super().__init__(self._handle)
         self._resolve = resolve
 
-    def _handle(self, request: httpx2.Request) -> httpx2.Response:
-        url = request.url
+    def _server(self, url: httpx2.URL, request: httpx2.Request | None) -> FakeServer:
         port = url.port or (443 if url.scheme == "https" else 80)
         server = self._resolve(f"{url.host}:{port}")
         if server is None:
             raise httpx2.ConnectError(
                 f"[Errno -2] Name or service not known: {url.host}", request=request
             )
+        return server
+
+    def _handle(self, request: httpx2.Request) -> httpx2.Response:
+        url = request.url
         headers = {k.lower(): v for k, v in request.headers.items()}
+        server = self._server(url, request)
         reply = server.handle(request.method, url.path, headers, request.content)
         return to_httpx_response(reply, request)
 
@@ -58,3 +73,15 @@ class FakeTransport(httpx2.MockTransport):
         # against a real server; the fake itself never blocks.
         await anyio.lowlevel.checkpoint()
         return self._handle(request)
+
+    async def post(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, float | None]
+    ) -> Answer:
+        """The same exchange without httpx2's objects (``agentkv._wire.transport.PostTransport``:
+        the cluster's own client posts a turn's legs this way on its default transport too)."""
+        await anyio.lowlevel.checkpoint()
+        parsed = parsed_url(url)
+        server = self._server(parsed, None)
+        reply = server.handle("POST", parsed.path, {k.lower(): v for k, v in headers}, body)
+        _raise_failure(reply, None)
+        return reply.status, _raw_headers(reply), reply.body()

@@ -1,0 +1,122 @@
+"""The fake's transport posts as the default transport does (``PostTransport.post``): the same
+answers and the same httpx2 errors as its httpx2 path, and the cluster's own client takes it, so
+a session on the fake cluster runs the code it runs against real servers."""
+
+from __future__ import annotations
+
+import httpx2
+import pytest
+
+from agentkv import AsyncCluster, Message
+from agentkv._wire.json import dumps
+from agentkv._wire.transport import PostTransport
+from agentkv.testing import FakeCluster
+
+TOKENIZE = {"model": "fake", "prompt": "agents reuse the cache", "add_special_tokens": False}
+HEADERS = [("content-type", "application/json"), ("x-agent", "a1")]
+PHASES: dict[str, float | None] = {"connect": 5.0, "read": 5.0, "write": 5.0, "pool": 5.0}
+
+
+TURN_PATHS = ("/tokenize", "/v1/chat/completions", "/v1/completions")
+
+
+class PostsOnly(httpx2.AsyncBaseTransport):
+    """The fake's transport with httpx2's path shut for a turn's posts (its render and legs):
+    only ``post`` may carry them. (A lease's release, on close, is an ``exchange``.)"""
+
+    def __init__(self, fake: FakeCluster) -> None:
+        self.inner = fake.transport
+        self.posted: list[str] = []
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        if request.method == "POST" and request.url.path in TURN_PATHS:
+            raise AssertionError(f"httpx2's path was taken for POST {request.url}")
+        return await self.inner.handle_async_request(request)
+
+    async def post(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, float | None]
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        self.posted.append(url)
+        return await self.inner.post(url, body, headers, phases)
+
+
+async def _both(fake: FakeCluster, url: str, body: bytes) -> tuple[object, object]:
+    """The answer of ``post`` and of httpx2's path, as (status, content type, body) or the
+    exception's type."""
+    results: list[object] = []
+    try:
+        status, headers, content = await fake.transport.post(url, body, HEADERS, PHASES)
+        results.append((status, dict(headers).get(b"content-type"), content))
+    except httpx2.HTTPError as exc:
+        results.append(type(exc))
+    async with httpx2.AsyncClient(transport=fake.transport) as client:
+        try:
+            response = await client.post(url, content=body, headers=dict(HEADERS))
+            content_type = response.headers.get("content-type")
+            results.append(
+                (response.status_code, content_type and content_type.encode(), response.content)
+            )
+        except httpx2.HTTPError as exc:
+            results.append(type(exc))
+    return results[0], results[1]
+
+
+def test_the_fake_transport_is_a_post_transport() -> None:
+    assert isinstance(FakeCluster(pairs=1).transport, PostTransport)
+
+
+@pytest.mark.parametrize(
+    ("body", "path"),
+    [
+        (dumps(TOKENIZE), "/tokenize"),
+        (b'{"model": "fake", "prompt": ', "/tokenize"),  # not JSON: vLLM's 400
+        (dumps(TOKENIZE), "/v1/no-such-route"),
+    ],
+)
+async def test_post_answers_as_httpx2s_path(body: bytes, path: str) -> None:
+    fake = FakeCluster(pairs=1)
+    by_post, by_httpx2 = await _both(fake, fake.prefill(0).url + path, body)
+    assert by_post == by_httpx2
+    assert isinstance(by_post, tuple)
+
+
+@pytest.mark.parametrize(
+    ("arm", "expected"),
+    [
+        ("timeout", httpx2.ReadTimeout),
+        ("reset", httpx2.RemoteProtocolError),
+        ("kill", httpx2.ConnectError),
+        ("unknown host", httpx2.ConnectError),
+    ],
+)
+async def test_post_fails_as_httpx2s_path(arm: str, expected: type[Exception]) -> None:
+    fake = FakeCluster(pairs=1)
+    server = fake.prefill(0)
+    url = server.url + "/tokenize"
+    if arm == "kill":
+        server.kill()
+    elif arm == "unknown host":
+        url = "http://nowhere.test:8000/tokenize"
+    else:
+        server.fail_next(arm, times=2, path="/tokenize")  # once for each path
+    assert await _both(fake, url, dumps(TOKENIZE)) == (expected, expected)
+
+
+async def test_a_session_posts_its_legs_through_post() -> None:
+    fake = FakeCluster(pairs=1)
+    transport = PostsOnly(fake)
+    async with (
+        AsyncCluster.from_dict(fake.cluster_spec, transport=transport) as cluster,
+        cluster.session(max_tokens=8) as session,
+    ):
+        session.append(Message.system("You are terse."), Message.user("Hello"))
+        first = await session.turn()
+        session.append(Message.user("And again?"))
+        second = await session.turn()
+    assert first.text
+    assert second.text
+    assert second.stats.reused_tokens > 0  # the second turn reused the first one's KV
+    # Each turn: its render (tokenize), the P leg and the D leg.
+    paths = [url.rsplit(":", 1)[1].split("/", 1)[1] for url in transport.posted]
+    assert paths.count("tokenize") >= 2
+    assert paths.count("v1/chat/completions") + paths.count("v1/completions") == 4
