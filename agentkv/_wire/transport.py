@@ -17,7 +17,8 @@ A turn's posts (tokenize, the P leg, a D leg not streamed) skip httpx2's objects
 ``ServerPools.post`` takes the headers httpx2 would send and returns the answer's status, headers
 and body (``_wire.http.post_json`` on the cluster's own client), with the same limits, timeouts,
 errors and connection reuse. On a turn run alone, the request and response objects' code, cold
-after each wait, cost as much CPU as aiohttp's exchange.
+after each wait, cost as much CPU as aiohttp's exchange. The fakes' transport (``agentkv.testing``)
+posts the same way (``PostTransport``), so a turn against the fake cluster runs this path too.
 
 * ``httpx2.Limits``: ``max_connections`` applies per server (a place is taken from the request's
   start until its body is read or closed; no total limit), idle connections are closed after
