@@ -7,7 +7,7 @@ ratio. Alternating spreads the machine's drift over both sides, so the ratio hol
 the absolute numbers move between runs.
 
     .venv/bin/python benchmarks/overhead_ab.py --base 0ee2cfd [--rounds 3] [--sessions 30]
-    .venv/bin/python benchmarks/overhead_ab.py --base 0ee2cfd --replay
+    .venv/bin/python benchmarks/overhead_ab.py --base 0ee2cfd --replay [--evict]
     .venv/bin/python benchmarks/overhead_ab.py --base 0ee2cfd --over-http
 
 ``--replay`` and ``--over-http``: both sides run this tree's ``sdk_overhead.py`` in that mode (its
@@ -42,6 +42,7 @@ def _cpu() -> str:
 def _run(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     # One harness for both in these modes (older trees' scripts have neither).
     mode = ["--over-http"] if args.over_http else ["--replay"] if args.replay else []
+    mode += ["--evict"] if args.evict else []
     script = (ROOT if mode else tree) / "benchmarks" / "sdk_overhead.py"
     command = [
         sys.executable,
@@ -70,9 +71,12 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--over-http", action="store_true", help="see the module's doc")
     parser.add_argument("--replay", action="store_true", help="see the module's doc")
+    parser.add_argument("--evict", action="store_true", help="with --replay: turns run cold")
     args = parser.parse_args()
     if args.over_http and args.replay:
         parser.error("--over-http and --replay are two measurements: run one at a time")
+    if args.evict and not args.replay:
+        parser.error("--evict goes with --replay")
 
     with tempfile.TemporaryDirectory(prefix="agentkv-ab-") as scratch:
         base = Path(scratch) / "base"

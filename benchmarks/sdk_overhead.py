@@ -25,9 +25,14 @@ the SDK's code and data from the CPU's caches between them, and its garbage is c
 SDK's time). Building each recorded answer is counted as server time, as the fake's is. A
 request not in the recording stops the run: the SDK sends the same bytes for the same turns.
 
+``--replay --evict`` runs the same, cold: between turns (off the clock) it sorts a fresh list of
+300k floats, ~10 MB of objects, as an agent's own work between its turns (a tool, a parse) would,
+so that every turn starts with the SDK's code and data out of the CPU's caches and its attribute
+caches cold. The in-process mode sits between the two: the fake's work runs inside each turn.
+
     .venv/bin/python benchmarks/sdk_overhead.py [--turns 8] [--sessions 30] [--context 2000]
     .venv/bin/python benchmarks/sdk_overhead.py --over-http
-    .venv/bin/python benchmarks/sdk_overhead.py --replay
+    .venv/bin/python benchmarks/sdk_overhead.py --replay [--evict]
 """
 
 from __future__ import annotations
@@ -159,6 +164,12 @@ class Replayer(_Transport):
         return found
 
 
+def _evict() -> None:
+    """Work that pushes the SDK out of the CPU's caches: a sort of 300k fresh floats, in an
+    order scrambled by a multiplicative hash."""
+    sorted((i * 2_654_435_761) % 1_000_003 / 7 for i in range(300_000))
+
+
 def _system_prompt(fake: FakeCluster, tokens: int) -> str:
     sentence = "agents reuse the decode node's cache so every later turn starts warm "
     text = ""
@@ -219,12 +230,22 @@ async def _turns(
 
 
 async def _async_overheads(
-    args: argparse.Namespace, wrap: Callable[[Any], Any] = lambda transport: transport
+    args: argparse.Namespace,
+    wrap: Callable[[Any], Any] = lambda transport: transport,
+    *,
+    evict: bool = False,
 ) -> Samples:
-    """Turns against the in-process fake; ``wrap`` the fake's transport to record or replay."""
+    """Turns against the in-process fake; ``wrap`` the fake's transport to record or replay;
+    ``evict``: run ``_evict`` between turns."""
     fake = FakeCluster(pairs=2, clock=ManualClock())
     timed = TimedTransport(wrap(fake.transport))
     system = _system_prompt(fake, args.context)
+
+    def after_turn() -> None:
+        _forget_requests(fake)
+        if evict:
+            _evict()
+
     async with AsyncCluster.from_dict(fake.cluster_spec, transport=timed) as cluster:
         return await _turns(
             cluster,
@@ -233,7 +254,7 @@ async def _async_overheads(
             # The async core and the fake share one thread: its CPU, less the fake's.
             cpu_clock=time.thread_time,
             server=lambda: (timed.server_s, timed.server_cpu_s),
-            after_turn=lambda: _forget_requests(fake),
+            after_turn=after_turn,
         )
 
 
@@ -380,16 +401,22 @@ def main() -> int:
     parser.add_argument(
         "--replay", action="store_true", help="answer from a recording of the fake (see above)"
     )
+    parser.add_argument(
+        "--evict", action="store_true", help="with --replay: evict the caches between turns"
+    )
     args = parser.parse_args()
+    if args.evict and not args.replay:
+        parser.error("--evict goes with --replay")
 
     rows = []
     _silence_logs()
     if args.replay:
         tape: Tape = {}
         asyncio.run(_async_overheads(args, lambda fake: Recorder(fake, tape)))
-        samples = asyncio.run(_async_overheads(args, lambda _: Replayer(tape)))
-        rows.append(("async turn, replayed, CPU", *_quantiles(samples.cpu)))
-        rows.append(("async turn, replayed, wall", *_quantiles(samples.wall)))
+        samples = asyncio.run(_async_overheads(args, lambda _: Replayer(tape), evict=args.evict))
+        name = "async turn, replayed" + (" cold" if args.evict else "")
+        rows.append((f"{name}, CPU", *_quantiles(samples.cpu)))
+        rows.append((f"{name}, wall", *_quantiles(samples.wall)))
         _print(args, rows, samples.prompt_tokens)
         return 0
     if args.over_http:
