@@ -24,8 +24,9 @@ The rest is not public, and is here for a reason each:
   server, so its token counts match the SDK modes').
 - ``listening_socket``: the socket a uvicorn server is handed (the proxy's, the fake pair's
   HTTP host), with Nagle's delay off on the connections it accepts.
-- ``Answer``/``parsed_url``: the fakes' transport posts a turn's legs as the default transport
-  does (``PostTransport``), so a session on the fake cluster runs its real-server path.
+- ``Answer``/``Streamed``/``parsed_url``: the fakes' transport posts a turn's legs as the
+  default transport does (``PostTransport``), so a session on the fake cluster runs its
+  real-server path.
 - ``sample_values``: a few series out of a server's ``/metrics`` (the benchmark samples decode's
   KV usage as the SDK reads it before a tool wait).
 - the hint and file-tier wire values and routes: the benchmark's legs, ``agentkv status`` and the
@@ -99,7 +100,7 @@ from agentkv._wire.tier import (
     TierUsage,
     with_tier_load,
 )
-from agentkv._wire.transport import Answer, parsed_url
+from agentkv._wire.transport import Answer, Streamed, parsed_url
 
 __all__ = [
     "AUTO",
@@ -147,6 +148,7 @@ __all__ = [
     "ServerRenderer",
     "SessionBusyError",
     "SessionClosedError",
+    "Streamed",
     "TemplateError",
     "TextDelta",
     "TierDelete",

@@ -9,6 +9,7 @@ the absolute numbers move between runs.
     .venv/bin/python benchmarks/overhead_ab.py --base 0ee2cfd [--rounds 3] [--sessions 30]
     .venv/bin/python benchmarks/overhead_ab.py --base 0ee2cfd --replay [--evict]
     .venv/bin/python benchmarks/overhead_ab.py --base 0ee2cfd --over-http
+    .venv/bin/python benchmarks/overhead_ab.py --base 0ee2cfd [--replay | --over-http] --stream
 
 ``--replay`` and ``--over-http``: both sides run this tree's ``sdk_overhead.py`` in that mode (its
 docstring says what each measures), each importing its own tree's SDK: with ``--over-http`` the
@@ -43,6 +44,7 @@ def _run(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     # One harness for both in these modes (older trees' scripts have neither).
     mode = ["--over-http"] if args.over_http else ["--replay"] if args.replay else []
     mode += ["--evict"] if args.evict else []
+    mode += ["--stream"] if args.stream else []
     script = (ROOT if mode else tree) / "benchmarks" / "sdk_overhead.py"
     command = [
         sys.executable,
@@ -72,11 +74,16 @@ def main() -> int:
     parser.add_argument("--over-http", action="store_true", help="see the module's doc")
     parser.add_argument("--replay", action="store_true", help="see the module's doc")
     parser.add_argument("--evict", action="store_true", help="with --replay: turns run cold")
+    parser.add_argument(
+        "--stream", action="store_true", help="with --replay or --over-http: streamed turns"
+    )
     args = parser.parse_args()
     if args.over_http and args.replay:
         parser.error("--over-http and --replay are two measurements: run one at a time")
     if args.evict and not args.replay:
         parser.error("--evict goes with --replay")
+    if args.stream and not (args.replay or args.over_http):
+        parser.error("--stream goes with --replay or --over-http")
 
     with tempfile.TemporaryDirectory(prefix="agentkv-ab-") as scratch:
         base = Path(scratch) / "base"
@@ -96,11 +103,11 @@ def main() -> int:
             )
 
     print(f"SDK overhead per turn, median ms over {args.rounds} alternating rounds ({_cpu()})")
-    print(f"{'':30} {args.base[:12]:>12} {'this tree':>12} {'this/base':>10}")
+    print(f"{'':36} {args.base[:12]:>12} {'this tree':>12} {'this/base':>10}")
     for name in runs["this"][0]:
         before = statistics.median(r[name] for r in runs["base"] if name in r)
         after = statistics.median(r[name] for r in runs["this"])
-        print(f"{name:30} {before:12.3f} {after:12.3f} {after / before:10.2f}")
+        print(f"{name:36} {before:12.3f} {after:12.3f} {after / before:10.2f}")
     return 0
 
 

@@ -33,6 +33,10 @@ caches cold. The in-process mode sits between the two: the fake's work runs insi
     .venv/bin/python benchmarks/sdk_overhead.py [--turns 8] [--sessions 30] [--context 2000]
     .venv/bin/python benchmarks/sdk_overhead.py --over-http
     .venv/bin/python benchmarks/sdk_overhead.py --replay [--evict]
+    .venv/bin/python benchmarks/sdk_overhead.py [--replay | --over-http] --stream
+
+``--stream`` (with ``--replay`` or ``--over-http``) consumes each turn as ``session.stream()``: the
+D leg streamed, its events parsed as they arrive (the fake sends a stream's events at once).
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from urllib.parse import urlsplit
 import structlog
 
 import agentkv._wire.http
-from agentkv import AsyncCluster, Cluster, Message
+from agentkv import AsyncCluster, Cluster, Message, TurnResult
 from agentkv.testing import FakeCluster, ManualClock
 
 # The HTTP library the imported SDK speaks: httpx2, or httpx before issue 28 (``overhead_ab.py
@@ -69,8 +73,8 @@ Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
 class _Transport:
-    """An async transport of either library: both call only these methods (``post`` only from
-    issue 28 on: ``agentkv._wire.transport.PostTransport``)."""
+    """An async transport of either library: both call only these methods (``post`` and
+    ``post_stream`` only from issue 28 on: ``agentkv._wire.transport.PostTransport``)."""
 
     inner: Any = None
 
@@ -81,6 +85,13 @@ class _Transport:
         self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, Any]
     ) -> Answer:
         raise NotImplementedError
+
+    async def post_stream(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, Any]
+    ) -> tuple[int, list[tuple[bytes, bytes]], Any]:
+        """``post``'s answer as a stream (the fake's streams come whole, as one piece)."""
+        status, headers_, content = await self.post(url, body, headers, phases)
+        return status, headers_, HTTP.ByteStream(content)
 
     async def aclose(self) -> None:
         if self.inner is not None:
@@ -217,7 +228,12 @@ async def _turns(
                 s.append(Message.user(f"Question {turn} of session {i}: what next?"))
                 server_s, server_cpu = server()
                 start, cpu = time.perf_counter(), cpu_clock()
-                result = await s.turn()
+                if args.stream:
+                    events = [event async for event in s.stream()]
+                    result = events[-1]
+                    assert isinstance(result, TurnResult)
+                else:
+                    result = await s.turn()
                 wall, used = time.perf_counter() - start, cpu_clock() - cpu
                 if i:  # session 0 warms caches (anchor renders, imports, connections)
                     served_s, served_cpu = server()
@@ -381,9 +397,9 @@ def _print(
 ) -> None:
     n = (args.sessions - 1) * args.turns
     print(f"SDK overhead per turn ({n} turns, prompts up to {prompt_tokens} tokens)")
-    print(f"{'':30} {'median ms':>10} {'p99 ms':>10}")
+    print(f"{'':36} {'median ms':>10} {'p99 ms':>10}")
     for name, median, p99 in rows:
-        print(f"{name:30} {median * 1e3:10.3f} {p99 * 1e3:10.3f}")
+        print(f"{name:36} {median * 1e3:10.3f} {p99 * 1e3:10.3f}")
 
 
 def main() -> int:
@@ -404,24 +420,32 @@ def main() -> int:
     parser.add_argument(
         "--evict", action="store_true", help="with --replay: evict the caches between turns"
     )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="with --replay or --over-http: stream each turn (session.stream())",
+    )
     args = parser.parse_args()
     if args.evict and not args.replay:
         parser.error("--evict goes with --replay")
+    if args.stream and not (args.replay or args.over_http):
+        parser.error("--stream goes with --replay or --over-http")
 
     rows = []
+    kind = "async streamed turn" if args.stream else "async turn"
     _silence_logs()
     if args.replay:
         tape: Tape = {}
         asyncio.run(_async_overheads(args, lambda fake: Recorder(fake, tape)))
         samples = asyncio.run(_async_overheads(args, lambda _: Replayer(tape), evict=args.evict))
-        name = "async turn, replayed" + (" cold" if args.evict else "")
+        name = f"{kind}, replayed" + (" cold" if args.evict else "")
         rows.append((f"{name}, CPU", *_quantiles(samples.cpu)))
         rows.append((f"{name}, wall", *_quantiles(samples.wall)))
         _print(args, rows, samples.prompt_tokens)
         return 0
     if args.over_http:
         samples = asyncio.run(_http_overheads(args))
-        rows.append(("async turn over HTTP, CPU", *_quantiles(samples.cpu)))
+        rows.append((f"{kind} over HTTP, CPU", *_quantiles(samples.cpu)))
         rows.append(("  (wall, servers included)", *_quantiles(samples.wall)))
         _print(args, rows, samples.prompt_tokens)
         return 0

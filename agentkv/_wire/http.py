@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
 from typing import Any, NoReturn
 
 import httpx2
@@ -24,7 +24,7 @@ from agentkv._exceptions import (
     UpstreamStatusError,
 )
 from agentkv._wire.json import JSONDecodeError, loads, loads_without
-from agentkv._wire.transport import ClusterClient, parsed_url
+from agentkv._wire.transport import ClusterClient, PostTransport, parsed_url
 
 __all__ = ["exchange", "get_ok", "post_json", "raise_transport_error", "stream_events"]
 
@@ -147,9 +147,12 @@ async def post_json(
     error status or compressed); any other client or transport, through httpx2's ``send``.
     """
     try:
-        direct = await _post_direct(client, url, body, headers)
+        direct = _direct(client, url, headers, len(body))
         if direct is not None:
-            status, raw_headers, content = direct
+            poster, sent = direct
+            status, raw_headers, content = await poster.post(
+                url, body, sent, client.timeout.as_dict()
+            )
             if status < 300 and not _encoded(raw_headers):
                 return _parse(content, url, summary, unread)
             # An error, or a body to decode as its headers say: httpx2's response, as sent.
@@ -168,12 +171,13 @@ async def post_json(
     return _parse(response.content, url, summary, unread)
 
 
-async def _post_direct(
-    client: httpx2.AsyncClient, url: str, body: bytes, headers: Mapping[str, str] | None
-) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
-    """The exchange on the transport's own ``post``, with the headers httpx2 would send
-    (``_request``'s); ``None`` where httpx2's path takes it (another client, a transport that is
-    no ``PostTransport``, an ``https`` URL, a header that replaces one of the template's)."""
+def _direct(
+    client: httpx2.AsyncClient, url: str, headers: Mapping[str, str] | None, length: int
+) -> tuple[PostTransport, list[tuple[str, str]]] | None:
+    """The transport whose own ``post``/``post_stream`` takes this request, and the headers
+    httpx2 would send with a body of ``length`` bytes (``_request``'s); ``None`` where httpx2's
+    path takes it (another client, a transport that is no ``PostTransport``, an ``https`` URL, a
+    header that replaces one of the template's)."""
     poster = client.poster if type(client) is ClusterClient else None
     if poster is None or not url.startswith("http://"):
         return None
@@ -185,9 +189,9 @@ async def _post_direct(
     sent = [
         *template[2],
         *((name.lower(), value) for name, value in (headers or {}).items()),
-        ("content-length", str(len(body))),
+        ("content-length", str(length)),
     ]
-    return await poster.post(url, body, sent, client.timeout.as_dict())
+    return poster, sent
 
 
 def _encoded(raw_headers: list[tuple[bytes, bytes]]) -> bool:
@@ -214,21 +218,68 @@ async def stream_events(
     Closing the iterator early closes the connection (vLLM then aborts the request).
     """
     try:
-        response = await client.send(_request(client, url, body, headers), stream=True)
-        async with contextlib.aclosing(response):
-            if response.status_code >= 300:
-                await response.aread()
-                _raise_status(response, url, summary)
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+        async with _event_lines(client, url, body, headers, summary) as lines:
+            async for line in lines:
+                if not line.startswith(b"data:"):
                     continue  # blank separators, comments, "event:" lines
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     return
-                yield _parse(data.encode(), url, summary, unread)
+                yield _parse(data, url, summary, unread)
     except httpx2.HTTPError as exc:
         raise_transport_error(exc, url)
     raise MalformedResponseError(f"{summary}: the stream ended before [DONE]", url=url)
+
+
+@contextlib.asynccontextmanager
+async def _event_lines(
+    client: httpx2.AsyncClient,
+    url: str,
+    body: bytes,
+    headers: Mapping[str, str] | None,
+    summary: str,
+) -> AsyncIterator[AsyncIterator[bytes]]:
+    """The lines of a stream's answer as they arrive, once its status says it has events (an
+    error status raises with the answer's body); the answer is closed on leaving.
+
+    The cluster's own client on a ``PostTransport`` splits the body's pieces itself
+    (``_lines``); an error status, a compressed body and any other client go through httpx2's
+    response, which decodes the body as its headers say."""
+    direct = _direct(client, url, headers, len(body))
+    if direct is None:
+        response = await client.send(_request(client, url, body, headers), stream=True)
+    else:
+        poster, sent = direct
+        status, raw_headers, stream = await poster.post_stream(
+            url, body, sent, client.timeout.as_dict()
+        )
+        if status < 300 and not _encoded(raw_headers):
+            async with contextlib.aclosing(stream):
+                yield _lines(stream)
+            return
+        response = httpx2.Response(
+            status, headers=raw_headers, stream=stream, request=_request(client, url, body, headers)
+        )
+    async with contextlib.aclosing(response):
+        if response.status_code >= 300:
+            await response.aread()
+            _raise_status(response, url, summary)
+        yield (line.encode() async for line in response.aiter_lines())
+
+
+async def _lines(pieces: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    """The lines of a body as its pieces arrive, without their ends (``\\n``, ``\\r\\n`` or
+    ``\\r``: server-sent events may end lines with any; httpx2's ``aiter_lines`` splits the same
+    way), a line cut between two pieces joined."""
+    rest = b""
+    async for piece in pieces:
+        lines = (rest + piece).splitlines(keepends=True)
+        # The last line may go on in the next piece (its "\r" may be the first half of "\r\n").
+        rest = lines.pop() if lines and not lines[-1].endswith(b"\n") else b""
+        for line in lines:
+            yield line.rstrip(b"\r\n")
+    if rest:
+        yield rest.rstrip(b"\r\n")
 
 
 async def get_ok(client: httpx2.AsyncClient, url: str, *, timeout_s: float) -> bool:

@@ -13,12 +13,14 @@ The rest of agentkv speaks httpx2 (``_wire.http``, the fakes' ``FakeTransport``)
 ``httpx2.AsyncBaseTransport`` that sends each request httpx2 built through one
 ``aiohttp.ClientSession`` (aiohttp's public API only; ``benchmarks/transport_cpu.py`` measures it
 against httpx2's and httpx2's pools and ``httpx-aiohttp``, ``docs/benchmarks.md`` has the numbers).
-A turn's posts (tokenize, the P leg, a D leg not streamed) skip httpx2's objects:
-``ServerPools.post`` takes the headers httpx2 would send and returns the answer's status, headers
-and body (``_wire.http.post_json`` on the cluster's own client), with the same limits, timeouts,
-errors and connection reuse. On a turn run alone, the request and response objects' code, cold
-after each wait, cost as much CPU as aiohttp's exchange. The fakes' transport (``agentkv.testing``)
-posts the same way (``PostTransport``), so a turn against the fake cluster runs this path too.
+A turn's posts (tokenize, the P leg, the D leg) skip httpx2's objects: ``ServerPools.post``
+takes the headers httpx2 would send and returns the answer's status, headers and body
+(``_wire.http.post_json`` on the cluster's own client), ``ServerPools.post_stream`` the same with
+the body as it arrives (``_wire.http.stream_events``: a streamed D leg), with the same limits,
+timeouts, errors and connection reuse. On a turn run alone, the request and response objects'
+code, cold after each wait, cost as much CPU as aiohttp's exchange. The fakes' transport
+(``agentkv.testing``) posts the same way (``PostTransport``), so a turn against the fake cluster
+runs this path too.
 
 * ``httpx2.Limits``: ``max_connections`` applies per server (a place is taken from the request's
   start until its body is read or closed; no total limit), idle connections are closed after
@@ -60,7 +62,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 import httpx2
 
-__all__ = ["ClusterClient", "PostTransport", "ServerPools", "parsed_url"]
+__all__ = ["Answer", "ClusterClient", "PostTransport", "ServerPools", "Streamed", "parsed_url"]
 
 _HTTP_VERSIONS: dict[tuple[int, int], bytes] = {(1, 1): b"HTTP/1.1", (1, 0): b"HTTP/1.0"}
 # httpx2 built every header the request needs (host, user-agent, accept, content-length, ...):
@@ -194,19 +196,33 @@ class _Body(httpx2.AsyncByteStream):
 Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 """An answer read whole: ``(status, raw headers, body as sent)``."""
 
+Streamed = tuple[int, list[tuple[bytes, bytes]], httpx2.AsyncByteStream]
+"""An answer whose body arrives as it comes: ``(status, raw headers, body)``; whoever takes it
+closes the body (its connection goes back to the pool only when the body was read to its end)."""
+
 
 @typing.runtime_checkable
 class PostTransport(typing.Protocol):
     """An httpx2 transport that also POSTs without httpx2's request and response objects: the
     default one (``ServerPools``) and the fakes' (``agentkv.testing.FakeTransport``), so a turn
-    on the fake cluster runs the code it runs on real servers."""
+    on the fake cluster runs the code it runs on real servers.
+
+    Both methods take ``body`` for an ``http://`` URL with exactly ``headers`` (httpx2's, as
+    ``_wire.http`` builds them) under httpx2's timeout ``phases`` (``Timeout.as_dict()``), and
+    raise httpx2's exception for a failed exchange, as ``handle_async_request`` would. Defined on
+    the class: a wrapper that forwards other attributes to a ``PostTransport`` is not one
+    (``ClusterClient.poster``), so its own ``handle_async_request`` sees every request."""
 
     async def post(
         self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, float | None]
     ) -> Answer:
-        """POST ``body`` to an ``http://`` URL with exactly ``headers`` (httpx2's, as
-        ``_wire.http`` builds them) under httpx2's timeout ``phases`` (``Timeout.as_dict()``);
-        the whole answer, or httpx2's exception for a failed exchange."""
+        """The whole answer."""
+        ...
+
+    async def post_stream(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, float | None]
+    ) -> Streamed:
+        """The answer once its head is in; its body as it arrives."""
         ...
 
 
@@ -323,12 +339,8 @@ class ServerPools(httpx2.AsyncBaseTransport):
         SDK's hot path, and on a turn run alone between waits the objects' code, cold each time,
         cost a request as much as aiohttp's own (``benchmarks/transport_cpu.py --concurrency 1``).
         """
-        if self._closed:
-            raise httpx2.ConnectError("the transport is closed")
-        parsed = parsed_url(url)
-        place = await self._place((parsed.host, parsed.port or 80), phases.get("pool"))
+        response, place = await self._post(url, body, headers, phases)
         try:
-            response = await self._start("POST", url, headers, body, phases)
             try:
                 content = await response.read()
             except BaseException as exc:
@@ -340,6 +352,37 @@ class ServerPools(httpx2.AsyncBaseTransport):
             return response.status, list(response.raw_headers), content
         finally:
             place.release()
+
+    async def post_stream(
+        self,
+        url: str,
+        body: bytes,
+        headers: list[tuple[str, str]],
+        phases: dict[str, float | None],
+    ) -> Streamed:
+        """``post``, answered once the head is in: the body arrives as the server sends it (a
+        streamed D leg's events), each piece as aiohttp reads it. Closing the body before its end
+        closes the connection; either way its place under the limit is given back."""
+        response, place = await self._post(url, body, headers, phases)
+        return response.status, list(response.raw_headers), _Body(response, place)
+
+    async def _post(
+        self,
+        url: str,
+        body: bytes,
+        headers: list[tuple[str, str]],
+        phases: dict[str, float | None],
+    ) -> tuple[aiohttp.ClientResponse, _Place]:
+        """Send a POST under its server's limit: the answer's head, and the place it holds."""
+        if self._closed:
+            raise httpx2.ConnectError("the transport is closed")
+        parsed = parsed_url(url)
+        place = await self._place((parsed.host, parsed.port or 80), phases.get("pool"))
+        try:
+            return await self._start("POST", url, headers, body, phases), place
+        except BaseException:
+            place.release()
+            raise
 
     async def _send(self, request: httpx2.Request, place: _Place) -> httpx2.Response:
         """Send ``request`` and return the answer's head; its body streams."""
@@ -390,9 +433,14 @@ class ClusterClient(httpx2.AsyncClient):
 
     @functools.cached_property
     def poster(self) -> PostTransport | None:
-        """Its transport when that one posts without httpx2's objects (``PostTransport``)."""
+        """Its transport when that one posts without httpx2's objects (``PostTransport``): its
+        class defines both methods, so a wrapper forwarding attributes (``__getattr__``) to one
+        still sees its requests through ``handle_async_request``."""
         transport = self._transport
-        return transport if isinstance(transport, PostTransport) else None
+        if not isinstance(transport, PostTransport):
+            return None
+        own = all(callable(getattr(type(transport), m, None)) for m in ("post", "post_stream"))
+        return transport if own else None
 
     async def send(
         self,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import anyio.lowlevel
 import httpx2
 
-from agentkv._core import Answer, parsed_url
+from agentkv._core import Answer, Streamed, parsed_url
 from agentkv.testing._fake_reply import Reply
 from agentkv.testing._fake_server import FakeServer
 
@@ -85,3 +85,10 @@ class FakeTransport(httpx2.MockTransport):
         reply = server.handle("POST", parsed.path, {k.lower(): v for k, v in headers}, body)
         _raise_failure(reply, None)
         return reply.status, _raw_headers(reply), reply.body()
+
+    async def post_stream(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, float | None]
+    ) -> Streamed:
+        """``post``'s answer with its body as one piece, as httpx2's path streams it."""
+        status, raw_headers, content = await self.post(url, body, headers, phases)
+        return status, raw_headers, httpx2.ByteStream(content)

@@ -1,15 +1,17 @@
-"""The fake's transport posts as the default transport does (``PostTransport.post``): the same
+"""The fake's transport posts as the default transport does (``PostTransport``): the same
 answers and the same httpx2 errors as its httpx2 path, and the cluster's own client takes it, so
-a session on the fake cluster runs the code it runs against real servers."""
+a session on the fake cluster runs the code it runs against real servers, streamed or not."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import httpx2
 import pytest
 
-from agentkv import AsyncCluster, Message
+from agentkv import AsyncCluster, Message, TextDelta, TurnResult
 from agentkv._wire.json import dumps
-from agentkv._wire.transport import PostTransport
+from agentkv._wire.transport import PostTransport, Streamed
 from agentkv.testing import FakeCluster
 
 TOKENIZE = {"model": "fake", "prompt": "agents reuse the cache", "add_special_tokens": False}
@@ -22,7 +24,8 @@ TURN_PATHS = ("/tokenize", "/v1/chat/completions", "/v1/completions")
 
 class PostsOnly(httpx2.AsyncBaseTransport):
     """The fake's transport with httpx2's path shut for a turn's posts (its render and legs):
-    only ``post`` may carry them. (A lease's release, on close, is an ``exchange``.)"""
+    only ``post`` and ``post_stream`` may carry them. (A lease's release, on close, is an
+    ``exchange``.)"""
 
     def __init__(self, fake: FakeCluster) -> None:
         self.inner = fake.transport
@@ -38,6 +41,28 @@ class PostsOnly(httpx2.AsyncBaseTransport):
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         self.posted.append(url)
         return await self.inner.post(url, body, headers, phases)
+
+    async def post_stream(
+        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, float | None]
+    ) -> Streamed:
+        self.posted.append(url)
+        return await self.inner.post_stream(url, body, headers, phases)
+
+
+class Forwarding(httpx2.AsyncBaseTransport):
+    """A user's wrapper that sees each request and forwards any other attribute to the fake's
+    transport (``post`` too, through ``__getattr__``)."""
+
+    def __init__(self, fake: FakeCluster) -> None:
+        self.inner = fake.transport
+        self.seen: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        self.seen.append(request.url.path)
+        return await self.inner.handle_async_request(request)
 
 
 async def _both(fake: FakeCluster, url: str, body: bytes) -> tuple[object, object]:
@@ -102,6 +127,31 @@ async def test_post_fails_as_httpx2s_path(arm: str, expected: type[Exception]) -
     assert await _both(fake, url, dumps(TOKENIZE)) == (expected, expected)
 
 
+async def test_post_stream_answers_as_httpx2s_streamed_path() -> None:
+    fake = FakeCluster(pairs=1)
+    url = fake.decode(0).url + "/v1/chat/completions"
+    body = dumps(
+        {"model": fake.model, "messages": [{"role": "user", "content": "Hi"}], "stream": True,
+         "max_tokens": 4}
+    )
+    status, headers, stream = await fake.transport.post_stream(url, body, HEADERS, PHASES)
+    streamed = b"".join([piece async for piece in stream])
+    await stream.aclose()
+    async with (
+        httpx2.AsyncClient(transport=fake.transport) as client,
+        client.stream("POST", url, content=body, headers=dict(HEADERS)) as response,
+    ):
+        whole = await response.aread()
+    assert (status, dict(headers).get(b"content-type")) == (
+        response.status_code, response.headers["content-type"].encode()
+    )
+    assert streamed.startswith(b"data: ")
+    # The same events (their ids and times differ): as many, ending the same way.
+    assert streamed.count(b"data: ") == whole.count(b"data: ")
+    assert streamed.endswith(b"data: [DONE]\n\n")
+    assert whole.endswith(b"data: [DONE]\n\n")
+
+
 async def test_a_session_posts_its_legs_through_post() -> None:
     fake = FakeCluster(pairs=1)
     transport = PostsOnly(fake)
@@ -113,10 +163,34 @@ async def test_a_session_posts_its_legs_through_post() -> None:
         first = await session.turn()
         session.append(Message.user("And again?"))
         second = await session.turn()
+        session.append(Message.user("Once more, streamed."))
+        events = [event async for event in session.stream()]
     assert first.text
     assert second.text
     assert second.stats.reused_tokens > 0  # the second turn reused the first one's KV
-    # Each turn: its render (tokenize), the P leg and the D leg.
+    third = events[-1]
+    assert isinstance(third, TurnResult)
+    assert third.stats.reused_tokens > second.stats.reused_tokens
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == third.text
+    # Each turn: its render (tokenize), the P leg and the D leg (the third one's streamed).
     paths = [url.rsplit(":", 1)[1].split("/", 1)[1] for url in transport.posted]
-    assert paths.count("tokenize") >= 2
-    assert paths.count("v1/chat/completions") + paths.count("v1/completions") == 4
+    assert paths.count("tokenize") >= 3
+    assert paths.count("v1/chat/completions") + paths.count("v1/completions") == 6
+
+
+async def test_a_wrapper_forwarding_post_sees_every_request() -> None:
+    """``post`` reached through ``__getattr__`` is not the wrapper's own: its
+    ``handle_async_request`` gets the turn's posts."""
+    fake = FakeCluster(pairs=1)
+    transport = Forwarding(fake)
+    assert isinstance(transport, PostTransport)  # the protocol check alone would bypass it
+    async with (
+        AsyncCluster.from_dict(fake.cluster_spec, transport=transport) as cluster,
+        cluster.session(max_tokens=8) as session,
+    ):
+        session.append(Message.user("Hello"))
+        await session.turn()
+    assert "/tokenize" in transport.seen
+    assert transport.seen.count("/v1/chat/completions") + transport.seen.count(
+        "/v1/completions"
+    ) == 2

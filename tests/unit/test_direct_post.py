@@ -1,12 +1,14 @@
-"""``post_json`` on the cluster's own client posts through ``ServerPools.post``: the request
-httpx2 would build, answered without httpx2's request and response objects, with the default
-transport's limits, timeouts and errors (raw sockets on 127.0.0.1, as ``test_transport``)."""
+"""``post_json`` and ``stream_events`` on the cluster's own client post through
+``ServerPools.post`` and ``post_stream``: the request httpx2 would build, answered without
+httpx2's request and response objects, with the default transport's limits, timeouts and errors
+(raw sockets on 127.0.0.1, as ``test_transport``)."""
 
 from __future__ import annotations
 
 import asyncio
 import gzip
 import time
+from collections.abc import AsyncIterator
 
 import httpx2
 import pytest
@@ -19,7 +21,7 @@ from agentkv._exceptions import (
     RequestTimeoutError,
     ServerError,
 )
-from agentkv._wire.http import post_json
+from agentkv._wire.http import _lines, post_json, stream_events
 from agentkv._wire.transport import ClusterClient, ServerPools
 from tests.unit.test_transport import LIMITS, Scripted, keep_alive, read_request
 
@@ -193,3 +195,136 @@ async def test_httpx2s_path_where_the_template_does_not_hold() -> None:
         await post_json(c, url + "/x", b"{}", summary="t", headers={"content-type": "text/x"})
     assert b"content-type: text/x" in heads[0].lower()
     assert heads[0].lower().count(b"content-type") == 1
+
+
+# --- streams: ``stream_events`` on ``ServerPools.post_stream`` --------------------------------
+
+EVENTS = b'data: {"n": 1}\r\n\r\n: a comment\rdata: {"n": 2}\r\rdata: {"n": 3}\n\ndata: [DONE]\n\n'
+
+
+# A chunked answer's head and one event, and no more.
+ONE_EVENT = b'HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n10\r\ndata: {"n": 1}\n\n\r\n'
+
+
+def chunked(*pieces: bytes, head: bytes = b"") -> bytes:
+    framed = b"".join(b"%x\r\n%b\r\n" % (len(piece), piece) for piece in pieces if piece)
+    return b"HTTP/1.1 200 OK\r\n%btransfer-encoding: chunked\r\n\r\n%b0\r\n\r\n" % (head, framed)
+
+
+def serving(reply: bytes) -> object:
+    async def serve(reader: Reader, writer: Writer) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(reply)
+            await writer.drain()
+
+    return serve
+
+
+async def _events(client: httpx2.AsyncClient, url: str) -> list[object]:
+    return [data async for data in stream_events(client, url + "/v1", b"{}", summary="t")]
+
+
+@pytest.mark.parametrize("cut", range(0, len(EVENTS) + 1, 3))
+async def test_events_cut_anywhere_arrive_as_httpx2_reads_them(cut: int) -> None:
+    """Lines end in LF, CRLF or CR, and a piece may end inside one (a CR apart from its LF)."""
+    reply = chunked(EVENTS[:cut], EVENTS[cut:])
+    async with Scripted(serving(reply)) as url:
+        async with ClusterClient(transport=NoHttpx2Path(LIMITS)) as client:
+            direct = await _events(client, url)
+        async with httpx2.AsyncClient(transport=ServerPools(LIMITS)) as other:
+            via_httpx2 = await _events(other, url)
+    assert direct == via_httpx2 == [{"n": 1}, {"n": 2}, {"n": 3}]
+
+
+async def test_the_lines_of_every_cut_are_httpx2s() -> None:
+    async def pieces(*parts: bytes) -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+
+    body = EVENTS + b"data: no end"
+    expected = [line.encode() for line in httpx2.Response(200, content=body).iter_lines()]
+    for cut in range(len(body) + 1):
+        for second in range(cut, len(body) + 1):
+            parts = (body[:cut], body[cut:second], body[second:])
+            assert [line async for line in _lines(pieces(*parts))] == expected, parts
+
+
+async def test_a_stream_refused_with_an_error_status_carries_its_body() -> None:
+    reply = answer(b"400 Bad Request", b'{"error": "no"}')
+    async with (
+        Scripted(serving(reply)) as url,
+        ClusterClient(transport=NoHttpx2Path(LIMITS)) as client,
+    ):
+        with pytest.raises(BadRequestError) as caught:
+            await _events(client, url)
+    assert caught.value.response_body == '{"error": "no"}'
+
+
+async def test_a_compressed_stream_is_decoded_as_its_headers_say() -> None:
+    reply = chunked(gzip.compress(EVENTS), head=b"content-encoding: gzip\r\n")
+    async with (
+        Scripted(serving(reply)) as url,
+        ClusterClient(transport=NoHttpx2Path(LIMITS)) as client,
+    ):
+        assert await _events(client, url) == [{"n": 1}, {"n": 2}, {"n": 3}]
+
+
+async def test_a_stream_without_done_is_malformed_and_a_cut_one_is_lost() -> None:
+    whole_but_short = chunked(b'data: {"n": 1}\n\n')
+    async with ClusterClient(transport=NoHttpx2Path(LIMITS)) as client:
+        async with Scripted(serving(whole_but_short)) as url:
+            with pytest.raises(MalformedResponseError, match="before \\[DONE\\]"):
+                await _events(client, url)
+
+        async def then_close(reader: Reader, writer: Writer) -> None:
+            await read_request(reader)
+            writer.write(ONE_EVENT)
+
+        async with Scripted(then_close) as url:
+            with pytest.raises(ConnectionLostError):
+                await _events(client, url)
+
+
+async def test_a_stream_stalled_mid_body_times_out() -> None:
+    async def stall(reader: Reader, writer: Writer) -> None:
+        await read_request(reader)
+        writer.write(ONE_EVENT)
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with (
+        Scripted(stall) as url,
+        ClusterClient(transport=NoHttpx2Path(LIMITS), timeout=0.3) as client,
+    ):
+        events = stream_events(client, url + "/v1", b"{}", summary="t")
+        assert await anext(events) == {"n": 1}
+        with pytest.raises(RequestTimeoutError):
+            await anext(events)
+
+
+async def test_a_stream_left_early_frees_its_place_and_its_connection() -> None:
+    """An agent that stops reading a streamed turn: the connection (its answer still coming) is
+    closed, not reused, and its place under the limit is free again."""
+    limits = httpx2.Limits(max_connections=1, max_keepalive_connections=1)
+
+    async def endless(reader: Reader, writer: Writer) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        while True:
+            writer.write(b'10\r\ndata: {"n": 1}\n\n\r\n')
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    server = Scripted(endless, keep_alive)
+    async with (
+        server as url,
+        ClusterClient(
+            transport=NoHttpx2Path(limits), timeout=httpx2.Timeout(5.0, pool=0.5)
+        ) as client,
+    ):
+        events = stream_events(client, url + "/v1", b"{}", summary="t")
+        assert await anext(events) == {"n": 1}
+        await events.aclose()
+        assert await post_json(client, url + "/x", b"[7]", summary="t") == [7]
+    assert server.connections == 2
