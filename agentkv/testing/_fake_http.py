@@ -59,6 +59,13 @@ class ServedCluster:
         }
 
 
+def _events(data: bytes) -> list[bytes]:
+    """A stream's body cut after each event's blank line (a cut-off last event kept as is)."""
+    events = [event + b"\n\n" for event in data.split(b"\n\n")]
+    events[-1] = events[-1][:-2]  # what followed the last blank line: nothing, or a cut event
+    return [event for event in events if event]
+
+
 def _asgi_app(listener: _Listener) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -87,13 +94,21 @@ def _asgi_app(listener: _Listener) -> Callable[[Scope, Receive, Send], Awaitable
             await send({"type": "http.response.body", "body": b"", "more_body": True})
             return
         data = reply.body()
-        response_headers = [(b"content-length", str(len(data)).encode())]
+        response_headers = [] if reply.is_stream else [(b"content-length", str(len(data)).encode())]
         if reply.content_type:
             response_headers.append((b"content-type", reply.content_type.encode()))
         await send(
             {"type": "http.response.start", "status": reply.status, "headers": response_headers}
         )
-        await send({"type": "http.response.body", "body": data})
+        if not reply.is_stream:
+            await send({"type": "http.response.body", "body": data})
+            return
+        # As vLLM streams: chunked, each event a piece of its own, written a loop pass apart
+        # (a client reads them as they come, not as one body).
+        for event in _events(data):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            await asyncio.sleep(0)
+        await send({"type": "http.response.body", "body": b""})
 
     return app
 

@@ -84,6 +84,25 @@ def test_serve_exposes_the_cluster_over_real_http(clock: ManualClock) -> None:
         assert client.get(decode + "/health").status_code == 200
 
 
+def test_served_streams_are_chunked_event_by_event_as_vllms(clock: ManualClock) -> None:
+    """A stream goes out as vLLM sends one: chunked, no length, its events written apart."""
+    fake = FakeCluster(pairs=1, clock=clock)
+    body = {
+        "model": fake.model,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 8,
+        "stream": True,
+    }
+    with fake.serve() as served, httpx2.Client(timeout=10) as client:
+        decode = served.cluster_spec["pairs"][0]["decode"]
+        with client.stream("POST", decode + CHAT, json=body) as response:
+            assert response.headers["transfer-encoding"] == "chunked"
+            assert "content-length" not in response.headers
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert len(events) > 3
+    assert events[-1] == "data: [DONE]"
+
+
 def test_sync_clients_on_many_threads_share_the_transport(fake: FakeCluster) -> None:
     def session(n: int) -> int:
         with httpx2.Client(transport=fake.transport) as client:
