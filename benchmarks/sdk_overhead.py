@@ -72,6 +72,26 @@ HTTP: Any = getattr(agentkv._wire.http, "httpx2", None) or agentkv._wire.http.ht
 Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
+class _Whole:
+    """A body as one piece, on an iterator of its own as the default transport's and the fake's
+    are (an unfinished async generator would cost the SDK a task of asyncio's to close it)."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def __aiter__(self) -> _Whole:
+        return self
+
+    async def __anext__(self) -> bytes:
+        body, self._body = self._body, b""
+        if not body:
+            raise StopAsyncIteration
+        return body
+
+    async def aclose(self) -> None:
+        pass
+
+
 class _Transport:
     """An async transport of either library: both call only these methods (``post`` and
     ``post_stream`` only from issue 28 on: ``agentkv._wire.transport.PostTransport``)."""
@@ -91,7 +111,7 @@ class _Transport:
     ) -> tuple[int, list[tuple[bytes, bytes]], Any]:
         """``post``'s answer as a stream (the fake's streams come whole, as one piece)."""
         status, headers_, content = await self.post(url, body, headers, phases)
-        return status, headers_, HTTP.ByteStream(content)
+        return status, headers_, _Whole(content)
 
     async def aclose(self) -> None:
         if self.inner is not None:

@@ -254,8 +254,8 @@ async def _event_lines(
             url, body, sent, client.timeout.as_dict()
         )
         if status < 300 and not _encoded(raw_headers):
-            async with contextlib.aclosing(stream):
-                yield _lines(stream)
+            async with contextlib.aclosing(stream), contextlib.aclosing(_lines(stream)) as lines:
+                yield lines
             return
         response = httpx2.Response(
             status, headers=raw_headers, stream=stream, request=_request(client, url, body, headers)
@@ -264,10 +264,13 @@ async def _event_lines(
         if response.status_code >= 300:
             await response.aread()
             _raise_status(response, url, summary)
-        yield (line.encode() async for line in response.aiter_lines())
+        async with contextlib.aclosing(
+            line.encode() async for line in response.aiter_lines()
+        ) as lines:
+            yield lines
 
 
-async def _lines(pieces: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+async def _lines(pieces: AsyncIterable[bytes]) -> AsyncGenerator[bytes, None]:
     """The lines of a body as its pieces arrive, without their ends (``\\n``, ``\\r\\n`` or
     ``\\r``: server-sent events may end lines with any; httpx2's ``aiter_lines`` splits the same
     way), a line cut between two pieces joined."""

@@ -176,13 +176,19 @@ class _Body(httpx2.AsyncByteStream):
         self._response = response
         self._place = place
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        content = self._response.content
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        # Its own iterator, not an async generator: one left unfinished (a stream closed at
+        # [DONE], before the body's end was read) would be closed by a task of asyncio's.
+        return self
+
+    async def __anext__(self) -> bytes:
         try:
-            while chunk := await content.readany():
-                yield chunk
+            chunk = await self._response.content.readany()
         except _AIOHTTP_ERRORS as exc:
             raise _error(exc) from exc
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
 
     async def aclose(self) -> None:
         response = self._response

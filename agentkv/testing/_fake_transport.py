@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import anyio.lowlevel
 import httpx2
@@ -91,4 +91,21 @@ class FakeTransport(httpx2.MockTransport):
     ) -> Streamed:
         """``post``'s answer with its body as one piece, as httpx2's path streams it."""
         status, raw_headers, content = await self.post(url, body, headers, phases)
-        return status, raw_headers, httpx2.ByteStream(content)
+        return status, raw_headers, _Whole(content)
+
+
+class _Whole(httpx2.AsyncByteStream):
+    """A body as one piece, on an iterator of its own as the default transport's is (an async
+    generator left unfinished would be closed by a task of asyncio's)."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        body, self._body = self._body, b""
+        if not body:
+            raise StopAsyncIteration
+        return body

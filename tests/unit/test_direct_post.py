@@ -6,9 +6,12 @@ httpx2's request and response objects, with the default transport's limits, time
 from __future__ import annotations
 
 import asyncio
+import gc
 import gzip
+import sys
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx2
 import pytest
@@ -328,3 +331,36 @@ async def test_a_stream_left_early_frees_its_place_and_its_connection() -> None:
         await events.aclose()
         assert await post_json(client, url + "/x", b"[7]", summary="t") == [7]
     assert server.connections == 2
+
+
+async def test_a_stream_closed_at_done_leaves_no_generator_for_asyncio_to_close() -> None:
+    """Left at [DONE] with the body's end still to come, every iterator of the stream is closed
+    then, not handed to asyncio's finalizer (a task per generator, per streamed turn)."""
+
+    async def done_then_end(reader: Reader, writer: Writer) -> None:
+        await read_request(reader)
+        writer.write(chunked(b'data: {"n": 1}\n\ndata: [DONE]\n\n')[:-5])  # not the end yet
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    hooks = sys.get_asyncgen_hooks()
+    finalized: list[str] = []
+
+    def finalizer(generator: Any) -> None:
+        finalized.append(generator.__qualname__)
+        hooks.finalizer(generator)
+
+    sys.set_asyncgen_hooks(firstiter=hooks.firstiter, finalizer=finalizer)
+    try:
+        async with (
+            Scripted(done_then_end) as url,
+            ClusterClient(transport=NoHttpx2Path(LIMITS)) as client,
+        ):
+            assert await _events(client, url) == [{"n": 1}]
+            gc.collect()
+    finally:
+        sys.set_asyncgen_hooks(*hooks)
+    assert finalized == []
