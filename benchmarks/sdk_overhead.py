@@ -36,7 +36,8 @@ caches cold. The in-process mode sits between the two: the fake's work runs insi
     .venv/bin/python benchmarks/sdk_overhead.py [--replay | --over-http] --stream
 
 ``--stream`` (with ``--replay`` or ``--over-http``) consumes each turn as ``session.stream()``: the
-D leg streamed, its events parsed as they arrive (the fake sends a stream's events at once).
+D leg streamed, its events parsed as they arrive (replayed, a stream comes as one piece; over
+HTTP the served fake sends each event as a piece of its own, as vLLM does).
 """
 
 from __future__ import annotations
