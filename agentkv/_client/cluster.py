@@ -23,6 +23,7 @@ from typing import Any, Generic, Self, TypeVar, Unpack
 import httpx2
 
 from agentkv import _constants as defaults
+from agentkv._client.leasing import release_request
 from agentkv._client.pool import ClusterOptions, PairPool
 from agentkv._client.portal import Portal
 from agentkv._client.session import (
@@ -352,6 +353,17 @@ class AsyncCluster(_Twin[AsyncSession]):
         """Probe every pair's ``/health`` now; returns pair name -> healthy."""
         return await self._pool.check_health()
 
+    async def release_request(self, secret: str) -> int:
+        """Free what any decode server pinned for the D leg tagged with ``secret`` (a turn's
+        ``request_secret``), or, where that leg has not finished yet, keep it from pinning
+        anything. Returns how many decode servers took the release.
+
+        For a turn whose answer, and so its handle, was never stored where a next turn finds it
+        (a proxy replica whose commit was refused). Best effort: never raises for the servers'
+        sake; a pin nobody releases lives out decode's TTL.
+        """
+        return await release_request(self._pool, secret)
+
     async def aclose(self) -> None:
         """Close the HTTP client (if the cluster made it). Sessions should be closed first."""
         await self._pool.aclose()
@@ -388,6 +400,11 @@ class Cluster(_Twin[Session]):
     def check_health(self) -> dict[str, bool]:
         """Probe every pair's ``/health`` now; returns pair name -> healthy."""
         return self._portal.call(self._pool.check_health())
+
+    def release_request(self, secret: str) -> int:
+        """Free what any decode server pinned for the D leg tagged with ``secret``
+        (``AsyncCluster.release_request``)."""
+        return self._portal.call(release_request(self._pool, secret))
 
     def close(self) -> None:
         """Close the HTTP client and stop the cluster's event-loop thread (idempotent)."""

@@ -47,6 +47,7 @@ __all__ = [
     "persist_handle",
     "release_handle",
     "release_lost",
+    "release_request",
     "release_soon",
 ]
 
@@ -109,6 +110,25 @@ def release_lost(
     task = asyncio.ensure_future(run())
     pool.leases.track(task)
     return task
+
+
+async def release_request(pool: PairPool, secret: str) -> int:
+    """Free on every decode server whatever it pinned for the D leg tagged with ``secret``
+    (``AsyncCluster.release_request``); how many took the release. Never raises for the
+    servers' sake."""
+    decodes = sorted({pair.decode for pair in pool.pairs})
+    started = time.perf_counter()
+    results = await asyncio.gather(*(pool.leases.release_request(d, secret) for d in decodes))
+    taken = sum(result.outcome == OK for result in results)
+    logger.info(
+        "agentkv.release_request",
+        request_tag=request_tag(secret),
+        decodes=len(decodes),
+        taken=taken,
+        outcomes=[result.outcome for result in results],
+        ms=_ms(started),
+    )
+    return taken
 
 
 async def extend_handle(

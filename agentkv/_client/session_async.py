@@ -85,6 +85,7 @@ class AsyncSession(SessionBase):
         *,
         final: bool = False,
         persist: PersistMode = "auto",
+        request_secret: str | None = None,
         **overrides: Unpack[TurnOverrides],
     ) -> TurnResult:
         """Send the pending messages and return the assistant's answer.
@@ -99,6 +100,11 @@ class AsyncSession(SessionBase):
         ``persist="disk"`` says the next turn is far off: right after this one, the turn-end KV
         is persisted to decode's file tier and decode's pin freed (``persist()``); ``"auto"``
         and ``"pin"`` keep the pin.
+
+        ``request_secret`` tags the turn's D leg (``X-Request-Id``) for a caller that records it
+        elsewhere before the turn, as a proxy replica does in its session store: should the
+        turn's answer never be stored anywhere, ``cluster.release_request(secret)`` frees what
+        decode pinned for it. By default each D leg gets a fresh secret of its own.
         """
         options = merge_options(self._state.options, overrides)
         check_persist_mode(persist)
@@ -107,7 +113,13 @@ class AsyncSession(SessionBase):
         self._state.begin_turn()
         try:
             runner = TurnRunner(
-                self._pool, self._state, options, stream=False, final=final, persist=persist
+                self._pool,
+                self._state,
+                options,
+                stream=False,
+                final=final,
+                persist=persist,
+                request_secret=request_secret,
             )
             result = None
             async with contextlib.aclosing(runner.events()) as events:
@@ -130,6 +142,7 @@ class AsyncSession(SessionBase):
         *,
         final: bool = False,
         persist: PersistMode = "auto",
+        request_secret: str | None = None,
         **overrides: Unpack[TurnOverrides],
     ) -> TurnResult:
         """Append ``message`` (text is a user message) and run a turn; on failure, un-append it."""
@@ -138,7 +151,9 @@ class AsyncSession(SessionBase):
         keep = len(self._state.transcript.pending)
         self.append(Message.user(message) if isinstance(message, str) else message)
         try:
-            return await self.turn(final=final, persist=persist, **overrides)
+            return await self.turn(
+                final=final, persist=persist, request_secret=request_secret, **overrides
+            )
         except BaseException:
             # Only this message: others appended while the turn ran stay queued.
             self._state.transcript.drop_pending(keep, count=1)
@@ -149,6 +164,7 @@ class AsyncSession(SessionBase):
         *,
         final: bool = False,
         persist: PersistMode = "auto",
+        request_secret: str | None = None,
         **overrides: Unpack[TurnOverrides],
     ) -> AsyncIterator[TextDelta | TurnResult]:
         """Run a turn: ``TextDelta`` pieces as decode produces them, then the ``TurnResult``.
@@ -157,13 +173,15 @@ class AsyncSession(SessionBase):
         abandons the turn (nothing is committed), and the session is free at once: the next
         ``turn()``, ``send()``, ``stream()`` or ``aclose()`` closes the abandoned stream
         (``await stream.aclose()`` does it yourself). A stream is not retried once text was
-        yielded.
+        yielded. ``request_secret`` as for ``turn()``.
         """
         options = merge_options(self._state.options, overrides)
         check_persist_mode(persist)
         self._check_turnable(abandoned_ok=True)
         holder: list[AsyncGenerator[TextDelta | TurnResult, None]] = []
-        stream = self._stream(options, final=final, persist=persist, holder=holder)
+        stream = self._stream(
+            options, final=final, persist=persist, holder=holder, request_secret=request_secret
+        )
         holder.append(stream)
         return stream
 
@@ -179,6 +197,7 @@ class AsyncSession(SessionBase):
         final: bool,
         persist: PersistMode,
         holder: list[AsyncGenerator[TextDelta | TurnResult, None]],
+        request_secret: str | None,
     ) -> AsyncGenerator[TextDelta | TurnResult, None]:
         await self._close_abandoned()
         self._check_turnable()
@@ -187,7 +206,13 @@ class AsyncSession(SessionBase):
         state.stream = holder[0]
         try:
             runner = TurnRunner(
-                self._pool, state, options, stream=True, final=final, persist=persist
+                self._pool,
+                state,
+                options,
+                stream=True,
+                final=final,
+                persist=persist,
+                request_secret=request_secret,
             )
             async with contextlib.aclosing(runner.events()) as events:
                 async for event in events:

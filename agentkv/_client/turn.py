@@ -96,8 +96,10 @@ class TurnRunner:
         stream: bool,
         final: bool = False,
         persist: PersistMode = "auto",
+        request_secret: str | None = None,
     ) -> None:
         self._pool = pool
+        self._request_secret = request_secret
         self._state = state
         self._options = options
         self._stream = stream
@@ -424,7 +426,7 @@ class TurnRunner:
         client = self._pool.http_client
         # A request id of our choosing (vLLM honours X-Request-Id): if the answer, and with it
         # the handle, never reaches us, its secret still releases what decode pinned for it.
-        secret = new_request_secret()
+        secret = self._request_secret or new_request_secret()
         headers = {"X-Request-Id": request_tag(secret)}
         self._ttft = None
         result: DecodeResult | None = None

@@ -13,7 +13,7 @@ import httpx2
 import pytest
 
 from agentkv import AsyncCluster, Cluster, Message, RetryPolicy
-from agentkv._wire.hints import REQUEST_TAG_PREFIX
+from agentkv._wire.hints import REQUEST_TAG_PREFIX, request_tag
 from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
@@ -196,3 +196,20 @@ def test_a_handle_past_our_deadline_but_still_pinned_is_released_at_close(fake, 
         clock.advance(handle.deadline - clock() + 0.5)  # past ours, before decode's 480 s
         assert fake.decode(0).pinned_handles == 1
     assert fake.decode(0).pinned_handles == 0
+
+
+def test_a_turn_tags_its_d_leg_with_a_callers_secret_and_the_cluster_releases_by_it(fake, clock):
+    """``request_secret``: a caller that recorded the secret elsewhere before the turn (a proxy
+    replica, in its session store) frees the turn's pin by it when the answer is never stored,
+    and a release that comes before the leg ends keeps decode from pinning anything for it."""
+    with open_cluster(fake, clock) as cluster, cluster.session() as s:
+        s.append(SYSTEM)
+        s.send("What is the capital of France?", request_secret="s3cret", **LONG)
+        assert fake.decode(0).request_headers[-1]["x-request-id"] == request_tag("s3cret")
+        assert fake.decode(0).pinned_handles == 1
+        assert cluster.release_request("s3cret") == 1
+        assert fake.decode(0).pinned_handles == 0
+        assert cluster.release_request("early") == 1  # no such leg yet: remembered
+        s.send("And of Spain?", request_secret="early", **LONG)
+        assert fake.decode(0).pinned_handles == 0
+        assert s.handle is None
