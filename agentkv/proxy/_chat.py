@@ -177,6 +177,12 @@ class _Lease:
         self.plan = plan
         self.forked = plan is not None and plan.forked
 
+    @property
+    def request_secret(self) -> str | None:
+        """The D leg's secret the shared store recorded with the session's claim, if any."""
+        claim = self.entry.claim if self.entry is not None else None
+        return claim.secret or None if claim is not None else None
+
     def committed(self, view: Message | None = None) -> None:
         """Note what the client was shown for the turn's answer when that differs (``view``):
         the session matches its echo against it."""
@@ -342,7 +348,10 @@ class ChatService:
         try:
             # A one-shot request (no session id) has no next turn: decode pins nothing.
             result = await lease.session.turn(
-                final=lease.entry is None, persist=persist, **overrides
+                final=lease.entry is None,
+                persist=persist,
+                request_secret=lease.request_secret,
+                **overrides,
             )
         except BaseException:
             await lease.release(failed=True)
@@ -450,7 +459,12 @@ class ChatService:
     ) -> Response:
         session = lease.session
         try:
-            events = session.stream(final=lease.entry is None, persist=persist, **overrides)
+            events = session.stream(
+                final=lease.entry is None,
+                persist=persist,
+                request_secret=lease.request_secret,
+                **overrides,
+            )
         except BaseException:
             await lease.release(failed=True)
             raise

@@ -114,8 +114,15 @@ class ProxyMetrics:
         )
         self.commit_failures = Counter(
             "agentkv_proxy_store_commit_failures",
-            "Commits to the shared store that stored nothing (refused: the claim was lost; "
-            "unreachable: the store was)",
+            "Commits to the shared store that stored nothing, or got no answer (refused: the "
+            "claim was lost; unreachable: the store was; error: anything else)",
+            ("reason",),
+            registry=registry,
+        )
+        self.pins_released = Counter(
+            "agentkv_proxy_unreferenced_pins_released",
+            "Releases of decode pins no stored session references (commit_refused, commit_lost: "
+            "this replica's commit did not land; orphan: an earlier claim ended mid-turn)",
             ("reason",),
             registry=registry,
         )

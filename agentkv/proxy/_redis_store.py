@@ -3,9 +3,12 @@
 Keys (``prefix`` defaults to ``agentkv:``):
 
 * ``{prefix}s:{key}``: a hash, ``snap`` (the snapshot bytes without their tail), ``ver`` (its
-  version), ``tver`` (the version whose tail ``{prefix}t:{key}`` holds) and, while a claim on a
-  stored session is open, ``held`` (its fence): a claim that finds ``held`` set follows one that
-  never committed or released (``Claim.dirty``).
+  version), ``tver`` (the version whose tail ``{prefix}t:{key}`` holds); while a claim is open,
+  ``held`` (its fence) and ``secret`` (its D leg's request secret); and, from a claim that finds
+  ``held`` set (the last claim never committed or released) until the next commit, ``dirty``
+  (``Claim.dirty``) and ``orphans``, the secrets of the claims that ended so, at most
+  ``ORPHANS_KEPT``. A session nothing was committed for yet has only the claim's fields, with an
+  expiry (``UNCOMMITTED_TTL_S``) that its first commit removes.
 * ``{prefix}t:{key}``: a string, the snapshot's tail (its token ids: see ``SessionStore.commit``),
   appended to (``APPEND``) by a commit that extends it, replaced (``SET``) by any other. The
   snapshot is ``snap`` followed by it when ``tver`` is ``ver``; when it is not (the hash was
@@ -46,7 +49,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
-from agentkv.proxy._store import Claim, ClaimLostError, Stored, StoreUnavailableError
+from agentkv.proxy._store import (
+    Claim,
+    ClaimLostError,
+    CommitFate,
+    Stored,
+    StoreUnavailableError,
+)
 
 __all__ = ["RedisSessions"]
 
@@ -54,19 +63,32 @@ _CLAIM = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return {0, redis.call('PTTL', KEYS[2])} end
 local fence = redis.call('INCR', KEYS[3])
 redis.call('SET', KEYS[2], fence, 'PX', ARGV[1])
-local stored = redis.call('HMGET', KEYS[1], 'ver', 'tver')
+local stored = redis.call('HMGET', KEYS[1], 'ver', 'tver', 'held', 'secret', 'dirty', 'orphans')
 local ver = tonumber(stored[1] or '0')
-local dirty = 0
-if ver > 0 then
-  dirty = redis.call('HEXISTS', KEYS[1], 'held')
-  redis.call('HSET', KEYS[1], 'held', fence)
+local orphans = stored[6] or ''
+if stored[3] then
+  -- The last claim ended without a commit or a release: what its turn pinned is an orphan.
+  if stored[4] and stored[4] ~= '' then
+    local items = {}
+    for item in string.gmatch(orphans .. ' ' .. stored[4], '%S+') do items[#items + 1] = item end
+    orphans = table.concat(items, ' ', math.max(1, #items - tonumber(ARGV[4]) + 1), #items)
+  end
 end
+local dirty = 0
+if ver > 0 and (stored[3] or stored[5]) then dirty = 1 end
+redis.call('HSET', KEYS[1], 'held', fence, 'secret', ARGV[3])
+if dirty == 1 then redis.call('HSET', KEYS[1], 'dirty', 1) end
+if orphans ~= '' then redis.call('HSET', KEYS[1], 'orphans', orphans) end
+-- A session nothing was committed for yet: its claim record goes unless a commit keeps it.
+if ver == 0 then redis.call('PEXPIRE', KEYS[1], ARGV[5]) end
 if ver > 0 and (ver ~= tonumber(ARGV[2]) or dirty == 1) then
   local head = redis.call('HGET', KEYS[1], 'snap')
-  if stored[2] == stored[1] then return {fence, ver, dirty, head, redis.call('GET', KEYS[4])} end
-  return {fence, ver, dirty, head}
+  if stored[2] == stored[1] then
+    return {fence, ver, dirty, orphans, head, redis.call('GET', KEYS[4])}
+  end
+  return {fence, ver, dirty, orphans, head}
 end
-return {fence, ver, dirty}
+return {fence, ver, dirty, orphans}
 """
 
 _COMMIT = """
@@ -82,7 +104,8 @@ else
   redis.call('APPEND', KEYS[5], ARGV[6])
 end
 redis.call('HSET', KEYS[1], 'snap', ARGV[2], 'ver', ARGV[1], 'tver', ARGV[1])
-redis.call('HDEL', KEYS[1], 'held')
+redis.call('HDEL', KEYS[1], 'held', 'secret', 'dirty', 'orphans')
+redis.call('PERSIST', KEYS[1])
 redis.call('DEL', KEYS[2])
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[4])
 if ARGV[5] == '1' then
@@ -105,12 +128,27 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
+# Only a commit clears ``dirty`` and ``orphans``: a release (or a refused removal) says this
+# holder changed nothing, not that what an earlier holder left behind is settled.
 _RELEASE = """
 if redis.call('GET', KEYS[2]) == ARGV[1] then
   redis.call('DEL', KEYS[2])
-  if redis.call('HGET', KEYS[1], 'held') == ARGV[1] then redis.call('HDEL', KEYS[1], 'held') end
+  if redis.call('HGET', KEYS[1], 'held') == ARGV[1] then
+    redis.call('HDEL', KEYS[1], 'held', 'secret')
+  end
 end
 return 1
+"""
+
+_FENCE_OFF = """
+if redis.call('HGET', KEYS[1], 'held') == ARGV[1] then
+  if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+  redis.call('HDEL', KEYS[1], 'held', 'secret')
+  if redis.call('HEXISTS', KEYS[1], 'ver') == 1 then redis.call('HSET', KEYS[1], 'dirty', 1) end
+  return 1
+end
+if redis.call('HGET', KEYS[1], 'ver') == ARGV[1] then return 2 end
+return 0
 """
 
 _REMOVE = """
@@ -120,12 +158,14 @@ if cutoff >= 0 then
   local used = redis.call('ZSCORE', KEYS[3], ARGV[2])
   if used and tonumber(used) >= cutoff then
     redis.call('DEL', KEYS[2])
-    redis.call('HDEL', KEYS[1], 'held')
+    if redis.call('HGET', KEYS[1], 'held') == ARGV[1] then
+      redis.call('HDEL', KEYS[1], 'held', 'secret')
+    end
     return 0
   end
 end
-local existed = redis.call('DEL', KEYS[1])
-redis.call('DEL', KEYS[2], KEYS[5])
+local existed = redis.call('HEXISTS', KEYS[1], 'ver')
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[5])
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[2])
 return existed
@@ -133,6 +173,19 @@ return existed
 
 
 T = TypeVar("T")
+
+# The orphans a session's hash keeps for the next claim to release (a new one drops the oldest):
+# more claims in a row that all die mid-turn are a failing fleet, and a pin left over then
+# lives out decode's TTL as it did before.
+ORPHANS_KEPT = 8
+# How long the claim record of a session nothing was committed for outlives its claim: past
+# decode's pin TTL (480 s), after which there is no orphan left to release.
+UNCOMMITTED_TTL_S = 900.0
+_FATES = {0: CommitFate.SUPERSEDED, 1: CommitFate.LOST, 2: CommitFate.LANDED}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _joined(head: bytes, tail: bytes | None) -> bytes:
@@ -176,6 +229,7 @@ class RedisSessions:
         self._release = client.register_script(_RELEASE)
         self._remove = client.register_script(_REMOVE)
         self._peek = client.register_script(_PEEK)
+        self._fence_off = client.register_script(_FENCE_OFF)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisSessions:
@@ -206,7 +260,9 @@ class RedisSessions:
     def _pinned_key(self) -> str:
         return f"{self._prefix}pinned"
 
-    async def claim(self, key: str, *, known_version: int, wait_s: float) -> Claim:
+    async def claim(
+        self, key: str, *, known_version: int, wait_s: float, secret: str = ""
+    ) -> Claim:
         session, lock = self._keys(key)
         deadline = time.monotonic() + wait_s
         # A commit written behind an answer lands within a round trip: look again soon.
@@ -215,16 +271,31 @@ class RedisSessions:
             reply = await self._call(
                 self._claim(
                     keys=[session, lock, f"{self._prefix}fence", self._tail_key(key)],
-                    args=[self._lease_ms, known_version],
+                    args=[
+                        self._lease_ms,
+                        known_version,
+                        secret,
+                        ORPHANS_KEPT,
+                        int(UNCOMMITTED_TTL_S * 1000),
+                    ],
                 )
             )
             fence = int(reply[0])
             if fence:
                 version, dirty = int(reply[1]), bool(reply[2])
+                orphans = _text(reply[3]).split()
                 data = None
-                if len(reply) > 3:  # no tail: a snapshot an older agentkv stored whole
-                    data = _joined(reply[3], reply[4] if len(reply) > 4 else None)
-                return Claim(key=key, fence=fence, version=version, data=data, dirty=dirty)
+                if len(reply) > 4:  # no tail: a snapshot an older agentkv stored whole
+                    data = _joined(reply[4], reply[5] if len(reply) > 5 else None)
+                return Claim(
+                    key=key,
+                    fence=fence,
+                    version=version,
+                    data=data,
+                    dirty=dirty,
+                    secret=secret,
+                    orphans=tuple(orphans),
+                )
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"session {key} stayed claimed for {wait_s:.1f} s")
@@ -267,6 +338,12 @@ class RedisSessions:
 
     async def release(self, claim: Claim) -> None:
         await self._call(self._release(keys=list(self._keys(claim.key)), args=[claim.fence]))
+
+    async def fence_off(self, claim: Claim) -> CommitFate:
+        fate = await self._call(
+            self._fence_off(keys=list(self._keys(claim.key)), args=[claim.fence])
+        )
+        return _FATES[int(fate)]
 
     async def remove(self, claim: Claim, *, idle_before: float | None = None) -> bool:
         session, lock = self._keys(claim.key)

@@ -31,6 +31,7 @@ from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._shared import SharedSessions
 from agentkv.proxy._store import SessionStore
+from agentkv.proxy._unreferenced import UnreferencedPins
 
 __all__ = ["SessionEntry", "SessionRegistry"]
 
@@ -66,6 +67,7 @@ class SessionRegistry(SharedSessions):
         self._entries: OrderedDict[Key, SessionEntry] = OrderedDict()
         # Checkins whose commit is still being written behind their answer.
         self._writes: set[asyncio.Task[None]] = set()
+        self._pins = None if store is None else UnreferencedPins(cluster, store, metrics)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -242,6 +244,7 @@ class SessionRegistry(SharedSessions):
 
     async def close_all(self) -> None:
         await self.written()  # a replica that stops first stores the turns it answered
+        await self.released(fence_offs=False)
         for entry in list(self._entries.values()):
             if self._store is not None:
                 self._forget(entry)  # other replicas continue these sessions

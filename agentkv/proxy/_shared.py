@@ -9,7 +9,11 @@
   commit lands, so the next request for it, on this replica or another, runs after it; a read
   (``lookup``) that finds the session claimed waits a moment for a commit about to land.
 * Dropping a cached copy (local eviction, shutdown, a replica killed) never releases the
-  session's pin: another replica continues the session. Only a DELETE or the idle sweep, after
+  session's pin: another replica continues the session.
+* A turn's pin that no stored snapshot will ever reference is released, not left for decode's
+  TTL: each claim records its turn's D-leg request secret in the store, and ``_unreferenced``
+  releases by it (a refused commit's, an unanswered one's that did not land, and those a claim
+  that ended mid-turn left to the next claim). Only a DELETE or the idle sweep, after
   removing the session from the store under a claim, releases it: exactly once, on whichever
   replica removed it. The idle persist moves a pinned session's KV to decode's file tier under a
   claim too, on one replica.
@@ -21,6 +25,7 @@ their local lifecycle; the methods here are the ones that talk to the store.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,6 +43,7 @@ from agentkv.proxy._store import (
     Stored,
     StoreUnavailableError,
 )
+from agentkv.proxy._unreferenced import UnreferencedPins
 
 __all__ = ["DIRTY_HANDOVER", "READ_PAUSES_S", "SharedSessions"]
 
@@ -68,6 +74,7 @@ class SharedSessions:
     _idle_timeout_s: float
     _entries: OrderedDict[Key, SessionEntry]
     _writes: set[asyncio.Task[None]]
+    _pins: UnreferencedPins | None  # with a store: pins no stored snapshot references
 
     # Provided by SessionRegistry: the entries' local lifecycle.
     def _new_entry(self, key: Key, *, placement_key: str | None) -> SessionEntry:
@@ -140,7 +147,12 @@ class SharedSessions:
         started = time.perf_counter()
         try:
             claim = await store.claim(
-                store_key(*entry.key), known_version=entry.version, wait_s=self._claim_wait_s
+                store_key(*entry.key),
+                known_version=entry.version,
+                wait_s=self._claim_wait_s,
+                # The D leg's tag, recorded before the turn: whatever becomes of this replica,
+                # what decode pins for the turn can be found and released (module docstring).
+                secret=secrets.token_hex(16),
             )
         except TimeoutError as exc:
             raise ProxyError(
@@ -151,6 +163,7 @@ class SharedSessions:
                 503, str(exc), code="state_unavailable", headers={"Retry-After": "1"}
             ) from exc
         entry.claim = claim
+        self._release_orphans(entry, claim)
         if claim.data is not None:
             self._take(entry, claim)
         elif claim.version == 0 and entry.version != 0:
@@ -180,6 +193,12 @@ class SharedSessions:
         else:
             entry.load_bytes(claim.data, self._cluster, confirmed=True)
         entry.stored(claim.version, claim.data)
+
+    def _release_orphans(self, entry: SessionEntry, claim: Claim) -> None:
+        """Release what the turns of earlier claims that ended mid-turn pinned
+        (``Claim.orphans``): no stored snapshot references it (``_unreferenced``)."""
+        assert self._pins is not None
+        self._pins.orphans(entry.session_id, claim)
 
     async def _renew(self, entry: SessionEntry, claim: Claim) -> None:
         store = self._store
@@ -236,28 +255,37 @@ class SharedSessions:
             entry.stored(entry.version, data, tail=tail)
             self._metrics.commit_seconds.observe(time.perf_counter() - started)
         except ClaimLostError:
-            # Another replica holds the session now: this copy is not the stored one.
+            # Another replica holds the session now: this copy is not the stored one, and the
+            # turn's pin is referenced by nothing that will ever be read: released.
             entry.version = -1
             self._metrics.commit_failures.labels("refused").inc()
             logger.warning(
                 "agentkv.proxy.commit_refused", session_id=entry.session_id, fence=claim.fence
             )
+            if claim.secret:
+                assert self._pins is not None
+                self._pins.release(entry.session_id, claim.secret, reason="commit_refused")
 
     async def _write_behind(self, entry: SessionEntry) -> None:
+        claim = entry.claim
         try:
             await self._settle(entry)
-        except StoreUnavailableError as exc:
-            # The answer is out; the store keeps the previous turn. The client's next request
-            # re-sends this turn's messages, which then fork from what is stored: reuse lost,
-            # nothing else. The claim's lease runs out on its own.
+        except Exception as exc:
+            # The answer is out; the store keeps the previous turn, or this one: the reply was
+            # lost. The client's next request re-sends this turn's messages, which then fork
+            # from what is stored if it is the previous turn: reuse lost, nothing else. The
+            # turn's pin is released once the store says the commit never landed.
             entry.version = -1
-            self._metrics.commit_failures.labels("unreachable").inc()
+            unreachable = isinstance(exc, StoreUnavailableError)
+            self._metrics.commit_failures.labels("unreachable" if unreachable else "error").inc()
             logger.error(
-                "agentkv.proxy.commit_failed", session_id=entry.session_id, detail=str(exc)
+                "agentkv.proxy.commit_failed",
+                session_id=entry.session_id,
+                detail=str(exc),
+                exc_info=not unreachable,
             )
-        except Exception:
-            entry.version = -1
-            logger.exception("agentkv.proxy.commit_failed", session_id=entry.session_id)
+            if claim is not None and self._pins is not None:
+                self._pins.unanswered(entry.session_id, claim)
         finally:
             entry.write = None
             await self._give_back(entry)
@@ -266,6 +294,11 @@ class SharedSessions:
         """Wait until every commit written behind an answer has landed (or failed)."""
         while self._writes:
             await asyncio.wait(list(self._writes))
+
+    async def released(self, *, fence_offs: bool = True) -> None:
+        """Wait for the background releases of unreferenced pins (``_unreferenced``)."""
+        if self._pins is not None:
+            await self._pins.settled(fence_offs=fence_offs)
 
     async def _remove(
         self, principal: str, session_id: str, *, reason: str, idle_before: float | None = None
@@ -292,6 +325,7 @@ class SharedSessions:
             entry.users -= 1
             return False  # in use elsewhere: not idle, or deleted once that request ends
         try:
+            self._release_orphans(entry, claim)
             self._take(entry, claim)
             removed = claim.version != 0 and await store.remove(claim, idle_before=idle_before)
         finally:
@@ -331,6 +365,7 @@ class SharedSessions:
                 claim = await store.claim(store_key(*key), known_version=entry.version, wait_s=0.0)
             except TimeoutError:
                 return False  # a turn runs on it somewhere: not idle
+            self._release_orphans(entry, claim)
             self._take(entry, claim)
             if claim.version == 0:  # removed meanwhile
                 await store.release(claim)

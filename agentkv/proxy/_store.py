@@ -12,11 +12,20 @@ The snapshot's version is the fencing token that committed it: versions never re
 across a delete and a new session under the same id, so a replica's cached copy is reused only
 when it is exactly the stored one (``Claim.data`` is ``None`` then, and nothing is transferred).
 
-A claim also says whether the previous one on the session ended without a commit or a release
-(``Claim.dirty``): its holder died or lost its lease mid-turn, and that turn may have consumed
-the stored snapshot's decode handle. Only then must the next holder confirm the handle with
-decode before attaching it; after a clean handover the snapshot's handle is exactly as the
-turn that stored it left it, and is attached at once.
+A claim also says whether a claim on the session ended without a commit or a release since the
+last commit (``Claim.dirty``): its holder died or lost its lease mid-turn, and that turn may have
+consumed the stored snapshot's decode handle. The mark is sticky: only a commit clears it (a
+release, or an idle sweep's refused removal, by a holder that found it set leaves it set), since
+only a commit replaces the handle it is about. After a clean handover the snapshot's handle is
+exactly as the turn that stored it left it, and is attached at once.
+
+Each claim may record the request secret its turn's D leg is sent with (``claim(secret=...)``,
+the ``X-Request-Id`` tag decode pins that turn's KV under). A claim that ended without a commit
+leaves its secret behind as an *orphan*: the KV its turn may have pinned on decode is referenced
+by no stored snapshot, and the next claim gets the orphans (``Claim.orphans``) to release them
+by their tags, instead of leaving them pinned for decode's whole TTL. A holder whose commit
+failed without an answer (the store unreachable) learns later whether it landed
+(``fence_off``), and releases its own turn's pin only when it is certain it did not.
 
 ``RedisSessions`` (``_redis_store``) is the implementation; without ``--state`` the proxy keeps
 sessions in its own memory and uses no store at all.
@@ -30,12 +39,20 @@ snapshot byte for byte.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from agentkv._core import AgentKVError
 
-__all__ = ["Claim", "ClaimLostError", "SessionStore", "StoreUnavailableError", "Stored"]
+__all__ = [
+    "Claim",
+    "ClaimLostError",
+    "CommitFate",
+    "SessionStore",
+    "StoreUnavailableError",
+    "Stored",
+]
 
 
 class ClaimLostError(AgentKVError):
@@ -53,8 +70,11 @@ class Claim:
 
     ``fence`` is the fencing token; ``version`` the stored snapshot's version (0: none stored);
     ``data`` the snapshot when it differs from the version the claimant said it holds, or when
-    ``dirty``: the previous claim ended without a commit or release (see the module docstring),
-    so that no copy of the session is used as if nothing had happened since.
+    ``dirty``: a claim since the last commit ended without a commit or release (see the module
+    docstring), so that no copy of the session is used as if nothing had happened since.
+    ``secret`` the request secret this claim recorded for its turn's D leg; ``orphans`` those
+    of earlier claims that ended without a commit (their turns' pins, if any, are the new
+    holder's to release).
     """
 
     key: str
@@ -62,6 +82,22 @@ class Claim:
     version: int
     data: bytes | None = None
     dirty: bool = False
+    secret: str = field(default="", repr=False)
+    orphans: tuple[str, ...] = field(default=(), repr=False)
+
+
+class CommitFate(enum.Enum):
+    """What became of a commit whose answer was lost (``SessionStore.fence_off``)."""
+
+    LANDED = "landed"
+    """The store holds it: the turn's handle is the stored one."""
+    LOST = "lost"
+    """It never landed, and now never will (the claim is fenced off): the turn's pin is
+    referenced by nothing, and its holder releases it."""
+    SUPERSEDED = "superseded"
+    """Another claim came since: whichever way it went, the pin is not this holder's to touch
+    (a later holder found the claim unfinished and got its secret as an orphan, or attached
+    the handle the commit stored)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,11 +116,15 @@ class SessionStore(Protocol):
     lease_s: float
     """How long a claim holds without ``renew`` (holders renew every third of it)."""
 
-    async def claim(self, key: str, *, known_version: int, wait_s: float) -> Claim:
+    async def claim(
+        self, key: str, *, known_version: int, wait_s: float, secret: str = ""
+    ) -> Claim:
         """Claim ``key``, waiting up to ``wait_s`` for another holder; ``TimeoutError`` then.
 
         ``Claim.data`` is the stored snapshot when ``known_version`` is not its version, or
-        when the claim is ``dirty``."""
+        when the claim is ``dirty``. ``secret``: the request secret of the D leg this claim's
+        turn sends (none for a claim that sends no turn); kept until the claim commits or is
+        released, an orphan for the next claim otherwise."""
         ...
 
     async def renew(self, claim: Claim) -> bool:
@@ -118,7 +158,13 @@ class SessionStore(Protocol):
 
     async def release(self, claim: Claim) -> None:
         """Release the claim without writing (a no-op when it was lost). Only for a holder that
-        left the session as it found it: the next claim is then not ``dirty``."""
+        left the session as it found it: the next claim is then ``dirty`` only if this one was,
+        and gets this one's orphans (its own secret is dropped: its turn pinned nothing)."""
+        ...
+
+    async def fence_off(self, claim: Claim) -> CommitFate:
+        """After a commit whose answer was lost: whether it landed, and when it did not, make
+        sure it never will (the claim is released, the session left ``dirty``)."""
         ...
 
     async def remove(self, claim: Claim, *, idle_before: float | None = None) -> bool:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -52,7 +53,14 @@ from agentkv import AsyncCluster, Message, RetryPolicy
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._config import key_digest
 from agentkv.proxy._entry import SessionEntry, store_key
-from agentkv.proxy._store import Claim, ClaimLostError, Stored, StoreUnavailableError
+from agentkv.proxy._redis_store import ORPHANS_KEPT
+from agentkv.proxy._store import (
+    Claim,
+    ClaimLostError,
+    CommitFate,
+    Stored,
+    StoreUnavailableError,
+)
 from agentkv.testing import FakeCluster, ManualClock
 from tests.fake.fuzz_sessions import FAULTS, carried_handle
 
@@ -61,7 +69,7 @@ WORDS = ("robot 4", "robot 9", "Paris", "tea", "trains", "rivers", "KV")
 PRINCIPAL_KEY = "sk-fuzz"
 SESSION = "conversation"
 LEASE_S = 300.0  # claims: on the store's own clock, renewed by the proxy every LEASE_S / 3 real s
-UNBLOCK = ("resume", "lapse", "kill")
+UNBLOCK = ("resume", "lapse", "kill", "sweep")
 STUCK_S = 60.0  # real seconds without progress in one step: a hang, reported as a failure
 
 questions = st.lists(st.sampled_from(WORDS), min_size=1, max_size=3).map(
@@ -94,7 +102,9 @@ class MemoryStore:
         self._tails: dict[str, bytes] = {}
         self.appended = 0
         self.rewritten = 0
-        self._held: dict[str, int] = {}  # the hash's ``held`` field
+        self._held: dict[str, tuple[int, str]] = {}  # the hash's ``held`` and ``secret``
+        self._dirty: set[str] = set()  # the hash's ``dirty``: set until a commit
+        self._orphans: dict[str, tuple[str, ...]] = {}  # the hash's ``orphans``
         self._locks: dict[str, tuple[int, float]] = {}  # key -> (fence, lease deadline)
         self._idle: dict[str, float] = {}
         self._pinned: dict[str, float] = {}
@@ -120,7 +130,9 @@ class MemoryStore:
             held = None
         return None if held is None else held[0]
 
-    async def claim(self, key: str, *, known_version: int, wait_s: float) -> Claim:
+    async def claim(
+        self, key: str, *, known_version: int, wait_s: float, secret: str = ""
+    ) -> Claim:
         deadline = self.clock() + wait_s
         while True:
             if self.lock(key) is None:
@@ -128,14 +140,27 @@ class MemoryStore:
                 fence = self._fence
                 self._locks[key] = (fence, self.clock() + self.lease_s)
                 version, snap, tver = self._snaps.get(key, (0, b"", 0))
-                dirty = False
-                if version > 0:
-                    dirty = key in self._held
-                    self._held[key] = fence
+                previous = self._held.get(key)
+                orphans = self._orphans.get(key, ())
+                if previous is not None and previous[1]:
+                    orphans = (*orphans, previous[1])[-ORPHANS_KEPT:]
+                    self._orphans[key] = orphans
+                if version > 0 and (previous is not None or key in self._dirty):
+                    self._dirty.add(key)
+                dirty = key in self._dirty
+                self._held[key] = (fence, secret)
                 data = None
                 if version > 0 and (version != known_version or dirty):
                     data = snap + self._tails.get(key, b"") if tver == version else snap
-                return Claim(key=key, fence=fence, version=version, data=data, dirty=dirty)
+                return Claim(
+                    key=key,
+                    fence=fence,
+                    version=version,
+                    data=data,
+                    dirty=dirty,
+                    secret=secret,
+                    orphans=orphans,
+                )
             if self.clock() >= deadline:
                 raise TimeoutError(f"session {key} stayed claimed for {wait_s:.1f} s")
             changed = self._changed
@@ -179,6 +204,8 @@ class MemoryStore:
             self.rewritten += 1
         self._snaps[key] = (claim.fence, data[:split], claim.fence)
         self._held.pop(key, None)
+        self._dirty.discard(key)
+        self._orphans.pop(key, None)
         del self._locks[key]
         self._idle[key] = used_at
         if pinned:
@@ -188,13 +215,32 @@ class MemoryStore:
         self._wake()
         return claim.fence
 
+    def _unhold(self, claim: Claim) -> None:
+        held = self._held.get(claim.key)
+        if held is not None and held[0] == claim.fence:
+            del self._held[claim.key]
+
     async def release(self, claim: Claim) -> None:
         key = claim.key
         if self.lock(key) == claim.fence:
             del self._locks[key]
-            if self._held.get(key) == claim.fence:
-                del self._held[key]
+            self._unhold(claim)
             self._wake()
+
+    async def fence_off(self, claim: Claim) -> CommitFate:
+        key = claim.key
+        held = self._held.get(key)
+        if held is not None and held[0] == claim.fence:
+            if self.lock(key) == claim.fence:
+                del self._locks[key]
+            del self._held[key]
+            if key in self._snaps:
+                self._dirty.add(key)
+            self._wake()
+            return CommitFate.LOST
+        if key in self._snaps and self._snaps[key][0] == claim.fence:
+            return CommitFate.LANDED
+        return CommitFate.SUPERSEDED
 
     async def remove(self, claim: Claim, *, idle_before: float | None = None) -> bool:
         key = claim.key
@@ -203,12 +249,14 @@ class MemoryStore:
         used = self._idle.get(key)
         if idle_before is not None and used is not None and used >= idle_before:
             del self._locks[key]
-            self._held.pop(key, None)
+            self._unhold(claim)
             self._wake()
             return False
         existed = self._snaps.pop(key, None) is not None
         self._tails.pop(key, None)
         self._held.pop(key, None)
+        self._dirty.discard(key)
+        self._orphans.pop(key, None)
         del self._locks[key]
         self._idle.pop(key, None)
         self._pinned.pop(key, None)
@@ -270,9 +318,13 @@ class ReplicaStore:
         if self.dead:
             raise StoreUnavailableError(f"replica {self.name} is dead")
 
-    async def claim(self, key: str, *, known_version: int, wait_s: float) -> Claim:
+    async def claim(
+        self, key: str, *, known_version: int, wait_s: float, secret: str = ""
+    ) -> Claim:
         self._alive()
-        claim = await self._inner.claim(key, known_version=known_version, wait_s=wait_s)
+        claim = await self._inner.claim(
+            key, known_version=known_version, wait_s=wait_s, secret=secret
+        )
         self._owners[claim.fence] = self.name
         return claim
 
@@ -416,6 +468,8 @@ class Counters:
     kills_in_flight = 0
     lapses = 0
     refused = 0
+    sweeps = 0
+    swept = 0  # sessions the sweeps removed
     stranded = 0  # pins left at the end: all explained by deaths and refused commits
     stranded_fenced = 0  # of which in sequences where no replica died, only commits were refused
     appended = 0  # commits that appended to the stored token ids
@@ -433,7 +487,8 @@ class Counters:
             f"sequences={cls.sequences} steps={cls.steps} answered={cls.answered} "
             f"failed={cls.failed} races={cls.races} races_overlapped={cls.races_overlapped} "
             f"kills_with_commit_in_flight={cls.kills_in_flight} lapses={cls.lapses} "
-            f"refused_commits={cls.refused} appended={cls.appended} rewritten={cls.rewritten} "
+            f"refused_commits={cls.refused} sweeps={cls.sweeps} swept={cls.swept} "
+            f"appended={cls.appended} rewritten={cls.rewritten} "
             f"stranded_pins={cls.stranded} "
             f"(no death: {cls.stranded_fenced}) "
             f"unblocked={dict(sorted(cls.unblocked.items()))} "
@@ -459,10 +514,12 @@ class ReplicaMachine(RuleBasedStateMachine):
         self.carried: dict[tuple[str, str], list[str]] = {}
         self.spawned = 0
         # Commits that never landed: their replica was killed waiting, or its claim was lost.
-        # Each may leave two pins until their TTL: its turn's new handle (nobody else has it)
-        # and the stored one when that turn did not consume it (the next holder drops it).
+        # Each may leave one pin until its TTL: the stored handle when that turn did not consume
+        # it (the next holder drops it); its turn's new one is released (see ``teardown``).
         self.lost = {"killed": 0, "refused": 0}
         self.replicas = [Replica(self, 0), Replica(self, 1)]
+        # A third replica serving no requests, only its idle sweep (``sweep``).
+        self.sweeper = Replica(self, 2)
         self.dead: list[Replica] = []
         self.inspector = AsyncCluster.from_dict(
             self.fake.cluster_spec, transport=self.fake.transport, clock=self.clock
@@ -547,6 +604,9 @@ class ReplicaMachine(RuleBasedStateMachine):
             elif action == "kill":
                 await self._kill(self.replicas.index(owner))
                 self._lapse()
+            elif action == "sweep":  # the lapsed claim's next claimant is an idle sweep
+                self._lapse()
+                await self._sweep(used_since=True)
             else:
                 self._lapse()
         else:
@@ -649,6 +709,25 @@ class ReplicaMachine(RuleBasedStateMachine):
         """The replica dies; a commit it held back never lands."""
         self.run(self._kill(index))
 
+    async def _sweep(self, *, used_since: bool) -> None:
+        """An idle sweep (on the third replica, which serves no requests) reaches the session:
+        it listed it as idle before a cutoff and removes it under a claim, refused when the
+        session was used since (``used_since``: the cutoff is before its last commit). After a
+        claim that lapsed mid-turn, the sweep's claim is dirty, and its refused removal must not
+        clear that (only a commit does). A removed session's client goes on: its next request
+        re-sends the whole history."""
+        Counters.sweeps += 1
+        now = time.time()
+        cutoff = now - 3600.0 if used_since else now + 1.0
+        removed = await self.sweeper.registry._remove(
+            self._principal(), SESSION, reason="idle", idle_before=cutoff
+        )
+        Counters.swept += removed
+
+    @rule(used_since=st.booleans())
+    def sweep(self, used_since: bool) -> None:
+        self.run(self._sweep(used_since=used_since))
+
     @rule()
     def lapse(self) -> None:
         """Claims not renewed for a lease lapse (a replica paused past its lease)."""
@@ -723,11 +802,16 @@ class ReplicaMachine(RuleBasedStateMachine):
             Counters.stranded += pins
             if pins and not self.lost["killed"]:
                 Counters.stranded_fenced += pins
-            explained = 2 * (self.lost["killed"] + self.lost["refused"])
+            # A lost commit's own turn pinned KV nobody else knows of: released (by the replica
+            # whose commit was refused, or by the next claim, its secret an orphan). What may
+            # stay is the stored handle such a turn did not consume: the next holder can neither
+            # attach it nor release it (the holder that stopped may only be slow, its pull to
+            # come), and it lives out its TTL. One per lost commit at most.
+            explained = self.lost["killed"] + self.lost["refused"]
             assert pins <= explained, f"{pins} pins left after the delete, {explained} explained"
             self.no_wrong_kv()
         finally:
-            for replica in self.replicas:
+            for replica in [*self.replicas, self.sweeper]:
                 with contextlib.suppress(Exception):
                     self.run(replica.aclose())
             self.run(self.inspector.aclose())

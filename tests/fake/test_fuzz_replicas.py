@@ -12,7 +12,7 @@ import os
 from hypothesis import HealthCheck, settings
 
 from agentkv.proxy._redis_store import RedisSessions
-from agentkv.proxy._store import Claim, ClaimLostError, Stored
+from agentkv.proxy._store import Claim, ClaimLostError, CommitFate, Stored
 from agentkv.testing import ManualClock
 from tests.fake.fuzz_replicas import Counters, MemoryStore, ReplicaMachine
 
@@ -99,4 +99,29 @@ async def test_the_fuzzers_memory_store_answers_as_the_redis_store_does(redis_ur
     fork = b"h4" + b"a" * 3
     assert await both(lambda s: s.commit(taken, fork, used_at=503.0, tail=3)) == taken.fence
     assert (await both(lambda s: s.peek("k"))).data == fork
+    # Only a commit clears the dirty mark, and the secrets of the claims that ended mid-turn
+    # (their turns' pins) reach every later claim until one commits.
+    mid = await both(lambda s: s.claim("k", known_version=0, wait_s=0.0, secret="s1"))
+    await lapse()
+    sweep = await both(lambda s: s.claim("k", known_version=mid.version, wait_s=0.0))
+    assert (sweep.dirty, sweep.orphans) == (True, ("s1",))
+    assert await both(lambda s: s.remove(sweep, idle_before=0.0)) is False  # used since
+    after = await both(lambda s: s.claim("k", known_version=mid.version, wait_s=0.0, secret="s2"))
+    assert (after.dirty, after.orphans) == (True, ("s1",))
+    await both(lambda s: s.release(after))  # its turn pinned nothing: its secret is dropped
+    lost = await both(lambda s: s.claim("k", known_version=mid.version, wait_s=0.0, secret="s3"))
+    assert (lost.dirty, lost.orphans) == (True, ("s1",))
+    # A commit without an answer: fenced off, it never lands, and the mark stays.
+    assert await both(lambda s: s.fence_off(lost)) is CommitFate.LOST
+    assert await both(lambda s: s.commit(lost, b"h5", used_at=600.0)) == "ClaimLostError"
+    landed = await both(lambda s: s.claim("k", known_version=mid.version, wait_s=0.0, secret="s4"))
+    assert (landed.dirty, landed.orphans) == (True, ("s1",))
+    assert await both(lambda s: s.commit(landed, b"h6", used_at=601.0)) == landed.fence
+    assert await both(lambda s: s.fence_off(landed)) is CommitFate.LANDED
+    clean = await both(lambda s: s.claim("k", known_version=landed.fence, wait_s=0.0, secret="s5"))
+    assert (clean.dirty, clean.orphans) == (False, ())
+    await lapse()
+    later = await both(lambda s: s.claim("k", known_version=landed.fence, wait_s=0.0))
+    assert (later.dirty, later.orphans) == (True, ("s5",))
+    assert await both(lambda s: s.fence_off(clean)) is CommitFate.SUPERSEDED
     await redis.aclose()
