@@ -23,7 +23,7 @@ from typing import Any, Generic, Self, TypeVar, Unpack
 import httpx2
 
 from agentkv import _constants as defaults
-from agentkv._client.leasing import release_request
+from agentkv._client.leasing import decode_kv_usage, release_request
 from agentkv._client.pool import ClusterOptions, PairPool
 from agentkv._client.portal import Portal
 from agentkv._client.session import (
@@ -364,6 +364,11 @@ class AsyncCluster(_Twin[AsyncSession]):
         """
         return await release_request(self._pool, secret)
 
+    async def kv_usage(self) -> dict[str, float | None]:
+        """Each pair's decode KV memory in use now (0-1, vLLM's ``kv_cache_usage_perc``), by
+        pair name; ``None`` where it cannot be read. One ``/metrics`` read per decode server."""
+        return await decode_kv_usage(self._pool)
+
     async def aclose(self) -> None:
         """Close the HTTP client (if the cluster made it). Sessions should be closed first."""
         await self._pool.aclose()
@@ -405,6 +410,10 @@ class Cluster(_Twin[Session]):
         """Free what any decode server pinned for the D leg tagged with ``secret``
         (``AsyncCluster.release_request``)."""
         return self._portal.call(release_request(self._pool, secret))
+
+    def kv_usage(self) -> dict[str, float | None]:
+        """Each pair's decode KV memory in use now, by pair name (``AsyncCluster.kv_usage``)."""
+        return self._portal.call(decode_kv_usage(self._pool))
 
     def close(self) -> None:
         """Close the HTTP client and stop the cluster's event-loop thread (idempotent)."""

@@ -40,6 +40,7 @@ from agentkv._wire.tier import TierRef
 __all__ = [
     "ToolWait",
     "begin_wait",
+    "decode_kv_usage",
     "delete_tier",
     "delete_tier_soon",
     "end_wait",
@@ -47,6 +48,7 @@ __all__ = [
     "persist_handle",
     "release_handle",
     "release_lost",
+    "release_pinned",
     "release_request",
     "release_soon",
 ]
@@ -68,6 +70,24 @@ async def release_handle(
     started = time.perf_counter()
     result = await pool.leases.release(pool.decode_url(handle.pair), handle)
     _log_lease_call("agentkv.release", state, handle, result, reason=reason, started=started)
+
+
+async def release_pinned(pool: PairPool, state: SessionState) -> bool:
+    """Release the session's pinned handle now and drop it (``AsyncSession.unpin`` where decode
+    has no tier); whether decode freed it (or no longer held it). The next turn recomputes."""
+    handle = state.handle
+    if handle is None or not handle.leased:
+        return False
+    started = time.perf_counter()
+    result = await pool.leases.release(pool.decode_url(handle.pair), handle)
+    _log_lease_call("agentkv.release", state, handle, result, reason="unpin", started=started)
+    if result.outcome not in (OK, GONE):
+        return False
+    if state.handle is handle:
+        state.drop_handle(
+            HandleState.NONE, "released while idle: decode's memory was needed (unpin)"
+        )
+    return True
 
 
 def release_soon(
@@ -129,6 +149,15 @@ async def release_request(pool: PairPool, secret: str) -> int:
         ms=_ms(started),
     )
     return taken
+
+
+async def decode_kv_usage(pool: PairPool) -> dict[str, float | None]:
+    """Each pair's decode KV memory in use (``AsyncCluster.kv_usage``), one read per server."""
+    pairs = pool.pairs
+    decodes = sorted({pair.decode for pair in pairs})
+    read = await asyncio.gather(*map(pool.leases.kv_usage, decodes))
+    usage = dict(zip(decodes, read, strict=True))
+    return {pair.name: usage[pair.decode] for pair in pairs}
 
 
 async def extend_handle(

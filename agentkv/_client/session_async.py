@@ -7,7 +7,7 @@ import math
 import os
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
-from typing import Any, Protocol, Unpack
+from typing import Any, Literal, Protocol, Unpack
 
 from agentkv._client.leasing import (
     ToolWait,
@@ -17,6 +17,7 @@ from agentkv._client.leasing import (
     extend_handle,
     persist_handle,
     release_handle,
+    release_pinned,
 )
 from agentkv._client.persist import load_state, restore, restore_bytes
 from agentkv._client.pool import PairPool
@@ -248,6 +249,21 @@ class AsyncSession(SessionBase):
         self._check_open()
         with self._state.holding("persist"):
             return await persist_handle(self._pool, self._state, reason="explicit")
+
+    async def unpin(self) -> Literal["persisted", "released"] | None:
+        """Free the decode memory this session's next turn would reuse, now.
+
+        Persisted to decode's file tier where it has one (the next turn loads it back), else
+        released (the next turn recomputes its history, from prefill's prefix cache where it
+        still holds it). ``None`` when nothing was pinned or the release failed. For an idle
+        session while decode's memory is nearly full (the proxy's pressure relief). Never
+        raises for the server's sake.
+        """
+        self._check_open()
+        with self._state.holding("unpin"):
+            if await persist_handle(self._pool, self._state, reason="unpin") is not None:
+                return "persisted"
+            return "released" if await release_pinned(self._pool, self._state) else None
 
     @contextlib.asynccontextmanager
     async def tool_wait(

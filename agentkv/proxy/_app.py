@@ -32,6 +32,7 @@ from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._open_store import open_store
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
+from agentkv.proxy._relief import PressureRelief
 from agentkv.proxy._request import persist_from, route_from
 from agentkv.proxy._responses import ResponsesService
 from agentkv.proxy._shape import turn_stats_json
@@ -119,6 +120,18 @@ class _Proxy:
             clock=clock,
             store=self.store,
             persist_idle_s=config.persist_idle_s,
+        )
+        config_ = self.config
+        self.relief = (
+            None
+            if config_.relieve_kv_usage is None
+            else PressureRelief(
+                cluster,
+                self.registry,
+                high=config_.relieve_kv_usage,
+                low=config_.relieve_kv_usage - config_.relieve_margin,
+                metrics=self.metrics,
+            )
         )
         self.metrics.bind(
             sessions=lambda: len(self.registry),
@@ -309,10 +322,23 @@ class _Proxy:
                     open=len(self.registry),
                 )
 
+    async def relieve_forever(self, relief: PressureRelief) -> None:
+        while True:
+            await asyncio.sleep(self.config.relieve_interval_s)
+            try:
+                await relief.relieve()
+            except Exception:  # never let one failed pass stop the relief
+                logger.exception("agentkv.proxy.relief_failed")
+
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         del app
         sweeper = asyncio.create_task(self.sweep_forever(), name="agentkv-proxy-sweeper")
+        relief = (
+            None
+            if self.relief is None
+            else asyncio.create_task(self.relieve_forever(self.relief), name="agentkv-relief")
+        )
         logger.info(
             "agentkv.proxy.started",
             model=self.cluster.model,
@@ -322,9 +348,11 @@ class _Proxy:
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            for task in (sweeper, relief):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await self.registry.close_all()
             if self.owned_store is not None:
                 await self.owned_store.aclose()
@@ -379,6 +407,7 @@ def create_app(
     )
     app.state.registry = proxy.registry
     app.state.metrics = proxy.metrics
+    app.state.relief = proxy.relief
     # The hot endpoints, for an in-process transport to call without the app's routing.
     app.state.endpoints = {
         ("POST", "/v1/chat/completions"): chat,

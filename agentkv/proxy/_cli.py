@@ -56,6 +56,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         f"(default {_DEFAULTS.persist_idle_s:g}; 0: never)",
     )
     parser.add_argument(
+        "--relieve-kv-usage",
+        type=float,
+        default=_DEFAULTS.relieve_kv_usage,
+        metavar="FRACTION",
+        help="when a decode's KV memory in use reaches this fraction, free the pins of idle "
+        "sessions on it, the longest idle first: persisted to its file tier, else released "
+        f"(default {_DEFAULTS.relieve_kv_usage:g}; 0: never)",
+    )
+    parser.add_argument(
         "--max-sessions",
         type=int,
         default=_DEFAULTS.max_sessions,
@@ -116,6 +125,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         api_keys=ApiKeys.from_file(args.api_keys) if args.api_keys else None,
         session_idle_timeout_s=args.session_idle_timeout,
         persist_idle_s=args.persist_idle or None,
+        relieve_kv_usage=args.relieve_kv_usage or None,
         max_sessions=args.max_sessions,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,

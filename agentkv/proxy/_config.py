@@ -114,6 +114,12 @@ class ProxyConfig:
             the next turn loads it back from the tier. ``None`` keeps the pin until it expires.
             Two minutes: past any think time a pin is meant for, far below the pin's 480 s TTL.
             In-memory sessions only (a shared store's sessions keep their pins).
+        relieve_kv_usage: a decode's ``vllm:kv_cache_usage_perc`` at or above which the pins of
+            idle sessions on it are freed, the longest idle first, until it is below
+            ``relieve_kv_usage - relieve_margin`` (persisted to its file tier, else released:
+            ``_relief``); ``None`` never. Read every ``relieve_interval_s`` from each decode's
+            ``/metrics``. 0.9: the SDK's tool waits persist at the same usage
+            (``CachePolicy.persist_kv_usage``).
     """
 
     host: str = "127.0.0.1"
@@ -131,12 +137,27 @@ class ProxyConfig:
     cache_salt_secret: str | None = field(default=None, repr=False)
     metrics_need_key: bool = False
     persist_idle_s: float | None = 120.0
+    relieve_kv_usage: float | None = 0.9
+    relieve_margin: float = 0.1
+    relieve_interval_s: float = 2.0
+
+    def _check_relief(self) -> None:
+        if self.relieve_kv_usage is not None and not (
+            0 < self.relieve_kv_usage - self.relieve_margin < self.relieve_kv_usage <= 1
+        ):
+            raise ConfigError(
+                "relieve_kv_usage must be in (relieve_margin, 1] (or None: never), got "
+                f"{self.relieve_kv_usage}"
+            )
+        if not (math.isfinite(self.relieve_interval_s) and self.relieve_interval_s > 0):
+            raise ConfigError("relieve_interval_s must be positive")
 
     def __post_init__(self) -> None:
         if self.persist_idle_s is not None and not (
             math.isfinite(self.persist_idle_s) and self.persist_idle_s > 0
         ):
             raise ConfigError("persist_idle_s must be positive (or None: never)")
+        self._check_relief()
         if self.state is not None and not self.state.startswith(
             ("redis://", "rediss://", "unix://")
         ):

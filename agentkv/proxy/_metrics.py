@@ -126,6 +126,13 @@ class ProxyMetrics:
             ("reason",),
             registry=registry,
         )
+        self.pins_relieved = Counter(
+            "agentkv_proxy_pins_relieved",
+            "Idle sessions' decode pins freed because decode's KV memory neared full "
+            "(persisted: to its file tier; released: the next turn recomputes)",
+            ("outcome",),
+            registry=registry,
+        )
         self.ttft_seconds = Histogram(
             "agentkv_proxy_ttft_seconds",
             "Time to the first token of a turn, as the SDK saw it",

@@ -242,6 +242,44 @@ class SessionRegistry(SharedSessions):
                 entry.users -= 1
         return persisted
 
+    async def idle_pinned(
+        self, pairs: set[str], *, limit: int
+    ) -> list[tuple[Key, float | None]]:
+        """Idle sessions whose turn-end KV is pinned on one of ``pairs``' decodes, the longest
+        idle first (``PressureRelief``)."""
+        if self._store is not None:
+            return await self._idle_pinned_shared(pairs, limit=limit)
+        idle = [
+            entry
+            for entry in self._entries.values()
+            if not entry.users
+            and not entry.closed
+            and (handle := entry.session.handle) is not None
+            and handle.leased
+            and handle.pair in pairs
+        ]
+        idle.sort(key=lambda entry: entry.last_used)
+        return [(entry.key, None) for entry in idle[:limit]]
+
+    async def unpin(self, key: Key, *, used_at: float | None, pairs: set[str]) -> str | None:
+        """Free an idle session's pin on one of ``pairs``' decodes (``AsyncSession.unpin``),
+        checked out as a request would be; ``None`` when it is in use, gone or elsewhere."""
+        if self._store is not None:
+            wall = self._wall() if used_at is None else used_at
+            return await self._persist_stored(key, used_at=wall, pairs=pairs)
+        entry = self._entries.get(key)
+        if entry is None or entry.users or entry.closed:
+            return None
+        entry.users += 1
+        try:
+            async with entry.lock:
+                handle = entry.session.handle
+                if entry.closed or handle is None or handle.pair not in pairs:
+                    return None
+                return await entry.session.unpin()
+        finally:
+            entry.users -= 1
+
     async def close_all(self) -> None:
         await self.written()  # a replica that stops first stores the turns it answered
         await self.released(fence_offs=False)

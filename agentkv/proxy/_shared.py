@@ -347,16 +347,36 @@ class SharedSessions:
                 persisted += 1
         return persisted
 
-    async def _persist_stored(self, key: Key, *, used_at: float) -> bool:
+    async def _idle_pinned_shared(
+        self, pairs: set[str], *, limit: int
+    ) -> list[tuple[Key, float | None]]:
+        """Sessions the store lists as pinned, the longest idle first, not in use here (which
+        pair each is on is known only once claimed: ``_persist_stored`` checks)."""
+        assert self._store is not None
+        del pairs
+        listed = await self._store.pinned_idle(before=self._wall(), limit=limit)
+        keys = [(split_key(key), used_at) for key, used_at in listed]
+        return [(key, used) for key, used in keys if not self._in_use(key)]
+
+    def _in_use(self, key: Key) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.users > 0
+
+    async def _persist_stored(
+        self, key: Key, *, used_at: float, pairs: set[str] | None = None
+    ) -> str | None:
         """Persist one stored session's pinned KV under a claim (skipped when in use anywhere),
         and commit it as no longer pinned whatever decode answered (a decode without a tier is
         not asked again until a turn pins anew). Its last use stays ``used_at``: persisting is
-        no use, idle expiry still comes on time."""
+        no use, idle expiry still comes on time. ``persisted``, or ``None`` when nothing was.
+
+        With ``pairs`` (pressure relief): only a pin on one of those pairs' decodes, released
+        where decode has no tier (``AsyncSession.unpin``); ``persisted`` or ``released``."""
         store = self._store
         assert store is not None
         cached = self._entries.get(key)
         if cached is not None and cached.users:
-            return False
+            return None
         entry = cached or self._new_entry(key, placement_key=None)
         entry.users += 1
         await entry.lock.acquire()
@@ -364,22 +384,24 @@ class SharedSessions:
             try:
                 claim = await store.claim(store_key(*key), known_version=entry.version, wait_s=0.0)
             except TimeoutError:
-                return False  # a turn runs on it somewhere: not idle
+                return None  # a turn runs on it somewhere: not idle
             self._release_orphans(entry, claim)
             self._take(entry, claim)
-            if claim.version == 0:  # removed meanwhile
-                await store.release(claim)
-                entry.version = 0
-                return False
+            session = entry.session
+            handle = session.handle
+            elsewhere = pairs is not None and (handle is None or handle.pair not in pairs)
+            if claim.version == 0 or elsewhere:
+                await store.release(claim)  # removed meanwhile, or not where memory is short
+                entry.version = claim.version
+                return None
             entry.version = claim.version
             entry.claim = claim
-            session = entry.session
-            done = (
-                not session.closed
-                and session.handle is not None
-                and session.tier is None
-                and await session.persist() is not None
-            )
+            done: str | None = None
+            if not session.closed and handle is not None and session.tier is None:
+                if pairs is not None:
+                    done = await session.unpin()
+                elif await session.persist() is not None:
+                    done = "persisted"
             await self._settle(entry, used_at=used_at, pinned=False)
             return done
         finally:
