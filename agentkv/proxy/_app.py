@@ -128,10 +128,18 @@ class _Proxy:
         self.chat = ChatService(
             cluster, self.registry, config=config, metrics=self.metrics, store=self.store
         )
-        # A stored response holds references to its session's messages, not copies: a few
-        # per session cost little.
+        # A stored response is a reference into its session (its history is rebuilt from the
+        # session's transcript): a few hundred bytes, whatever the conversation's length. In
+        # memory they are bounded in bytes; with a shared store they live there, with their
+        # sessions.
         self.responses = ResponsesService(
-            self.chat, self.registry, model=cluster.model, max_entries=4 * config.max_sessions
+            self.chat,
+            self.registry,
+            model=cluster.model,
+            max_bytes=config.responses_max_bytes,
+            store=self.store,
+            secret=config.cache_salt_secret,
+            ttl_s=config.session_idle_timeout_s,
         )
 
     def endpoint(self, name: str, handler: Handler) -> Handler:
@@ -379,6 +387,7 @@ def create_app(
     )
     app.state.registry = proxy.registry
     app.state.metrics = proxy.metrics
+    app.state.responses = proxy.responses
     # The hot endpoints, for an in-process transport to call without the app's routing.
     app.state.endpoints = {
         ("POST", "/v1/chat/completions"): chat,

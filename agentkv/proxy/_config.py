@@ -114,6 +114,11 @@ class ProxyConfig:
             the next turn loads it back from the tier. ``None`` keeps the pin until it expires.
             Two minutes: past any think time a pin is meant for, far below the pin's 480 s TTL.
             In-memory sessions only (a shared store's sessions keep their pins).
+        responses_max_bytes: what the stored responses of ``POST /v1/responses`` (what
+            ``previous_response_id`` continues) may hold in this process's memory; past it the
+            oldest go first. Each is a reference into its session, about 450 bytes whatever the
+            conversation's length: the default keeps about 150,000. With ``state`` they live in
+            the shared store instead, each session's until it is removed.
     """
 
     host: str = "127.0.0.1"
@@ -131,6 +136,7 @@ class ProxyConfig:
     cache_salt_secret: str | None = field(default=None, repr=False)
     metrics_need_key: bool = False
     persist_idle_s: float | None = 120.0
+    responses_max_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.persist_idle_s is not None and not (
@@ -157,5 +163,7 @@ class ProxyConfig:
             raise ConfigError("max_body_bytes must be at least 1024")
         if self.default_max_tokens < 1:
             raise ConfigError("default_max_tokens must be at least 1")
+        if self.responses_max_bytes < 0:
+            raise ConfigError("responses_max_bytes must not be negative (0: store none)")
         if self.sweep_interval_s <= 0:
             raise ConfigError("sweep_interval_s must be positive")
