@@ -359,7 +359,8 @@ def create_app(
     """The proxy as an ASGI app serving ``cluster``; run it with any ASGI server.
 
     The app does not own the cluster: close it after the app stops. ``clock`` (monotonic seconds)
-    drives idle expiry; tests pass a manual one. ``app.state.registry`` holds the open sessions;
+    drives idle expiry; tests pass a manual one. ``app.state.registry`` holds the open sessions,
+    ``app.state.responses`` serves ``/v1/responses`` (its ``store``: the stored responses);
     ``app.state.endpoints`` maps ``(method, path)`` of the hot endpoints to their handlers (what
     ``agentkv.OpenAI`` serves in-process without the app's routing).
     ``store`` shares sessions with other replicas (default: the one ``config.state`` names, or

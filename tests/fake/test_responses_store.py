@@ -309,3 +309,59 @@ async def test_a_removed_shared_session_takes_its_responses_with_it(replicas, re
     assert sum([await replica.registry.sweep() for replica in replicas]) == 1
     assert await _response_keys(redis_url) == []
     await _expect("previous_response_expired", 400, replicas[1].client(), other)
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+@pytest.mark.parametrize(
+    "first_input",
+    [
+        "Weather in Paris?",  # no system message: the tools description is one of its own
+        [
+            {"role": "developer", "content": "Use the tools."},  # described after the client's
+            {"role": "user", "content": "Weather in Paris?"},
+        ],
+    ],
+    ids=["description-added", "description-appended"],
+)
+async def test_a_json_tool_loop_without_instructions_is_rebuilt_as_the_client_sent_it(
+    proxy, fake, first_input
+):
+    """The session holds the tools description and tool-result notes; the rebuilt history
+    does not (the request adds them again), so the continuation extends the session."""
+    client = proxy.client()
+    first = await client.responses.create(
+        model="fake-smollm2",
+        input=first_input,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=64,
+    )
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls
+    previous = first
+    for turn in range(2):
+        raw = await client.responses.with_raw_response.create(
+            model="fake-smollm2",
+            previous_response_id=previous.id,
+            input=[
+                {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}
+                for call in calls
+            ]
+            if turn == 0
+            else "And tomorrow?",
+            tools=[WEATHER],
+            max_output_tokens=32,
+        )
+        assert raw.headers["x-agentkv-tool-calling"] == "json"
+        assert "x-agentkv-forked" not in raw.headers
+        response = raw.parse()
+        assert response.usage.input_tokens_details.cached_tokens == _ideal(previous)
+        previous = response
+    assert fake.wrong_reuse_events == 0
