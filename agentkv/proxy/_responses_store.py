@@ -177,10 +177,10 @@ class ResponseStore:
 
     async def put(self, response_id: str, entry: StoredResponse) -> None:
         size = self._size(response_id, entry)
-        while self._entries and self.nbytes + size > self._max:
-            self._drop(next(iter(self._entries)))
         if size > self._max:
-            return
+            return  # never kept (a bound of 0 stores none): dropping the others would not help
+        while self.nbytes + size > self._max:
+            self._drop(next(iter(self._entries)))
         self._entries[response_id] = entry
         self._by_session.setdefault((entry.principal, entry.session_id), {})[response_id] = None
         self.nbytes += size
