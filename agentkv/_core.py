@@ -57,7 +57,7 @@ from agentkv._exceptions import (
 from agentkv._policy import PersistMode
 from agentkv._prompt.history import HistoryPlan
 from agentkv._prompt.template import ChatTemplate, ServerRenderer
-from agentkv._prompt.transcript import Transcript
+from agentkv._prompt.transcript import Transcript, TranscriptView
 from agentkv._route import ROUTES, Route
 from agentkv._types import (
     HandleState,
@@ -159,6 +159,7 @@ __all__ = [
     "ToolDefinitionError",
     "ToolSpec",
     "Transcript",
+    "TranscriptView",
     "TransportError",
     "TurnOverrides",
     "TurnResult",

@@ -129,6 +129,7 @@ class Session(SessionBase):
     stream = _iterating(AsyncSession.stream)
     extend_handle = _blocking(AsyncSession.extend_handle)
     persist = _blocking(AsyncSession.persist)
+    unpin = _blocking(AsyncSession.unpin)
     tool_wait = _holding(AsyncSession.tool_wait)
     fork = _on_loop(AsyncSession.fork)
 

@@ -141,10 +141,18 @@ class _Proxy:
         self.chat = ChatService(
             cluster, self.registry, config=config, metrics=self.metrics, store=self.store
         )
-        # A stored response holds references to its session's messages, not copies: a few
-        # per session cost little.
+        # A stored response is a reference into its session (its history is rebuilt from the
+        # session's transcript): a few hundred bytes, whatever the conversation's length. In
+        # memory they are bounded in bytes; with a shared store they live there, with their
+        # sessions.
         self.responses = ResponsesService(
-            self.chat, self.registry, model=cluster.model, max_entries=4 * config.max_sessions
+            self.chat,
+            self.registry,
+            model=cluster.model,
+            max_bytes=config.responses_max_bytes,
+            store=self.store,
+            secret=config.cache_salt_secret,
+            ttl_s=config.session_idle_timeout_s,
         )
 
     def endpoint(self, name: str, handler: Handler) -> Handler:
@@ -379,7 +387,8 @@ def create_app(
     """The proxy as an ASGI app serving ``cluster``; run it with any ASGI server.
 
     The app does not own the cluster: close it after the app stops. ``clock`` (monotonic seconds)
-    drives idle expiry; tests pass a manual one. ``app.state.registry`` holds the open sessions;
+    drives idle expiry; tests pass a manual one. ``app.state.registry`` holds the open sessions,
+    ``app.state.responses`` serves ``/v1/responses`` (its ``store``: the stored responses);
     ``app.state.endpoints`` maps ``(method, path)`` of the hot endpoints to their handlers (what
     ``agentkv.OpenAI`` serves in-process without the app's routing).
     ``store`` shares sessions with other replicas (default: the one ``config.state`` names, or
@@ -408,6 +417,7 @@ def create_app(
     app.state.registry = proxy.registry
     app.state.metrics = proxy.metrics
     app.state.relief = proxy.relief
+    app.state.responses = proxy.responses
     # The hot endpoints, for an in-process transport to call without the app's routing.
     app.state.endpoints = {
         ("POST", "/v1/chat/completions"): chat,

@@ -116,9 +116,14 @@ class AnswerShape(Protocol):
         is what to show for it)."""
         ...
 
-    def answered(self, request: ChatRequest, message: Message, *, session_id: str | None) -> None:
-        """The turn committed ``message`` as the answer to ``request`` (on session
-        ``session_id``; ``None`` for a one-shot request)."""
+    def bind(self, session_id: str | None) -> None:
+        """The request runs on session ``session_id`` (``None``: one-shot); before any of the
+        answer is written."""
+        ...
+
+    async def answered(self, *, entry: SessionEntry | None, tools: ToolPlan) -> None:
+        """The turn committed its answer on ``entry`` (still checked out; ``None`` for a
+        one-shot request), its tools served as ``tools`` planned."""
         ...
 
 
@@ -154,8 +159,11 @@ class ChatShape:
         )
         return [*(_sse(chunk) for chunk in chunks), _DONE]
 
-    def answered(self, request: ChatRequest, message: Message, *, session_id: str | None) -> None:
-        del request, message, session_id
+    def bind(self, session_id: str | None) -> None:
+        del session_id
+
+    async def answered(self, *, entry: SessionEntry | None, tools: ToolPlan) -> None:
+        del entry, tools
 
 
 class _Lease:
@@ -324,6 +332,7 @@ class ChatService:
                 raise
         else:
             lease = await self._map(principal, session_id, request, tools, placement)
+        shape.bind(lease.entry.session_id if lease.entry is not None else None)
         overrides: TurnOverrides = {
             "max_tokens": request.max_tokens,
             "temperature": request.temperature,
@@ -357,9 +366,13 @@ class ChatService:
             await lease.release(failed=True)
             raise
         turn_s = time.perf_counter() - turn_started
-        message, finish = self._answered(
-            lease, request, tools, result, principal=principal, shape=shape
-        )
+        try:
+            message, finish = await self._answered(
+                lease, request, tools, result, principal=principal, shape=shape
+            )
+        except BaseException:
+            await lease.release(failed=False)  # the turn committed: the session keeps it
+            raise
         await lease.release(failed=False)
         headers = lease.headers(pair=result.stats.pair, handle=result.stats.handle_state)
         if tools.mode is not None:
@@ -378,7 +391,7 @@ class ChatService:
         self._record(result, stream=False, seconds=total_s)
         return response
 
-    def _answered(
+    async def _answered(
         self,
         lease: _Lease,
         request: ChatRequest,
@@ -391,7 +404,7 @@ class ChatService:
         """Commit the turn's bookkeeping; the message and finish reason the client gets."""
         message, finish = tools.answer(result)
         lease.committed(view=message if message is not result.message else None)
-        shape.answered(request, message, session_id=lease.entry.session_id if lease.entry else None)
+        await shape.answered(entry=lease.entry, tools=tools)
         if request.prompt_cache_key is not None and lease.entry is not None:
             self._histories.remember(
                 principal,
@@ -498,7 +511,7 @@ class ChatService:
                 )
                 raise
             state["result"] = event
-            message, finish = self._answered(
+            message, finish = await self._answered(
                 lease, request, tools, event, principal=principal, shape=shape
             )
             for closing in shape.closing(

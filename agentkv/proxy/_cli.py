@@ -72,6 +72,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         f"(default {_DEFAULTS.max_sessions})",
     )
     parser.add_argument(
+        "--responses-max-bytes",
+        type=int,
+        default=_DEFAULTS.responses_max_bytes,
+        metavar="BYTES",
+        help="memory for stored Responses API responses (previous_response_id), oldest "
+        f"dropped first; not used with --state (default {_DEFAULTS.responses_max_bytes})",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=_DEFAULTS.max_body_bytes,
@@ -128,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         relieve_kv_usage=args.relieve_kv_usage or None,
         max_sessions=args.max_sessions,
         max_body_bytes=args.max_body_bytes,
+        responses_max_bytes=args.responses_max_bytes,
         default_max_tokens=args.default_max_tokens,
         tool_calling=args.tool_calling,
         state=args.state,

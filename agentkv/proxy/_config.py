@@ -120,6 +120,11 @@ class ProxyConfig:
             ``_relief``); ``None`` never. Read every ``relieve_interval_s`` from each decode's
             ``/metrics``. 0.9: the SDK's tool waits persist at the same usage
             (``CachePolicy.persist_kv_usage``).
+        responses_max_bytes: what the stored responses of ``POST /v1/responses`` (what
+            ``previous_response_id`` continues) may hold in this process's memory; past it the
+            oldest go first. Each is a reference into its session, about 450 bytes whatever the
+            conversation's length: the default keeps about 150,000. With ``state`` they live in
+            the shared store instead, each session's until it is removed.
     """
 
     host: str = "127.0.0.1"
@@ -151,6 +156,7 @@ class ProxyConfig:
             )
         if not (math.isfinite(self.relieve_interval_s) and self.relieve_interval_s > 0):
             raise ConfigError("relieve_interval_s must be positive")
+    responses_max_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.persist_idle_s is not None and not (
@@ -178,5 +184,7 @@ class ProxyConfig:
             raise ConfigError("max_body_bytes must be at least 1024")
         if self.default_max_tokens < 1:
             raise ConfigError("default_max_tokens must be at least 1")
+        if self.responses_max_bytes < 0:
+            raise ConfigError("responses_max_bytes must not be negative (0: store none)")
         if self.sweep_interval_s <= 0:
             raise ConfigError("sweep_interval_s must be positive")

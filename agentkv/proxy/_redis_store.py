@@ -18,6 +18,10 @@ Keys (``prefix`` defaults to ``agentkv:``):
 * ``{prefix}idle``: a sorted set, session key -> last use (wall-clock milliseconds).
 * ``{prefix}pinned``: the same, for the sessions whose turn-end KV is pinned on decode (a
   candidate for the file tier once idle).
+* ``{prefix}r:{group}``: a hash, a session's stored responses (``response_group`` of its key):
+  response id -> ``COUNT:RECORD`` (``COUNT``: how many of the session's messages the response's
+  history is, what a fork's ``drop_responses`` compares). Removing the session deletes it; a
+  ``PX`` of ``ttl_s``, renewed by every put, reclaims one whose session never got stored.
 
 Every operation is one Lua script, so one round trip and atomic: claiming (lock, fence, and the
 snapshot when the caller's copy is stale), committing (fence check, write, unlock, idle index),
@@ -55,6 +59,7 @@ from agentkv.proxy._store import (
     CommitFate,
     Stored,
     StoreUnavailableError,
+    response_group,
 )
 
 __all__ = ["RedisSessions"]
@@ -165,12 +170,27 @@ if cutoff >= 0 then
   end
 end
 local existed = redis.call('HEXISTS', KEYS[1], 'ver')
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[5])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[5], KEYS[6])
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[2])
 return existed
 """
 
+_PUT_RESPONSE = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+_DROP_RESPONSES = """
+local after = tonumber(ARGV[1])
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local count = tonumber(string.match(all[i + 1], '^(%d+):'))
+  if count == nil or count > after then redis.call('HDEL', KEYS[1], all[i]) end
+end
+return 1
+"""
 
 T = TypeVar("T")
 
@@ -230,6 +250,8 @@ class RedisSessions:
         self._remove = client.register_script(_REMOVE)
         self._peek = client.register_script(_PEEK)
         self._fence_off = client.register_script(_FENCE_OFF)
+        self._put_response = client.register_script(_PUT_RESPONSE)
+        self._drop_responses = client.register_script(_DROP_RESPONSES)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisSessions:
@@ -251,6 +273,9 @@ class RedisSessions:
 
     def _tail_key(self, key: str) -> str:
         return f"{self._prefix}t:{key}"
+
+    def _responses_key(self, group: str) -> str:
+        return f"{self._prefix}r:{group}"
 
     @property
     def _idle_key(self) -> str:
@@ -350,7 +375,14 @@ class RedisSessions:
         cutoff = -1 if idle_before is None else int(idle_before * 1000)
         removed = await self._call(
             self._remove(
-                keys=[session, lock, self._idle_key, self._pinned_key, self._tail_key(claim.key)],
+                keys=[
+                    session,
+                    lock,
+                    self._idle_key,
+                    self._pinned_key,
+                    self._tail_key(claim.key),
+                    self._responses_key(response_group(claim.key)),
+                ],
                 args=[claim.fence, claim.key, cutoff],
             )
         )
@@ -388,6 +420,28 @@ class RedisSessions:
             (m.decode() if isinstance(m, bytes) else str(m), float(score) / 1000.0)
             for m, score in pairs
         ]
+
+    async def put_response(
+        self, key: str, response_id: str, record: bytes, *, count: int, ttl_s: float
+    ) -> None:
+        await self._call(
+            self._put_response(
+                keys=[self._responses_key(response_group(key))],
+                args=[response_id, b"%d:%b" % (count, record), max(1, int(ttl_s * 1000))],
+            )
+        )
+
+    async def get_response(self, group: str, response_id: str) -> bytes | None:
+        value = await self._call(self._redis.hget(self._responses_key(group), response_id))
+        if value is None:
+            return None
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        return data.partition(b":")[2]
+
+    async def drop_responses(self, key: str, *, after: int) -> None:
+        await self._call(
+            self._drop_responses(keys=[self._responses_key(response_group(key))], args=[after])
+        )
 
     async def shared_secret(self) -> str:
         key = f"{self._prefix}salt-secret"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -33,9 +33,15 @@ from agentkv.proxy._shared import SharedSessions
 from agentkv.proxy._store import SessionStore
 from agentkv.proxy._unreferenced import UnreferencedPins
 
-__all__ = ["SessionEntry", "SessionRegistry"]
+__all__ = ["OnClose", "OnFork", "SessionEntry", "SessionRegistry"]
 
 logger = structlog.get_logger("agentkv")
+
+# Told when a session closes (the entry, the reason), and when it is replaced by a fork (the
+# entry, how many of its messages the fork keeps): what refers to a session's history (stored
+# responses) goes with it.
+OnClose = Callable[[SessionEntry, str], Awaitable[None]]
+OnFork = Callable[[SessionEntry, int], Awaitable[None]]
 
 
 class SessionRegistry(SharedSessions):
@@ -68,6 +74,8 @@ class SessionRegistry(SharedSessions):
         # Checkins whose commit is still being written behind their answer.
         self._writes: set[asyncio.Task[None]] = set()
         self._pins = None if store is None else UnreferencedPins(cluster, store, metrics)
+        self.on_close: list[OnClose] = []
+        self.on_fork: list[OnFork] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -186,6 +194,10 @@ class SessionRegistry(SharedSessions):
         entry.session = session
         entry.forks += 1
         await old.aclose()
+        transcript = session.transcript  # a fork may queue what it kept, to render it afresh
+        kept = len(transcript.messages) + len(transcript.pending)
+        for hook in self.on_fork:
+            await hook(entry, kept)
 
     async def delete(self, principal: str, session_id: str) -> bool:
         """Close a session (now, or when its in-flight request ends); False if there is none."""
@@ -321,6 +333,8 @@ class SessionRegistry(SharedSessions):
         turns = len(session.turns)
         if entry.users == 0:
             await session.aclose()
+        for hook in self.on_close:
+            await hook(entry, reason)
         self._metrics.sessions_closed.labels(reason).inc()
         logger.info(
             "agentkv.proxy.session_closed",

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from agentkv._core import Message, TurnResult, TurnStats, dumps
-from agentkv.proxy._request import ChatRequest
+from agentkv.proxy._entry import SessionEntry
+from agentkv.proxy._tools import ToolPlan
 
-__all__ = ["OnAnswer", "ResponsesShape"]
+__all__ = ["Mint", "OnAnswer", "ResponsesShape"]
 
-# Called once the turn committed: the chat request, the answer as shown, the session (if any).
-OnAnswer = Callable[[str, ChatRequest, Message, str | None], None]
+# Called once the turn committed: the response id, the session (``None``: one-shot), the plan
+# the request's tools were served with.
+OnAnswer = Callable[[str, SessionEntry | None, ToolPlan], Awaitable[None]]
+# The response's id, once its session is known (``None``: one-shot).
+Mint = Callable[[str | None], str]
 
 
 def _usage(stats: TurnStats) -> dict[str, Any]:
@@ -37,7 +41,8 @@ def _sse(event: dict[str, Any]) -> bytes:
 class ResponsesShape:
     """A turn's answer as a ``response`` object, or as the Responses API's stream events.
 
-    ``on_answer`` learns of the answer once its turn has committed (the store keeps it).
+    ``on_answer`` learns of the answer once its turn has committed (the store keeps it);
+    ``mint`` makes the response's id once ``bind`` names its session.
     """
 
     def __init__(
@@ -48,8 +53,10 @@ class ResponsesShape:
         principal: str,
         instructions: str | None,
         on_answer: OnAnswer | None,
+        mint: Mint,
     ) -> None:
-        self.id = f"resp_{uuid.uuid4().hex}"
+        self._mint = mint
+        self.id = mint(None)
         self._message_id = f"msg_{uuid.uuid4().hex}"
         self._created = time.time()
         self._model = model
@@ -253,6 +260,9 @@ class ResponsesShape:
         events.append(self._event("response.completed", response=final))
         return events
 
-    def answered(self, request: ChatRequest, message: Message, *, session_id: str | None) -> None:
+    def bind(self, session_id: str | None) -> None:
+        self.id = self._mint(session_id)
+
+    async def answered(self, *, entry: SessionEntry | None, tools: ToolPlan) -> None:
         if self._on_answer is not None:
-            self._on_answer(self.id, request, message, session_id)
+            await self._on_answer(self.id, entry, tools)

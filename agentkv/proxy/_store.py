@@ -35,11 +35,16 @@ caller names the part of the snapshot that only grows (``tail``) and how much of
 version already stores (``kept``); the store then receives the rest of the snapshot and the new
 ids only. Readers never see the difference: what a claim or a peek returns is the committed
 snapshot byte for byte.
+
+The store also keeps the Responses API's stored responses (``_responses_store``): small records
+grouped by session (``response_group``), so that any replica continues a response any other
+made, and they go when their session is removed.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,7 +57,14 @@ __all__ = [
     "SessionStore",
     "StoreUnavailableError",
     "Stored",
+    "response_group",
 ]
+
+
+def response_group(key: str) -> str:
+    """The name of a session's group of stored responses (a digest of its store key, which a
+    response id carries: finding a response needs no other lookup)."""
+    return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
 
 class ClaimLostError(AgentKVError):
@@ -168,9 +180,10 @@ class SessionStore(Protocol):
         ...
 
     async def remove(self, claim: Claim, *, idle_before: float | None = None) -> bool:
-        """Delete the session and release the claim; ``True`` only for the one caller that
-        deleted a stored snapshot. With ``idle_before`` (wall-clock seconds), only a session
-        last used before then is deleted (an idle sweep that raced a request loses)."""
+        """Delete the session (and its responses) and release the claim; ``True`` only for the
+        one caller that deleted a stored snapshot. With ``idle_before`` (wall-clock seconds),
+        only a session last used before then is deleted (an idle sweep that raced a request
+        loses)."""
         ...
 
     async def peek(self, key: str) -> Stored:
@@ -183,6 +196,23 @@ class SessionStore(Protocol):
 
     async def pinned_idle(self, *, before: float, limit: int) -> list[tuple[str, float]]:
         """Keys and last use of sessions with pinned KV, last used before ``before``."""
+        ...
+
+    async def put_response(
+        self, key: str, response_id: str, record: bytes, *, count: int, ttl_s: float
+    ) -> None:
+        """Keep ``record`` as response ``response_id`` of session ``key``, in the session's
+        group (``response_group``); ``count``: how many of the session's messages its history
+        is. The group lives until the session is removed, or ``ttl_s`` after its latest put."""
+        ...
+
+    async def get_response(self, group: str, response_id: str) -> bytes | None:
+        """The record of response ``response_id`` in ``group``; ``None`` when it is gone."""
+        ...
+
+    async def drop_responses(self, key: str, *, after: int) -> None:
+        """Drop session ``key``'s responses whose history is longer than ``after`` messages (a
+        fork kept that many)."""
         ...
 
     async def shared_secret(self) -> str:

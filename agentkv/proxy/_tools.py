@@ -47,7 +47,7 @@ from agentkv._core import (
 )
 from agentkv.proxy._errors import ProxyError
 
-__all__ = ["ToolMode", "ToolModes", "ToolPlan", "plan_tools"]
+__all__ = ["ToolMode", "ToolModes", "ToolPlan", "plan_tools", "shown_messages"]
 
 logger = structlog.get_logger("agentkv")
 
@@ -155,7 +155,8 @@ class ToolPlan:
 
     ``messages`` are what the session holds (in ``json`` mode: the tools described in the
     system message, tool results naming their call); ``tools``/``tool_choice``/``extra`` go to
-    the turn. ``answer`` turns the model's reply into what the client sees.
+    the turn. ``answer`` turns the model's reply into what the client sees. ``described``: how
+    long the tools' description in the first message is (0: none; ``shown_messages`` undoes it).
     """
 
     mode: ToolMode | None
@@ -164,6 +165,7 @@ class ToolPlan:
     tool_choice: Any
     extra: Mapping[str, Any] = field(default_factory=dict)
     protocol: JsonToolCalling | None = None
+    described: int = 0
 
     def answer(self, result: TurnResult) -> tuple[Message, str]:
         """The assistant message and finish reason the client gets for ``result``."""
@@ -206,10 +208,7 @@ def _name_results(messages: list[Message]) -> list[Message]:
             calls[call.id] = call
         answered = calls.get(message.tool_call_id or "") if message.role == "tool" else None
         if answered is not None and isinstance(message.content, str):
-            text = (
-                f"{answered.name}({_arguments_text(answered.arguments)}) returned: "
-                f"{message.content}"
-            )
+            text = f"{_result_note(answered)}{message.content}"
             out.append(Message.tool(text, tool_call_id=answered.id))
         else:
             out.append(message)
@@ -247,7 +246,8 @@ def plan_tools(
         options = protocol.turn_options(specs, choice=choice)
     except (ToolDefinitionError, ValueError) as exc:
         raise _bad(str(exc), "tools") from exc
-    session_messages = _name_results(_describe(messages, protocol.instructions(specs)))
+    description = protocol.instructions(specs)
+    session_messages = _name_results(_describe(messages, description))
     return ToolPlan(
         mode=mode,
         messages=tuple(session_messages),
@@ -255,5 +255,39 @@ def plan_tools(
         tool_choice=None,
         extra={**extra, **options.get("extra_body", {})},
         protocol=None if choice == NONE else protocol,
+        described=len(description),
     )
 
+
+def _result_note(call: ToolCall) -> str:
+    return f"{call.name}({_arguments_text(call.arguments)}) returned: "
+
+
+def shown_messages(messages: Sequence[Message], *, described: int) -> list[Message]:
+    """The messages a client sent, from those its request's ``ToolPlan`` made (its generated
+    messages as the client was shown them): ``_describe`` and ``_name_results`` undone.
+
+    ``described`` is the plan's: 0 when nothing was rewritten. Exact, since both rewrites are:
+    the description is the first message's last ``described`` characters (after a blank line,
+    or the whole message when it was added), and a tool result that answers a call the messages
+    hold starts with ``_result_note`` of that call, whose text depends only on the call.
+    """
+    if not described:
+        return list(messages)
+    out = list(messages)
+    first = out[0] if out else None
+    if first is not None and first.role == "system" and isinstance(first.content, str):
+        if len(first.content) == described:
+            del out[0]
+        else:
+            out[0] = Message.system(first.content[: -(described + 2)])
+    calls: dict[str, ToolCall] = {}
+    for index, message in enumerate(out):
+        for call in message.tool_calls:
+            calls[call.id] = call
+        answered = calls.get(message.tool_call_id or "") if message.role == "tool" else None
+        if answered is not None and isinstance(message.content, str):
+            note = _result_note(answered)
+            if message.content.startswith(note):
+                out[index] = Message.tool(message.content[len(note) :], tool_call_id=answered.id)
+    return out

@@ -60,6 +60,7 @@ from agentkv.proxy._store import (
     CommitFate,
     Stored,
     StoreUnavailableError,
+    response_group,
 )
 from agentkv.testing import FakeCluster, ManualClock
 from tests.fake.fuzz_sessions import FAULTS, carried_handle
@@ -109,6 +110,10 @@ class MemoryStore:
         self._idle: dict[str, float] = {}
         self._pinned: dict[str, float] = {}
         self._secret: str | None = None
+        # As Redis' ``r:{group}`` hashes: group -> (id -> (count, record)), and when each
+        # group's ``PX`` runs out.
+        self._responses: dict[str, dict[str, tuple[int, bytes]]] = {}
+        self._responses_until: dict[str, float] = {}
         self._changed = asyncio.Event()
         self.attention = asyncio.Event()
         self.waiting = 0
@@ -253,6 +258,7 @@ class MemoryStore:
             self._wake()
             return False
         existed = self._snaps.pop(key, None) is not None
+        self._responses.pop(response_group(key), None)
         self._tails.pop(key, None)
         self._held.pop(key, None)
         self._dirty.discard(key)
@@ -278,6 +284,27 @@ class MemoryStore:
     async def pinned_idle(self, *, before: float, limit: int) -> list[tuple[str, float]]:
         keys = sorted((used, key) for key, used in self._pinned.items() if used < before)
         return [(key, used) for used, key in keys[:limit]]
+
+    def _group(self, group: str) -> dict[str, tuple[int, bytes]]:
+        if self._responses_until.get(group, 0.0) <= self.clock():
+            self._responses.pop(group, None)
+        return self._responses.setdefault(group, {})
+
+    async def put_response(
+        self, key: str, response_id: str, record: bytes, *, count: int, ttl_s: float
+    ) -> None:
+        group = response_group(key)
+        self._group(group)[response_id] = (count, record)
+        self._responses_until[group] = self.clock() + ttl_s
+
+    async def get_response(self, group: str, response_id: str) -> bytes | None:
+        stored = self._group(group).get(response_id)
+        return None if stored is None else stored[1]
+
+    async def drop_responses(self, key: str, *, after: int) -> None:
+        responses = self._group(response_group(key))
+        for response_id in [r for r, (count, _) in responses.items() if count > after]:
+            del responses[response_id]
 
     async def shared_secret(self) -> str:
         if self._secret is None:

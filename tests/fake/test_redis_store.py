@@ -8,7 +8,7 @@ import pytest
 from redis.asyncio import Redis
 
 from agentkv.proxy._redis_store import RedisSessions
-from agentkv.proxy._store import ClaimLostError, Stored, StoreUnavailableError
+from agentkv.proxy._store import ClaimLostError, Stored, StoreUnavailableError, response_group
 
 
 @pytest.fixture
@@ -280,6 +280,21 @@ async def test_a_removed_session_leaves_no_tail(store, raw):
     claim = await store.claim("k", known_version=0, wait_s=1)
     assert await store.remove(claim)
     assert await raw.exists("agentkv:s:k", "agentkv:t:k") == 0
+
+
+async def test_a_sessions_responses_go_with_a_fork_past_them_and_with_the_session(store, raw):
+    await _turn(store, "k", 0, b"h" + b"a" * 40, tail=40, kept=0)
+    group = response_group("k")
+    for count in (2, 4, 6):
+        await store.put_response("k", f"r{count}", b"rec%d" % count, count=count, ttl_s=60.0)
+    assert await store.get_response(group, "r4") == b"rec4"
+    assert 0 < await raw.pttl(f"agentkv:r:{group}") <= 60_000  # reclaimed if never removed
+    await store.drop_responses("k", after=4)  # a fork kept 4 messages
+    assert [await store.get_response(group, f"r{c}") for c in (2, 4, 6)] == [b"rec2", b"rec4", None]
+    assert await store.get_response(response_group("other"), "r2") is None
+    claim = await store.claim("k", known_version=0, wait_s=1)
+    assert await store.remove(claim)
+    assert await raw.exists(f"agentkv:r:{group}") == 0
 
 
 async def test_two_replicas_appending_in_turn_never_show_a_head_and_a_tail_of_two_versions(
