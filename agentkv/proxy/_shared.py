@@ -338,13 +338,21 @@ class SharedSessions:
                 return False
             entry.version = claim.version
             entry.claim = claim
+            # Renewed while decode writes the tier, as a turn's claim is (``_claim``): a write
+            # longer than the lease would lose it, and the commit after it be refused.
+            renewer = entry.renewer = asyncio.ensure_future(self._renew(entry, claim))
             session = entry.session
-            done = (
-                not session.closed
-                and session.handle is not None
-                and session.tier is None
-                and await session.persist() is not None
-            )
+            try:
+                done = (
+                    not session.closed
+                    and session.handle is not None
+                    and session.tier is None
+                    and await session.persist() is not None
+                )
+            except BaseException:
+                renewer.cancel()  # the claim's lease runs out on its own, as before
+                entry.renewer = None
+                raise
             await self._settle(entry, used_at=used_at, pinned=False)
             return done
         finally:
