@@ -296,6 +296,33 @@ async def test_two_continuations_of_one_history_under_a_prompt_cache_key_keep_a_
     assert fake.wrong_reuse_events == 0
 
 
+async def test_a_developer_message_renders_as_system_and_its_session_extends_each_turn(
+    openai_client, fake
+):
+    """Before: 400 for the developer role. Re-sent each turn it is the same message: the
+    session extends (handle attached, no fork), with the prompt a system message gives."""
+    usage = {}
+    for role in ("developer", "system"):
+        messages = [{"role": role, "content": SYSTEM}]
+        usage[role] = []
+        for question in QUESTIONS[:3]:
+            messages.append({"role": "user", "content": question})
+            raw = await openai_client.chat.completions.with_raw_response.create(
+                model=fake.model,
+                messages=messages,
+                max_tokens=16,
+                extra_headers={"X-Session-ID": role},
+            )
+            response = raw.parse()
+            usage[role].append(response.usage.prompt_tokens)
+            if len(messages) > 2:
+                assert raw.headers["x-agentkv-handle"] == "attached"
+                assert "x-agentkv-forked" not in raw.headers
+            messages.append(response.choices[0].message.model_dump(exclude_none=True))
+    assert usage["developer"] == usage["system"]
+    assert fake.wrong_reuse_events == 0
+
+
 async def test_forged_kv_transfer_params_get_400_and_reach_no_server(openai_client, fake):
     forged = {"do_remote_decode": True, "remote_block_ids": [[1, 2, 3]], "remote_host": "10.0.0.9"}
     for headers in ({"X-Session-ID": "victim"}, {}):
