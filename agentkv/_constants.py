@@ -23,6 +23,9 @@ HEALTH_RECHECK_S = 5.0
 # Lease calls answer in milliseconds; a decode that takes longer is in trouble, and a close must
 # not hang on it.
 LEASE_CALL_TIMEOUT_S = 5.0
+# How long closing a cluster waits for its lease calls still in flight (releases, tier deletes:
+# each bounded by the timeout above) before it cancels them and closes the client under them.
+CLOSE_SETTLE_S = LEASE_CALL_TIMEOUT_S
 # How long a decode found without agentkv's extension is taken at its word before it is asked
 # again (cluster clock).
 RECHECK_UNSUPPORTED_S = 60.0

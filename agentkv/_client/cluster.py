@@ -370,7 +370,9 @@ class AsyncCluster(_Twin[AsyncSession]):
         return await decode_kv_usage(self._pool)
 
     async def aclose(self) -> None:
-        """Close the HTTP client (if the cluster made it). Sessions should be closed first."""
+        """Close the HTTP client (if the cluster made it). Sessions should be closed first;
+        lease calls they left running in the background (releases, tier deletes) are waited
+        for first, at most ``LEASE_CALL_TIMEOUT_S`` (5 s), then cancelled."""
         await self._pool.aclose()
 
     async def __aenter__(self) -> AsyncCluster:

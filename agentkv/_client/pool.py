@@ -37,6 +37,7 @@ logger = structlog.get_logger("agentkv")
 DEFAULT_TIMEOUT = defaults.TIMEOUT
 DEFAULT_LIMITS = defaults.LIMITS
 _HEALTH_TIMEOUT_S = defaults.HEALTH_TIMEOUT_S
+_CLOSE_SETTLE_S = defaults.CLOSE_SETTLE_S
 
 
 class ClusterOptions(TypedDict, total=False):
@@ -366,9 +367,17 @@ class PairPool:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Close the HTTP client (if the pool made it)."""
+        """Close the HTTP client (if the pool made it), once the lease calls still running in
+        the background (releases, tier deletes) are done, or cancelled past
+        ``CLOSE_SETTLE_S``: closed under them they failed, and asyncio logged each failure as
+        a task exception never retrieved."""
         if self.closed:
             return
         self.closed = True
+        await self.leases.aclose(settle_s=_CLOSE_SETTLE_S)
+        probes = list(self._probes.values())
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
         if self._owns_client:
             await self.http_client.aclose()

@@ -233,10 +233,28 @@ class LeaseCalls:
         self._lost.add(task)
         task.add_done_callback(self._lost.discard)
 
-    async def settle(self) -> None:
-        """Wait for the releases of lost D legs still in flight (a close waits for them)."""
+    async def settle(self, *, timeout_s: float | None = None) -> None:
+        """Wait for the background calls still in flight (a close waits for them); those still
+        running after ``timeout_s`` are cancelled. Either way each outcome is retrieved: none is
+        logged by asyncio as never retrieved."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         while self._lost:
-            await asyncio.gather(*list(self._lost), return_exceptions=True)
+            tasks = list(self._lost)
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            _, pending = await asyncio.wait(tasks, timeout=left)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def aclose(self, *, settle_s: float) -> None:
+        """Before the client closes: settle the background calls (``settle``) and cancel any
+        question about support still in flight."""
+        await self.settle(timeout_s=settle_s)
+        asking = list(self._asking.values())
+        for task in asking:
+            task.cancel()
+        await asyncio.gather(*asking, return_exceptions=True)
 
     async def extend(
         self, decode: str, handle: KVHandle, *, ttl_s: float, claim: bool = False

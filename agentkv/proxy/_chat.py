@@ -65,6 +65,11 @@ def json_response(
     return Response(dumps(data), status_code=status, headers=headers, media_type="application/json")
 
 
+def _new_pck_id() -> str:
+    """A session id for a new conversation under a ``prompt_cache_key``."""
+    return f"pck-{uuid.uuid4().hex}"
+
+
 def _sse(data: Any) -> bytes:
     return b"data: " + dumps(data) + b"\n\n"
 
@@ -321,8 +326,8 @@ class ChatService:
             # A shared prefix, not a conversation: place by the key, find the conversation by
             # its history (``_affinity``).
             placement = f"{principal}:{cache_key}"
-            claimed = self._histories.claim(principal, cache_key, request.messages)
-            session_id = claimed or f"pck-{uuid.uuid4().hex}"
+            found = self._histories.find(principal, cache_key, request.messages)
+            session_id = found or _new_pck_id()
         if session_id is None:
             lease = _Lease(self._cluster.session())
             try:
@@ -433,22 +438,43 @@ class ChatService:
             plan = session.sync_history(tools.messages, tools=tools.tools)
             if plan.echoes:
                 self._metrics.echoes.inc(plan.echoes)
-            if plan.forked:
+            if plan.forked and placement is not None:
+                # Found by its history (``prompt_cache_key``), yet it does not extend the
+                # session: another continuation of that history committed on it first. The two
+                # are two conversations now: this one forks into a session of its own, and the
+                # session stays with the continuation it holds.
+                session_id = _new_pck_id()
+                child = session.fork(keep=plan.keep, session_id=f"{principal}:{session_id}")
+            elif plan.forked:
                 child = session.fork(keep=plan.keep, session_id=session.session_id)
                 await registry.replace(entry, child)
-                self._metrics.forks.inc()
-                logger.info(
-                    "agentkv.proxy.session_forked",
-                    session_id=session_id,
-                    principal=principal,
-                    kept_messages=plan.keep,
-                    reason=plan.reason,
-                )
-                child.append(*plan.new)
+                self._forked(child, session_id, principal=principal, plan=plan)
         except BaseException:
             await registry.checkin(entry)
             raise
+        if plan.forked and placement is not None:
+            await registry.checkin(entry)
+            try:
+                entry = await registry.checkout(principal, session_id, placement_key=placement)
+            except BaseException:
+                await child.aclose()
+                raise
+            await registry.replace(entry, child)
+            self._forked(child, session_id, principal=principal, plan=plan)
         return _Lease(entry.session, entry=entry, registry=registry, plan=plan)
+
+    def _forked(
+        self, child: AsyncSession, session_id: str, *, principal: str, plan: HistoryPlan
+    ) -> None:
+        self._metrics.forks.inc()
+        logger.info(
+            "agentkv.proxy.session_forked",
+            session_id=session_id,
+            principal=principal,
+            kept_messages=plan.keep,
+            reason=plan.reason,
+        )
+        child.append(*plan.new)
 
     @staticmethod
     def _handle_state(first: TextDelta | TurnResult) -> HandleState:

@@ -63,6 +63,8 @@ _HANDLED = frozenset(
 # per-key isolation of prefix caches.
 _PROXY_SET = {"cache_salt": "is set by the proxy (prefix caches are isolated per API key)"}
 _MAX_SESSION_ID = 256
+# OpenAI's API refuses a longer key ("string_above_max_length"); its SDK does not check it.
+_MAX_PROMPT_CACHE_KEY = 64
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,10 +132,32 @@ def _optional_str(body: Mapping[str, Any], name: str) -> str | None:
 def _messages(raw: object) -> tuple[Message, ...]:
     if not isinstance(raw, list) or not raw:
         raise _bad("'messages' must be a non-empty list", "messages")
+    developer = False
+    messages: list[Message] = []
     try:
-        return tuple(Message.from_openai(message) for message in raw)
+        for message in raw:
+            if isinstance(message, Mapping) and message.get("role") == "developer":
+                # OpenAI's developer role, as vLLM renders it for a chat template without one
+                # (SmolLM2's, Llama's, Qwen's): a system message (``vllm/renderers/hf.py``,
+                # ``_convert_developer_to_system``).
+                developer = True
+                message = {**message, "role": "system"}  # noqa: PLW2901 - the message, mapped
+            messages.append(Message.from_openai(message))
     except InvalidMessageError as exc:
         raise _bad(str(exc), "messages", code="invalid_message") from exc
+    return _consolidated(messages) if developer else tuple(messages)
+
+
+def _consolidated(messages: list[Message]) -> tuple[Message, ...]:
+    """After that conversion vLLM merges every system message into one, first
+    (``_consolidate_system_messages``: some templates take a system message only there); so
+    does the proxy, so that the transcript holds the tokens vLLM would render. Re-sent next
+    turn, the same messages merge the same way: the history rule sees the same message."""
+    systems = [m for m in messages if m.role == "system"]
+    if len(systems) == 1 and messages[0].role == "system":
+        return tuple(messages)
+    merged = Message.system("\n\n".join(m.content for m in systems if m.content))
+    return (merged, *(m for m in messages if m.role != "system"))
 
 
 def _tools(raw: object) -> tuple[Mapping[str, Any], ...] | None:
@@ -183,6 +207,15 @@ def parse_chat_request(body: object, *, model: str, default_max_tokens: int) -> 
         raise _bad("'temperature' must be a number", "temperature")
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     cache_key = _optional_str(body, "prompt_cache_key")
+    if cache_key is not None and len(cache_key) > _MAX_PROMPT_CACHE_KEY:
+        # Said as OpenAI says it: a client that works against OpenAI works here.
+        raise _bad(
+            "Invalid 'prompt_cache_key': string too long. Expected a string with maximum "
+            f"length {_MAX_PROMPT_CACHE_KEY}, but got a string with length {len(cache_key)} "
+            "instead.",
+            "prompt_cache_key",
+            code="string_above_max_length",
+        )
     body_session = _optional_str(body, "conversation_id") or _optional_str(body, "session_id")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):

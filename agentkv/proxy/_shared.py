@@ -396,12 +396,20 @@ class SharedSessions:
                 return None
             entry.version = claim.version
             entry.claim = claim
+            # Renewed while decode writes the tier, as a turn's claim is (``_claim``): a write
+            # longer than the lease would lose it, and the commit after it be refused.
+            renewer = entry.renewer = asyncio.ensure_future(self._renew(entry, claim))
             done: str | None = None
-            if not session.closed and handle is not None and session.tier is None:
-                if pairs is not None:
-                    done = await session.unpin()
-                elif await session.persist() is not None:
-                    done = "persisted"
+            try:
+                if not session.closed and handle is not None and session.tier is None:
+                    if pairs is not None:
+                        done = await session.unpin()
+                    elif await session.persist() is not None:
+                        done = "persisted"
+            except BaseException:
+                renewer.cancel()  # the claim's lease runs out on its own, as before
+                entry.renewer = None
+                raise
             await self._settle(entry, used_at=used_at, pinned=False)
             return done
         finally:

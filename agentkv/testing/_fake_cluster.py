@@ -67,6 +67,10 @@ class FakeCluster:
     decode persists leased handles there, prefill resumes from it. Without it the persist route
     answers 501 ``tier_unavailable``.
 
+    ``tokenizer`` replaces the fake's own byte-level one with any object of its interface that
+    has SmolLM2's special-token ids (``benchmarks/proxy_memory.py`` wraps SmolLM2's real
+    tokenizer in one, so that sessions hold as many tokens as they would on the real model).
+
     Example:
         >>> import httpx2
         >>> from agentkv.testing import FakeCluster, ManualClock
@@ -110,6 +114,7 @@ class FakeCluster:
         decodes: int | None = None,
         tier: bool = False,
         tier_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        tokenizer: FakeTokenizer | None = None,
     ) -> None:
         if pairs < 1:
             raise ValueError("a cluster needs at least one pair")
@@ -123,7 +128,7 @@ class FakeCluster:
             raise ValueError(f"chat_template must be one of {CHAT_TEMPLATES}")
         self._clock = clock
         self._fabric = _Fabric()
-        self.tokenizer = FakeTokenizer()
+        self.tokenizer = tokenizer or FakeTokenizer()
         self.model = model
         config = EngineConfig(
             block_size=block_size,

@@ -1,10 +1,13 @@
-"""Pools (xPyD): a session pinned to its decode server, each turn's prefill chosen by load."""
+"""Pools (xPyD): a session pinned to its decode server, each turn's prefill chosen by load; and
+closing a pool under the lease calls it still runs in the background."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 
+import httpx2
 import pytest
 
 from agentkv import (
@@ -16,6 +19,7 @@ from agentkv import (
     PrefillWeights,
     RetryPolicy,
 )
+from agentkv._wire.tier import TIER_DELETE_PATH
 from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
@@ -175,3 +179,106 @@ def test_pool_specs_accept_urls_or_named_servers_and_refuse_bad_ones():
     ):
         with pytest.raises(ConfigError):
             Cluster.from_dict(bad)
+
+
+# --- closing the pool under background lease calls ---------------------------------------------
+
+
+class HeldDeletes(httpx2.AsyncBaseTransport):
+    """The fake's transport, holding each tier delete until ``go`` is set: a background call
+    still running when the cluster closes."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.go = asyncio.Event()
+        self.held = 0
+
+    async def handle_async_request(self, request):
+        if request.url.path == TIER_DELETE_PATH:
+            self.held += 1
+            await self.go.wait()
+        return await self._inner.handle_async_request(request)
+
+
+@pytest.fixture
+async def loop_errors():
+    """What asyncio's exception handler is given during the test ("Task exception was never
+    retrieved" among them, once the task is collected)."""
+    loop = asyncio.get_running_loop()
+    errors = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    yield errors
+    loop.set_exception_handler(previous)
+
+
+async def collected():
+    """Let whatever the close left running finish, and collect it: a task that failed with
+    nobody to retrieve it reports to the exception handler then."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+    gc.collect()
+
+
+async def _resume_from_tier(cluster):
+    """A session whose second turn loads from the tier, leaving it open: its tier entry's
+    delete is sent in the background after that turn."""
+    session = cluster.session(**LONG)
+    session.append(SYSTEM)
+    await session.send(QUESTIONS[0])
+    assert await session.persist() is not None
+    result = await session.send(QUESTIONS[1])
+    assert result.stats.handle_state is HandleState.TIER
+    return session
+
+
+async def test_a_script_raising_inside_the_cluster_after_a_tier_resume_closes_cleanly(
+    clock, loop_errors
+):
+    """Before: the cluster closed its HTTP client under the tier delete, which failed, and
+    asyncio printed "Task exception was never retrieved" after the script's own error."""
+    fake = FakeCluster(pairs=1, clock=clock, tier=True)
+
+    async def script():
+        async with AsyncCluster.from_dict(
+            fake.cluster_spec, transport=fake.transport, clock=clock
+        ) as cluster:
+            await _resume_from_tier(cluster)
+            raise RuntimeError("the script's own error")
+
+    with pytest.raises(RuntimeError, match="the script's own error"):
+        await script()
+    await collected()
+    assert loop_errors == []
+    assert fake.tier.ids == []  # the delete landed before the client closed
+
+
+async def test_closing_waits_for_a_lease_call_still_running_then_closes(clock, loop_errors):
+    fake = FakeCluster(pairs=1, clock=clock, tier=True)
+    held = HeldDeletes(fake.transport)
+    cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=held, clock=clock)
+    await _resume_from_tier(cluster)
+    await asyncio.sleep(0)
+    assert held.held == 1
+    asyncio.get_running_loop().call_later(0.05, held.go.set)
+    await cluster.aclose()
+    await collected()
+    assert loop_errors == []
+    assert fake.tier.ids == []
+
+
+async def test_a_lease_call_still_running_past_the_bound_is_cancelled_not_left_failing(
+    clock, loop_errors
+):
+    fake = FakeCluster(pairs=1, clock=clock, tier=True)
+    held = HeldDeletes(fake.transport)
+    cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=held, clock=clock)
+    await _resume_from_tier(cluster)
+    await asyncio.sleep(0)
+    pool = cluster._pool
+    await asyncio.wait_for(pool.leases.aclose(settle_s=0.05), 1.0)
+    await cluster.aclose()
+    await collected()
+    assert loop_errors == []
+    assert held.held == 1
+    assert len(fake.tier.ids) == 1  # never deleted: its TTL removes it

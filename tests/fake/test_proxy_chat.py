@@ -5,6 +5,8 @@ The proxy runs in-process behind httpx2's ASGI transport; clients are the real `
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx2
 import pytest
 from openai import AsyncOpenAI, BadRequestError
@@ -229,6 +231,96 @@ async def test_prompt_cache_key_places_conversations_but_does_not_name_one(opena
         model=fake.model, messages=messages, max_tokens=8, extra_body={"prompt_cache_key": "pck"}
     )
     assert raw.headers["x-agentkv-session-id"].startswith("pck-")
+
+
+async def _keyed(http, messages, **body):
+    """One chat completion under ``prompt_cache_key`` "pck"; the raw response."""
+    return await http.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 16, "prompt_cache_key": "pck", **body},
+    )
+
+
+def _answer(response):
+    return response.json()["choices"][0]["message"]
+
+
+async def test_a_failed_turn_under_a_prompt_cache_key_keeps_the_conversation_s_session(
+    http, fake
+):
+    """Before: finding the session took it off the history index, so after a failed turn the
+    retry started a new session and recomputed the whole history."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+    first = await _keyed(http, messages)
+    assert first.status_code == 200
+    session = first.headers["x-agentkv-session-id"]
+    messages += [_answer(first), {"role": "user", "content": "And item 7?"}]
+    for server in fake.servers:
+        if server.role == "prefill":
+            server.fail_next("status", status=503)
+    assert (await _keyed(http, messages)).status_code == 502
+    retry = await _keyed(http, messages)
+    assert retry.status_code == 200
+    assert retry.headers["x-agentkv-session-id"] == session
+    assert "x-agentkv-forked" not in retry.headers
+    # The retry is the session's turn 2 (the failed turn may have read the handle, so it is
+    # not attached: the SDK's rule), not turn 1 of a new session.
+    turns = (await http.get(f"/v1/sessions/{session}")).json()["turns"]
+    assert [t["turn"] for t in turns] == [1, 2]
+    assert turns[1]["extends"] == 0
+    assert fake.wrong_reuse_events == 0
+
+
+async def test_two_continuations_of_one_history_under_a_prompt_cache_key_keep_a_session_each(
+    http, fake
+):
+    """Both find the session; the registry runs them one after the other, and the second, no
+    longer an extension of it, forks into a session of its own instead of taking it over."""
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+    first = await _keyed(http, history)
+    history.append(_answer(first))
+    branches = [[*history, {"role": "user", "content": q}] for q in QUESTIONS[:2]]
+    answers = await asyncio.gather(*(_keyed(http, branch) for branch in branches))
+    assert [a.status_code for a in answers] == [200, 200]
+    ids = [a.headers["x-agentkv-session-id"] for a in answers]
+    assert first.headers["x-agentkv-session-id"] in ids
+    assert len(set(ids)) == 2
+    assert sorted(a.headers.get("x-agentkv-forked", "0") for a in answers) == ["0", "1"]
+    # Each continuation goes on on its own session, extending it: nothing forks any more.
+    for branch, answer, session in zip(branches, answers, ids, strict=True):
+        branch += [_answer(answer), {"role": "user", "content": "Go on."}]
+        again = await _keyed(http, branch)
+        assert again.headers["x-agentkv-session-id"] == session
+        assert again.headers["x-agentkv-handle"] == "attached"
+        assert "x-agentkv-forked" not in again.headers
+    assert fake.wrong_reuse_events == 0
+
+
+async def test_a_developer_message_renders_as_system_and_its_session_extends_each_turn(
+    openai_client, fake
+):
+    """Before: 400 for the developer role. Re-sent each turn it is the same message: the
+    session extends (handle attached, no fork), with the prompt a system message gives."""
+    usage = {}
+    for role in ("developer", "system"):
+        messages = [{"role": role, "content": SYSTEM}]
+        usage[role] = []
+        for question in QUESTIONS[:3]:
+            messages.append({"role": "user", "content": question})
+            raw = await openai_client.chat.completions.with_raw_response.create(
+                model=fake.model,
+                messages=messages,
+                max_tokens=16,
+                extra_headers={"X-Session-ID": role},
+            )
+            response = raw.parse()
+            usage[role].append(response.usage.prompt_tokens)
+            if len(messages) > 2:
+                assert raw.headers["x-agentkv-handle"] == "attached"
+                assert "x-agentkv-forked" not in raw.headers
+            messages.append(response.choices[0].message.model_dump(exclude_none=True))
+    assert usage["developer"] == usage["system"]
+    assert fake.wrong_reuse_events == 0
 
 
 async def test_forged_kv_transfer_params_get_400_and_reach_no_server(openai_client, fake):

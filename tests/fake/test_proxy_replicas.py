@@ -18,6 +18,7 @@ from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
 from agentkv import AsyncCluster, Message
+from agentkv._wire.tier import PERSIST_PATH
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._redis_store import RedisSessions
 from agentkv.proxy._shared import DIRTY_HANDOVER
@@ -46,6 +47,20 @@ class SlowTransport(httpx2.AsyncBaseTransport):
         return await self._inner.handle_async_request(request)
 
 
+class SlowPersists(httpx2.AsyncBaseTransport):
+    """The fake's transport with a pause before each persist: decode writing the tier for a
+    while."""
+
+    def __init__(self, inner, delay_s):
+        self._inner = inner
+        self._delay_s = delay_s
+
+    async def handle_async_request(self, request):
+        if request.url.path == PERSIST_PATH:
+            await asyncio.sleep(self._delay_s)
+        return await self._inner.handle_async_request(request)
+
+
 class CountingTransport(httpx2.AsyncBaseTransport):
     """The fake's transport, counting the requests this replica sends by path."""
 
@@ -61,8 +76,11 @@ class CountingTransport(httpx2.AsyncBaseTransport):
 class Replica:
     """One proxy replica: an app, its own cluster client, its own Redis connection."""
 
-    def __init__(self, fake, clock, redis_url, *, delay_s=0.0, store=None, **config):
-        transport = SlowTransport(fake.transport, delay_s) if delay_s else fake.transport
+    def __init__(
+        self, fake, clock, redis_url, *, delay_s=0.0, store=None, transport=None, **config
+    ):
+        transport = transport or fake.transport
+        transport = SlowTransport(transport, delay_s) if delay_s else transport
         self.sent = CountingTransport(transport)
         self.cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=self.sent, clock=clock)
         self.store = store or RedisSessions.from_url(redis_url, lease_s=5.0)
@@ -423,6 +441,41 @@ async def test_server_timing_says_what_the_shared_store_took(replicas, fake, clo
         await app.state.registry.close_all()
     await cluster.aclose()
     assert set(_timing(alone)) == {"turn", "proxy"}
+
+
+async def test_an_idle_persist_longer_than_the_claim_s_lease_keeps_its_claim(clock, redis_url):
+    """Before: the idle persist held its claim without renewing it, so a tier write longer than
+    the lease lost it: the commit after it was refused, and the store still listed the session
+    as pinned, with the handle that decode had just freed."""
+    fake = FakeCluster(pairs=1, clock=ManualClock(), tier=True)
+    store = RedisSessions.from_url(redis_url, lease_s=0.3)
+    a = Replica(
+        fake,
+        clock,
+        redis_url,
+        store=store,
+        transport=SlowPersists(fake.transport, 1.0),
+        persist_idle_s=60.0,
+    )
+    b = Replica(fake, clock, redis_url)
+    messages = [{"role": "system", "content": SYSTEM}]
+    await _ask(a, "long-write", messages, QUESTIONS[0])
+    registry = a.app.state.registry
+    await registry.written()
+    now = time.time()
+    registry._wall = lambda: now + 120.0
+    assert await registry.persist_idle() == 1
+    refused = a.app.state.metrics.value(
+        "agentkv_proxy_store_commit_failures_total", reason="refused"
+    )
+    assert refused == 0
+    assert await store.pinned_idle(before=now + 1000.0, limit=10) == []
+    await _ask(b, "long-write", messages, QUESTIONS[1])
+    turns = await b.turns("long-write")
+    assert [t["handle_state"] for t in turns] == ["none", "tier"]
+    assert fake.wrong_reuse_events == 0
+    await a.aclose()
+    await b.aclose()
 
 
 async def test_an_idle_shared_session_is_persisted_once_by_one_replica_and_resumes_anywhere(

@@ -140,6 +140,42 @@ def test_bad_values_get_400_naming_the_parameter(body, param):
     assert (error.status, error.param) == (400, param)
 
 
+def test_a_developer_message_is_the_system_message_vllm_renders_for_it():
+    """Before: 400 ("unknown role 'developer'"), where OpenAI and vLLM accept it. vLLM renders
+    it as a system message for a template without a developer role."""
+    developer = [{"role": "developer", "content": "Be terse."}, *MESSAGES]
+    system = [{"role": "system", "content": "Be terse."}, *MESSAGES]
+    assert parse(messages=developer).messages == parse(messages=system).messages
+
+
+def test_developer_and_system_messages_merge_into_one_first_as_vllm_merges_them():
+    messages = [
+        {"role": "system", "content": "You are a bot."},
+        {"role": "user", "content": "hi"},
+        {"role": "developer", "content": [{"type": "text", "text": "Be terse."}]},
+    ]
+    request = parse(messages=messages)
+    assert [m.to_openai() for m in request.messages] == [
+        {"role": "system", "content": "You are a bot.\n\nBe terse."},
+        {"role": "user", "content": "hi"},
+    ]
+    # Without a developer message vLLM merges nothing, and neither does the proxy.
+    plain = [messages[0], messages[1], {"role": "system", "content": "Be terse."}]
+    assert [m.role for m in parse(messages=plain).messages] == ["system", "user", "system"]
+
+
+def test_a_prompt_cache_key_past_openai_s_64_characters_is_a_400_as_openai_says_it():
+    """Before: any length was taken (it names a placement and an index entry per request)."""
+    assert parse(prompt_cache_key="k" * 64).prompt_cache_key == "k" * 64
+    error = refusal(prompt_cache_key="k" * 65)
+    assert (error.status, error.param, error.code) == (
+        400,
+        "prompt_cache_key",
+        "string_above_max_length",
+    )
+    assert "maximum length 64, but got a string with length 65" in error.message
+
+
 def test_another_model_is_404_and_no_model_means_the_served_one():
     assert refusal(model="gpt-4o").status == 404
     request = parse_chat_request({"messages": MESSAGES}, model="m", default_max_tokens=5)

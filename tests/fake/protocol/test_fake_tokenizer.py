@@ -3,6 +3,8 @@ layer the SDK's transcript is built on (SmolLM2's ChatML, as vLLM renders it).""
 
 from __future__ import annotations
 
+import re
+
 import httpx2
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,7 +17,7 @@ from raw_protocol import (
 
 from agentkv.testing import FakeCluster, ManualClock, render_chat
 from agentkv.testing._fake_model import FakeModel
-from agentkv.testing._fake_tokenizer import MERGES
+from agentkv.testing._fake_tokenizer import MERGES, FakeTokenizer
 
 
 def test_tokenizer_round_trips_text_and_special_tokens() -> None:
@@ -137,3 +139,25 @@ def test_a_rerender_cluster_serves_a_reasoning_model(clock: ManualClock) -> None
         }
         tokens = client.post(fake.decode(0).url + "/tokenize", json=history).json()["tokens"]
         assert "<think>" not in TOK.decode(tokens)
+
+
+class _BytesOnly(FakeTokenizer):
+    """The fake's tokenizer without merges: one id per byte (a tokenizer of the same interface)."""
+
+    def encode(self, text: str) -> list[int]:
+        specials = {"<|im_start|>": [self.im_start_id], "<|im_end|>": [self.eos_token_id]}
+        ids: list[int] = []
+        for part in re.split(r"(<\|im_start\|>|<\|im_end\|>)", text):
+            ids += specials.get(part) or self.byte_ids(part)
+        return ids
+
+
+def test_a_fake_cluster_serves_with_the_tokenizer_it_is_given() -> None:
+    """``benchmarks/proxy_memory.py`` gives it SmolLM2's real tokenizer this way."""
+    tokenizer = _BytesOnly()
+    fake = FakeCluster(pairs=1, clock=ManualClock(), tokenizer=tokenizer)
+    with httpx2.Client(transport=fake.transport) as client:
+        url = fake.prefill(0).url + "/tokenize"
+        tokens = client.post(url, json={"messages": user("Hi")}).json()["tokens"]
+    assert tokens == tokenizer.encode(render_chat(user("Hi")))
+    assert tokens != TOK.encode(render_chat(user("Hi")))
