@@ -190,7 +190,7 @@ class _Lease:
             await self.session.aclose()  # one-shot: keep no handle
         else:
             assert self.registry is not None
-            await self.registry.checkin(self.entry)
+            await self.registry.checkin(self.entry, failed=failed)
 
     def headers(self, *, pair: str, handle: HandleState) -> dict[str, str]:
         headers = {HEADER_PAIR: pair, HEADER_HANDLE: handle.value}
@@ -424,7 +424,7 @@ class ChatService:
                 )
                 child.append(*plan.new)
         except BaseException:
-            await registry.checkin(entry)
+            await registry.checkin(entry, failed=True)  # a new session the request never used
             raise
         return _Lease(entry.session, entry=entry, registry=registry, plan=plan)
 

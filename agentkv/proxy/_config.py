@@ -90,7 +90,12 @@ class ProxyConfig:
         session_idle_timeout_s: a session unused this long is closed (its handle dropped). Longer
             than the decode server's pin TTL (480 s) keeps the token-exact transcript, so prefill's
             own prefix cache can still serve the history after the pin is gone.
-        max_sessions: open sessions at most; past it the session idle the longest is closed.
+        max_sessions: open sessions at most (each replica's copies, with ``state``); past it
+            an idle one is closed, taken from the principals holding the most (``_fair``).
+        max_sessions_per_key: open sessions one principal may hold at most (``None``: no cap
+            beyond its fair share of ``max_sessions`` once the registry is full).
+        max_stored_sessions: with ``state``, sessions the store holds at most, all replicas
+            together: a new session past it gets 503 (``None``: ``max_sessions``).
         max_body_bytes: larger request bodies get 413 before they are parsed.
         default_max_tokens: the generation limit of requests that set none.
         sweep_interval_s: how often idle sessions are looked for.
@@ -121,6 +126,8 @@ class ProxyConfig:
     api_keys: ApiKeys | None = None
     session_idle_timeout_s: float = 600.0
     max_sessions: int = 10_000
+    max_sessions_per_key: int | None = None
+    max_stored_sessions: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 1024
     sweep_interval_s: float = 15.0
@@ -151,8 +158,10 @@ class ProxyConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.session_idle_timeout_s <= 0:
             raise ConfigError("session_idle_timeout_s must be positive")
-        if self.max_sessions < 1:
-            raise ConfigError("max_sessions must be at least 1")
+        for name in ("max_sessions", "max_sessions_per_key", "max_stored_sessions"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         if self.default_max_tokens < 1:

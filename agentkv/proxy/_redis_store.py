@@ -15,6 +15,8 @@ Keys (``prefix`` defaults to ``agentkv:``):
 * ``{prefix}idle``: a sorted set, session key -> last use (wall-clock milliseconds).
 * ``{prefix}pinned``: the same, for the sessions whose turn-end KV is pinned on decode (a
   candidate for the file tier once idle).
+* ``{prefix}sweeping``: a sorted set, session key -> until when (wall-clock milliseconds) an
+  idle sweep holds it (``take_idle``): no other sweep takes it before then.
 
 Every operation is one Lua script, so one round trip and atomic: claiming (lock, fence, and the
 snapshot when the caller's copy is stale), committing (fence check, write, unlock, idle index),
@@ -132,6 +134,27 @@ return existed
 """
 
 
+# KEYS: idle, sweeping. ARGV: cutoff (ms, exclusive), limit, now (ms), hold (ms). Holds past
+# their time are dropped first; the candidates read are the page plus every key still held
+# (each of those is skipped), so a full page comes back whenever one exists.
+_TAKE_IDLE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[3])
+local limit = tonumber(ARGV[2])
+local read = limit + redis.call('ZCARD', KEYS[2])
+local members = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1], 'LIMIT', 0, read)
+local hold_until = tonumber(ARGV[3]) + tonumber(ARGV[4])
+local taken = {}
+for _, member in ipairs(members) do
+  if #taken >= limit then break end
+  if not redis.call('ZSCORE', KEYS[2], member) then
+    redis.call('ZADD', KEYS[2], hold_until, member)
+    taken[#taken + 1] = member
+  end
+end
+return taken
+"""
+
+
 T = TypeVar("T")
 
 
@@ -176,6 +199,7 @@ class RedisSessions:
         self._release = client.register_script(_RELEASE)
         self._remove = client.register_script(_REMOVE)
         self._peek = client.register_script(_PEEK)
+        self._take_idle = client.register_script(_TAKE_IDLE)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisSessions:
@@ -294,6 +318,18 @@ class RedisSessions:
             )
         )
         return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+
+    async def take_idle(self, *, before: float, limit: int, hold_s: float) -> list[str]:
+        members = await self._call(
+            self._take_idle(
+                keys=[self._idle_key, f"{self._prefix}sweeping"],
+                args=[int(before * 1000), limit, int(time.time() * 1000), int(hold_s * 1000)],
+            )
+        )
+        return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+
+    async def count(self) -> int:
+        return int(await self._call(self._redis.zcard(self._idle_key)))
 
     async def pinned_idle(self, *, before: float, limit: int) -> list[tuple[str, float]]:
         members = await self._call(

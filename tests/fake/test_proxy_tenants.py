@@ -1,0 +1,200 @@
+"""Tenants sharing one proxy: no key's flood, failures or busy sessions cost another key its
+sessions, and a shared store stays bounded with a sweep that keeps up (issue 39, items 2, 8)."""
+
+from __future__ import annotations
+
+import httpx2
+import pytest
+
+from agentkv import AsyncCluster
+from agentkv.proxy import ApiKeys, ProxyConfig, create_app
+from agentkv.proxy._errors import ProxyError
+from agentkv.proxy._metrics import ProxyMetrics
+from agentkv.proxy._registry import SessionRegistry
+from agentkv.proxy._salt import CacheSalts
+from agentkv.testing import FakeCluster, ManualClock
+
+KEYS = ApiKeys.parse("alice sk-alice\nbob sk-bob\ncarol sk-carol\n")
+SECRET = "tenants-test-secret"
+AUTH = {name: {"Authorization": f"Bearer sk-{name}"} for name in ("alice", "bob", "carol")}
+
+
+@pytest.fixture
+def fake():
+    return FakeCluster(pairs=2, clock=ManualClock(), kv_recompute_threshold=1)
+
+
+class PrefillFailsFor(httpx2.AsyncBaseTransport):
+    """The fake's transport, with every prefill request of one principal answered 503 (its
+    ``cache_salt`` says whose it is): an upstream that fails one key's requests only."""
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport, principal: str) -> None:
+        self._inner = inner
+        self._salt = CacheSalts(SECRET).salt(principal).encode()
+        self.on = True
+        self.failed = 0
+
+    async def handle_async_request(self, request):
+        failing = self.on and request.url.host.startswith("fake-p")
+        if failing and self._salt in request.content:
+            self.failed += 1
+            return httpx2.Response(
+                503,
+                json={"error": {"message": "overloaded", "type": "ServiceUnavailableError"}},
+            )
+        return await self._inner.handle_async_request(request)
+
+
+def _client(app, name: str) -> httpx2.AsyncClient:
+    return httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=app), base_url="http://proxy", headers=AUTH[name]
+    )
+
+
+def _chat(session_id: str, text: str = "Hi") -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": 8}
+
+
+async def test_one_keys_failing_requests_close_no_other_keys_session_nor_its_responses(fake):
+    """The report's repro: 55 requests under one key that fail upstream, interleaved with
+    another key's conversation, leave that conversation's session and its
+    ``previous_response_id`` intact (they used to close it: each failure kept a session)."""
+    failing = PrefillFailsFor(fake.transport, "alice")
+    async with AsyncCluster.from_dict(fake.cluster_spec, transport=failing) as cluster:
+        config = ProxyConfig(api_keys=KEYS, max_sessions=5, cache_salt_secret=SECRET)
+        app = create_app(cluster, config)
+        async with _client(app, "alice") as alice, _client(app, "bob") as bob:
+            first = await bob.post("/v1/responses", json={"input": "Hello", "max_output_tokens": 8})
+            assert first.status_code == 200, first.text
+            previous = first.json()["id"]
+            for i in range(55):
+                refused = await alice.post(
+                    "/v1/chat/completions", json=_chat(f"a{i}"), headers={"X-Session-ID": f"a{i}"}
+                )
+                assert refused.status_code == 502, refused.text
+                if i % 10 == 0:  # bob goes on meanwhile
+                    more = await bob.post(
+                        "/v1/responses",
+                        json={"input": f"More {i}", "previous_response_id": previous,
+                              "max_output_tokens": 8},
+                    )
+                    assert more.status_code == 200, more.text
+                    assert more.headers["x-agentkv-handle"] != "none"  # its session went on
+                    previous = more.json()["id"]
+            last = await bob.post(
+                "/v1/responses",
+                json={"input": "Still there?", "previous_response_id": previous,
+                      "max_output_tokens": 8},
+            )
+            assert last.status_code == 200, last.text
+            assert last.headers["x-agentkv-handle"] != "none"
+    assert failing.failed >= 55
+    assert len(app.state.registry) == 1  # bob's; none of alice's failures kept a session
+    metrics = app.state.metrics
+    assert metrics.value("agentkv_proxy_sessions_closed_total", reason="evicted") == 0
+    assert metrics.value("agentkv_proxy_sessions_closed_total", reason="failed") == 55
+
+
+async def _open(registry: SessionRegistry, principal: str, session_id: str):
+    entry = await registry.checkout(principal, session_id)
+    await registry.checkin(entry)
+    return entry
+
+
+async def test_a_key_over_its_share_evicts_its_own_sessions_before_anyone_elses(fake):
+    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
+        registry = SessionRegistry(
+            cluster, max_sessions=4, idle_timeout_s=600, metrics=ProxyMetrics()
+        )
+        await _open(registry, "bob", "x")  # the oldest: plain LRU would close it first
+        for name in ("a", "b", "c"):
+            await _open(registry, "alice", name)
+        # Full. Alice holds 3 of 4 (her share is 2 while two keys hold sessions): her own
+        # least recently used idle session goes, not bob's older one.
+        await _open(registry, "alice", "d")
+        assert sorted(registry._entries) == [
+            ("alice", "b"), ("alice", "c"), ("alice", "d"), ("bob", "x")
+        ]
+        # Bob, under his share, takes a place from the largest holder (alice), her oldest.
+        await _open(registry, "bob", "y")
+        assert sorted(registry._entries) == [
+            ("alice", "c"), ("alice", "d"), ("bob", "x"), ("bob", "y")
+        ]
+        # At their shares now, each makes room from their own sessions.
+        await _open(registry, "bob", "z")
+        await _open(registry, "alice", "e")
+        assert sorted(registry._entries) == [
+            ("alice", "d"), ("alice", "e"), ("bob", "y"), ("bob", "z")
+        ]
+
+
+async def test_a_key_whose_sessions_are_all_busy_gets_its_own_503_and_others_are_served(fake):
+    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
+        registry = SessionRegistry(
+            cluster, max_sessions=4, idle_timeout_s=600, metrics=ProxyMetrics()
+        )
+        await _open(registry, "carol", "c")
+        busy = [await registry.checkout("alice", f"a{i}") for i in range(3)]
+        # Alice is over her share (4 // 2) with every session in use: she waits, carol's idle
+        # session is not hers to take.
+        with pytest.raises(ProxyError) as info:
+            await registry.checkout("alice", "a3")
+        assert info.value.status == 503
+        assert info.value.headers["Retry-After"] == "1"
+        assert ("carol", "c") in registry._entries
+        # Another key is still served (from the largest holders with an idle session).
+        bob = await registry.checkout("bob", "b")
+        await registry.checkin(bob)
+        assert ("bob", "b") in registry._entries
+        for entry in busy:
+            await registry.checkin(entry)
+
+
+async def test_a_key_at_its_own_cap_gets_429_while_others_still_open_sessions(fake):
+    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
+        app = create_app(cluster, ProxyConfig(max_sessions=100, max_sessions_per_key=2))
+        registry = app.state.registry
+        busy = [await registry.checkout("alice", f"a{i}") for i in range(2)]
+        with pytest.raises(ProxyError) as info:
+            await registry.checkout("alice", "a2")
+        assert (info.value.status, info.value.code) == (429, "too_many_sessions")
+        assert info.value.headers["Retry-After"] == "1"
+        await _open(registry, "bob", "b")
+        # An idle one of her own makes room under her cap.
+        await registry.checkin(busy[0])
+        await _open(registry, "alice", "a2")
+        assert sorted(k for k in registry._entries if k[0] == "alice") == [
+            ("alice", "a1"), ("alice", "a2")
+        ]
+        await registry.checkin(busy[1])
+        assert app.state.metrics.value("agentkv_proxy_sessions_refused_total", status="429") == 1
+
+
+async def test_a_failed_first_turn_leaves_no_session_and_a_failed_later_turn_keeps_it(fake):
+    failing = PrefillFailsFor(fake.transport, "alice")
+    failing.on = False
+    async with AsyncCluster.from_dict(fake.cluster_spec, transport=failing) as cluster:
+        app = create_app(cluster, ProxyConfig(api_keys=KEYS, cache_salt_secret=SECRET))
+        async with _client(app, "alice") as alice:
+            history = [{"role": "user", "content": "Hi"}]
+            ok = await alice.post(
+                "/v1/chat/completions",
+                json={"messages": history, "max_tokens": 8},
+                headers={"X-Session-ID": "kept"},
+            )
+            assert ok.status_code == 200
+            history += [ok.json()["choices"][0]["message"], {"role": "user", "content": "And?"}]
+            failing.on = True
+            for session_id, messages in (("kept", history), ("new", history[:1])):
+                refused = await alice.post(
+                    "/v1/chat/completions",
+                    json={"messages": messages, "max_tokens": 8},
+                    headers={"X-Session-ID": session_id},
+                )
+                assert refused.status_code == 502
+            assert (await alice.get("/v1/sessions/new")).status_code == 404
+            kept = await alice.get("/v1/sessions/kept")
+            assert kept.status_code == 200
+            assert len(kept.json()["turns"]) == 1
+    assert len(app.state.registry) == 1
+    assert app.state.metrics.value("agentkv_proxy_sessions_closed_total", reason="failed") == 1
