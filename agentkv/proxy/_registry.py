@@ -29,11 +29,12 @@ from collections.abc import Callable
 import structlog
 
 from agentkv._core import AsyncCluster, AsyncSession, SessionClosedError
+from agentkv.proxy._bounds import SWEEP_PAGE
 from agentkv.proxy._entry import Key, SessionEntry
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._fair import Refusal, SessionTable, choose_victim
 from agentkv.proxy._metrics import ProxyMetrics
-from agentkv.proxy._shared import SWEEP_PAGE, SharedSessions
+from agentkv.proxy._shared import SharedSessions
 from agentkv.proxy._store import SessionStore
 
 __all__ = ["SessionEntry", "SessionRegistry"]
@@ -187,8 +188,9 @@ class SessionRegistry(SharedSessions):
         await self._give_back(entry)
 
     def _unborn(self, entry: SessionEntry) -> bool:
-        """Nothing was ever committed for this session: no turn here, none stored."""
-        if entry.closed or entry.session.turns:
+        """Nothing was ever committed for this session: no turn here, none stored (and no fork:
+        a fork that kept nothing of a history is still that conversation)."""
+        if entry.closed or entry.forks or entry.session.turns:
             return False
         claim = entry.claim
         return entry.version == 0 if claim is None else claim.version == 0

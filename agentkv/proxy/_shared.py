@@ -13,17 +13,11 @@
   removing the session from the store under a claim, releases it: exactly once, on whichever
   replica removed it. The idle persist moves a pinned session's KV to decode's file tier under a
   claim too, on one replica.
-* Bounded: a new session (a claim of version 0) is refused while the store holds
-  ``max_stored_sessions`` (``SessionStore.count``), and a session whose first turn failed is
-  never stored (its claim is released, nothing committed).
-* The idle sweep takes its keys from the store a page at a time (``SessionStore.take_idle``),
-  each key handed to one replica only, and keeps taking pages while they come full (up to
-  ``SWEEP_PAGES`` a tick), removing ``SWEEP_PARALLEL`` at a time: replicas share the work
-  instead of racing for the same keys, and a backlog drains at the sweep's pace, not 1,000 per
-  tick fleet-wide.
 
 ``SharedSessions`` is a base of ``SessionRegistry`` (``_registry``), which owns the entries and
-their local lifecycle; the methods here are the ones that talk to the store.
+their local lifecycle; the methods here are the ones that talk to the store. What bounds the
+store (a cap on new sessions, the sweep that keeps up) is its base, ``StoreBounds``
+(``_bounds``).
 """
 
 from __future__ import annotations
@@ -36,6 +30,7 @@ from collections.abc import Callable
 import structlog
 
 from agentkv._core import AsyncCluster, AsyncSession
+from agentkv.proxy._bounds import StoreBounds
 from agentkv.proxy._entry import Key, SessionEntry, split_key, store_key
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
@@ -47,7 +42,7 @@ from agentkv.proxy._store import (
     StoreUnavailableError,
 )
 
-__all__ = ["DIRTY_HANDOVER", "READ_PAUSES_S", "SWEEP_PAGE", "SWEEP_PAGES", "SharedSessions"]
+__all__ = ["DIRTY_HANDOVER", "READ_PAUSES_S", "SharedSessions"]
 
 logger = structlog.get_logger("agentkv")
 
@@ -56,15 +51,6 @@ logger = structlog.get_logger("agentkv")
 # behind a turn still running there. Real time, whatever clock the registry is given.
 READ_PAUSES_S = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.02)
 
-# The idle sweep, per replica and tick: pages of keys taken from the store, at most this many
-# pages, each key removed under a claim with this many at a time. A key taken is not handed to
-# another replica for ``SWEEP_HOLD_S`` (long enough for a page to be removed; one left over,
-# its replica gone or the session in use, is taken again after it).
-SWEEP_PAGE = 1000
-SWEEP_PAGES = 20
-SWEEP_PARALLEL = 16
-SWEEP_HOLD_S = 60.0
-
 # The handle_reason of a turn after a dirty handover (see ``SharedSessions._take``).
 DIRTY_HANDOVER = (
     "the replica that held this session stopped mid-turn, and its turn may be using the stored "
@@ -72,7 +58,7 @@ DIRTY_HANDOVER = (
 )
 
 
-class SharedSessions:
+class SharedSessions(StoreBounds):
     """The store side of ``SessionRegistry`` (see the module docstring)."""
 
     # Set by SessionRegistry.__init__.
@@ -83,8 +69,6 @@ class SharedSessions:
     _wall: Callable[[], float]
     _claim_wait_s: float
     _idle_timeout_s: float
-    _max_stored: int
-    _sweep_page: int
     _entries: OrderedDict[Key, SessionEntry]
     _writes: set[asyncio.Task[None]]
 
@@ -184,52 +168,6 @@ class SharedSessions:
         entry.version = claim.version
         entry.renewer = asyncio.ensure_future(self._renew(entry, claim))
         entry.store_s = time.perf_counter() - started
-
-    async def _admit(self, entry: SessionEntry, claim: Claim) -> None:
-        """Refuse a new session (its claim released) while the store holds its limit.
-
-        One more round trip, on a session's first turn only. The count is of stored sessions:
-        first turns still running everywhere can pass it together, by at most one each."""
-        store = self._store
-        assert store is not None
-        try:
-            stored = await store.count()
-            if stored < self._max_stored:
-                return
-            await store.release(claim)
-        except StoreUnavailableError as exc:
-            raise ProxyError(
-                503, str(exc), code="state_unavailable", headers={"Retry-After": "1"}
-            ) from exc
-        self._metrics.sessions_refused.labels("store").inc()
-        logger.warning(
-            "agentkv.proxy.store_full", session_id=entry.session_id, stored=stored
-        )
-        raise ProxyError(
-            503,
-            f"the session store holds its limit of {self._max_stored} sessions; retry when "
-            "idle ones have expired, or continue an existing session",
-            code="too_many_sessions",
-            headers={"Retry-After": "15"},
-        )
-
-    async def _release_claim(self, entry: SessionEntry) -> None:
-        """Give the entry's claim back without writing (a turn that left nothing to store)."""
-        store, claim = self._store, entry.claim
-        if store is None or claim is None:
-            return
-        entry.claim = None
-        renewer, entry.renewer = entry.renewer, None
-        if renewer is not None:
-            renewer.cancel()
-            await asyncio.wait([renewer])
-        try:
-            await store.release(claim)
-        except StoreUnavailableError as exc:
-            # The lease runs out on its own; nothing was stored either way.
-            logger.warning(
-                "agentkv.proxy.release_failed", session_id=entry.session_id, detail=str(exc)
-            )
 
     def _take(self, entry: SessionEntry, claim: Claim) -> None:
         """Make ``entry`` the stored session when the claim brought it.
@@ -425,24 +363,4 @@ class SharedSessions:
         for entry in [e for e in self._entries.values() if self._expired(e)]:
             self._forget(entry)  # a cached copy only: the store decides what is idle
         before = self._wall() - self._idle_timeout_s
-        closed = 0
-        gate = asyncio.Semaphore(SWEEP_PARALLEL)
-
-        async def remove(key: str) -> bool:
-            async with gate:
-                principal, session_id = split_key(key)
-                return await self._remove(principal, session_id, reason="idle", idle_before=before)
-
-        for _ in range(SWEEP_PAGES):
-            keys = await self._store.take_idle(
-                before=before, limit=self._sweep_page, hold_s=SWEEP_HOLD_S
-            )
-            done = await asyncio.gather(*(remove(key) for key in keys), return_exceptions=True)
-            closed += sum(result is True for result in done)
-            failure = next((r for r in done if isinstance(r, BaseException)), None)
-            if failure is not None:
-                # Its keys are taken again once held long enough; the sweeper logs it.
-                raise failure
-            if len(keys) < self._sweep_page:
-                break
-        return closed
+        return await self._sweep_store(before)

@@ -231,8 +231,8 @@ class MemoryStore:
     async def take_idle(self, *, before: float, limit: int, hold_s: float) -> list[str]:
         now = self.clock()
         self._sweeping = {k: until for k, until in self._sweeping.items() if until > now}
-        taken = [k for k in await self.idle(before=before, limit=len(self._idle)) if k not in
-                 self._sweeping][:limit]
+        idle = await self.idle(before=before, limit=len(self._idle))
+        taken = [key for key in idle if key not in self._sweeping][:limit]
         self._sweeping.update(dict.fromkeys(taken, now + hold_s))
         return taken
 
