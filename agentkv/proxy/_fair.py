@@ -3,7 +3,7 @@
 The registry's places are one pool, and without a rule the principal that opens sessions
 fastest takes them all: each new session closed the one idle the longest, whoever's it was, so
 one key's flood (even of requests that failed upstream) closed every other key's sessions and
-lost their ``previous_response_id``\\ s. The rule here:
+lost their stored responses (``previous_response_id``). The rule here:
 
 * A principal's *share* is ``max_sessions`` over the principals holding sessions (the one asking
   included), at least one. It moves with the load: alone, a principal may fill the registry;

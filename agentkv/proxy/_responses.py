@@ -48,19 +48,34 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses by id, the most recent ``max_entries`` (scoped by principal)."""
+    """Stored responses by id, at most ``max_entries`` (scoped by principal).
+
+    When full, a principal holding at least an equal share gives up its own oldest response,
+    and any other takes the place of the oldest response of the principal holding the most:
+    one key's traffic never pushes out another key's stored responses while it holds
+    more of them (as the session registry shares its places, ``_fair``)."""
 
     def __init__(self, *, max_entries: int) -> None:
         self._max = max_entries
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._entries: dict[str, StoredResponse] = {}
+        self._owned: dict[str, OrderedDict[str, None]] = {}  # principal -> ids, oldest first
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
         self._entries[response_id] = entry
+        self._owned.setdefault(entry.principal, OrderedDict())[response_id] = None
         while len(self._entries) > self._max:
-            self._entries.popitem(last=False)
+            principal = entry.principal
+            if len(self._owned[principal]) * len(self._owned) < self._max:
+                # Under its share: the largest holder gives one up (only when one is full).
+                principal = max(self._owned, key=lambda p: len(self._owned[p]))
+            owned = self._owned[principal]
+            oldest, _ = owned.popitem(last=False)
+            del self._entries[oldest]
+            if not owned:
+                del self._owned[principal]
 
     def get(self, principal: str, response_id: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)

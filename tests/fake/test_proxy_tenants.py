@@ -16,6 +16,7 @@ from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._redis_store import RedisSessions
 from agentkv.proxy._registry import SessionRegistry
+from agentkv.proxy._responses import ResponseStore, StoredResponse
 from agentkv.proxy._salt import CacheSalts
 from agentkv.testing import FakeCluster, ManualClock
 
@@ -108,6 +109,28 @@ async def test_one_keys_failing_requests_close_no_other_keys_session_nor_its_res
     failed = metrics.value("agentkv_proxy_sessions_closed_total", reason="failed")
     refused = metrics.value("agentkv_proxy_sessions_refused_total", status="503")
     assert failed + refused == 55
+
+
+def test_one_keys_responses_never_push_out_another_keys_previous_response_ids():
+    store = ResponseStore(max_entries=4)
+
+    def put(principal: str, response_id: str) -> None:
+        store.put(
+            response_id,
+            StoredResponse(principal=principal, session_id="s", instructions=None, messages=()),
+        )
+
+    put("bob", "bob-1")
+    for i in range(10):
+        put("alice", f"alice-{i}")
+    assert len(store) == 4
+    assert store.get("bob", "bob-1") is not None
+    assert [i for i in range(10) if store.get("alice", f"alice-{i}")] == [7, 8, 9]
+    # A newcomer under its share takes the place of the largest holder's oldest.
+    put("carol", "carol-1")
+    assert [i for i in range(10) if store.get("alice", f"alice-{i}")] == [8, 9]
+    assert store.get("bob", "bob-1") is not None
+    assert store.get("carol", "carol-1") is not None
 
 
 async def _open(registry: SessionRegistry, principal: str, session_id: str):
