@@ -6,7 +6,7 @@ In-process, in front of the fake pair (answers at once, pins KV like decode does
 * memory: SESSIONS conversations of TURNS turns each (a system prompt of about 1,000 tokens,
   short questions, 48-token answers) through one proxy app, sessions in its memory; Python's
   allocations held after them (``tracemalloc``, the fake pair's own left out), per session:
-  the session, its transcript and token ids, stored responses' history, the registry's keys.
+  the session, its transcript and token ids, the message mapping, the registry's keys.
 * redis: the same conversations through a proxy on a local Redis (started here on a free port,
   stopped by pid); Redis's ``used_memory`` after them, per session (snapshots, token ids, the
   indexes).
