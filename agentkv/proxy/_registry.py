@@ -197,8 +197,10 @@ class SessionRegistry(SharedSessions):
 
     async def _drop_unborn(self, entry: SessionEntry) -> None:
         """Close a session whose first turn failed, unless another request waits for it (that
-        one runs the first turn next). In the store: the claim released, nothing written."""
-        if entry.claim is not None:
+        one runs the first turn next). In the store: the claim released, nothing written; a
+        copy whose claim was refused (busy elsewhere, the store full) is dropped quietly."""
+        claimed = entry.claim is not None
+        if claimed:
             await self._release_claim(entry)
         if entry.users > 1:
             await self._give_back(entry)
@@ -210,6 +212,7 @@ class SessionRegistry(SharedSessions):
         await self._give_back(entry)
         if self._entries.get(entry.key) is entry:
             self._forget(entry)
+        if claimed:  # opened in the store by this request (``_claim``): now closed
             self._metrics.sessions_closed.labels("failed").inc()
             logger.info(
                 "agentkv.proxy.session_closed",
