@@ -401,3 +401,20 @@ async def test_two_replicas_sweeping_together_never_claim_the_same_key(replicas,
     assert await _stored(redis_url) == 0
     assert not set(a.store.claimed) & set(b.store.claimed)
     assert len(a.store.claimed) + len(b.store.claimed) == 40  # each key claimed once
+
+
+async def test_take_idle_hands_each_idle_key_to_one_caller_until_its_hold_ends(redis_url):
+    store = RedisSessions.from_url(redis_url)
+    try:
+        for i, used_at in enumerate((1.0, 2.0, 3.0, 50.0)):
+            claim = await store.claim(f"k{i}", known_version=0, wait_s=0.0)
+            await store.commit(claim, b"snapshot", used_at=used_at)
+        assert await store.count() == 4
+        first = await store.take_idle(before=10.0, limit=2, hold_s=0.2)
+        second = await store.take_idle(before=10.0, limit=2, hold_s=60.0)
+        assert (first, second) == (["k0", "k1"], ["k2"])  # k3 is not idle yet
+        assert await store.take_idle(before=10.0, limit=2, hold_s=60.0) == []
+        await asyncio.sleep(0.3)  # the first caller never removed its keys: handed out again
+        assert await store.take_idle(before=10.0, limit=5, hold_s=60.0) == ["k0", "k1"]
+    finally:
+        await store.aclose()
