@@ -120,6 +120,8 @@ class _Proxy:
             clock=clock,
             store=self.store,
             persist_idle_s=config.persist_idle_s,
+            max_sessions_per_key=config.max_sessions_per_key,
+            max_stored_sessions=config.max_stored_sessions,
         )
         config_ = self.config
         self.relief = (

@@ -209,7 +209,7 @@ class _Lease:
             await self.session.aclose()  # one-shot: keep no handle
         else:
             assert self.registry is not None
-            await self.registry.checkin(self.entry)
+            await self.registry.checkin(self.entry, failed=failed)
 
     def headers(self, *, pair: str, handle: HandleState) -> dict[str, str]:
         headers = {HEADER_PAIR: pair, HEADER_HANDLE: handle.value}
@@ -450,7 +450,7 @@ class ChatService:
                 await registry.replace(entry, child)
                 self._forked(child, session_id, principal=principal, plan=plan)
         except BaseException:
-            await registry.checkin(entry)
+            await registry.checkin(entry, failed=True)  # a new session the request never used
             raise
         if plan.forked and placement is not None:
             await registry.checkin(entry)

@@ -68,8 +68,24 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--max-sessions",
         type=int,
         default=_DEFAULTS.max_sessions,
-        help=f"open sessions at most; the one idle longest is closed first "
-        f"(default {_DEFAULTS.max_sessions})",
+        help="open sessions at most (per replica with --state); past it an idle one of the "
+        f"key holding the most is closed (default {_DEFAULTS.max_sessions})",
+    )
+    parser.add_argument(
+        "--max-sessions-per-key",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open sessions one API key may hold at most (429 past it; default: no cap "
+        "beyond its fair share of --max-sessions)",
+    )
+    parser.add_argument(
+        "--max-stored-sessions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --state: sessions the store holds at most, all replicas together (a new "
+        "one past it gets 503; default: --max-sessions)",
     )
     parser.add_argument(
         "--responses-max-bytes",
@@ -135,6 +151,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         persist_idle_s=args.persist_idle or None,
         relieve_kv_usage=args.relieve_kv_usage or None,
         max_sessions=args.max_sessions,
+        max_sessions_per_key=args.max_sessions_per_key,
+        max_stored_sessions=args.max_stored_sessions,
         max_body_bytes=args.max_body_bytes,
         responses_max_bytes=args.responses_max_bytes,
         default_max_tokens=args.default_max_tokens,

@@ -90,7 +90,12 @@ class ProxyConfig:
         session_idle_timeout_s: a session unused this long is closed (its handle dropped). Longer
             than the decode server's pin TTL (480 s) keeps the token-exact transcript, so prefill's
             own prefix cache can still serve the history after the pin is gone.
-        max_sessions: open sessions at most; past it the session idle the longest is closed.
+        max_sessions: open sessions at most (each replica's copies, with ``state``); past it
+            an idle one is closed, taken from the principals holding the most (``_fair``).
+        max_sessions_per_key: open sessions one principal may hold at most (``None``: no cap
+            beyond its fair share of ``max_sessions`` once the registry is full).
+        max_stored_sessions: with ``state``, sessions the store holds at most, all replicas
+            together: a new session past it gets 503 (``None``: ``max_sessions``).
         max_body_bytes: larger request bodies get 413 before they are parsed.
         default_max_tokens: the generation limit of requests that set none.
         sweep_interval_s: how often idle sessions are looked for.
@@ -132,6 +137,8 @@ class ProxyConfig:
     api_keys: ApiKeys | None = None
     session_idle_timeout_s: float = 600.0
     max_sessions: int = 10_000
+    max_sessions_per_key: int | None = None
+    max_stored_sessions: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 1024
     sweep_interval_s: float = 15.0
@@ -145,6 +152,20 @@ class ProxyConfig:
     relieve_kv_usage: float | None = 0.9
     relieve_margin: float = 0.1
     relieve_interval_s: float = 2.0
+
+    def _check_serving(self) -> None:
+        if self.state is not None and not self.state.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigError(f"state must be a redis:// URL, got {self.state!r}")
+        if self.state_lease_s <= 0:
+            raise ConfigError("state_lease_s must be positive")
+        if self.metrics_need_key and self.api_keys is None:
+            raise ConfigError("metrics_need_key needs api_keys (--api-keys)")
+        if self.tool_calling not in ("auto", "native", "json"):
+            raise ConfigError("tool_calling must be auto, native or json")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
 
     def _check_relief(self) -> None:
         if self.relieve_kv_usage is not None and not (
@@ -164,22 +185,13 @@ class ProxyConfig:
         ):
             raise ConfigError("persist_idle_s must be positive (or None: never)")
         self._check_relief()
-        if self.state is not None and not self.state.startswith(
-            ("redis://", "rediss://", "unix://")
-        ):
-            raise ConfigError(f"state must be a redis:// URL, got {self.state!r}")
-        if self.state_lease_s <= 0:
-            raise ConfigError("state_lease_s must be positive")
-        if self.metrics_need_key and self.api_keys is None:
-            raise ConfigError("metrics_need_key needs api_keys (--api-keys)")
-        if self.tool_calling not in ("auto", "native", "json"):
-            raise ConfigError("tool_calling must be auto, native or json")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        self._check_serving()
         if self.session_idle_timeout_s <= 0:
             raise ConfigError("session_idle_timeout_s must be positive")
-        if self.max_sessions < 1:
-            raise ConfigError("max_sessions must be at least 1")
+        for name in ("max_sessions", "max_sessions_per_key", "max_stored_sessions"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
         if self.default_max_tokens < 1:

@@ -176,8 +176,14 @@ class ProxyMetrics:
         )
         self.sessions_closed = Counter(
             "agentkv_proxy_sessions_closed",
-            "Sessions closed, by why (deleted, idle, evicted, shutdown)",
+            "Sessions closed, by why (deleted, idle, evicted, failed, shutdown)",
             ("reason",),
+            registry=registry,
+        )
+        self.sessions_refused = Counter(
+            "agentkv_proxy_sessions_refused",
+            "New sessions refused: the key's limit or share (429, 503) or a full store (store)",
+            ("status",),
             registry=registry,
         )
         self._live = _LiveGauges()

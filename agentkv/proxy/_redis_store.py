@@ -22,6 +22,8 @@ Keys (``prefix`` defaults to ``agentkv:``):
   response id -> ``COUNT:RECORD`` (``COUNT``: how many of the session's messages the response's
   history is, what a fork's ``drop_responses`` compares). Removing the session deletes it; a
   ``PX`` of ``ttl_s``, renewed by every put, reclaims one whose session never got stored.
+* ``{prefix}sweeping``: a sorted set, session key -> until when (wall-clock milliseconds) an
+  idle sweep holds it (``take_idle``): no other sweep takes it before then.
 
 Every operation is one Lua script, so one round trip and atomic: claiming (lock, fence, and the
 snapshot when the caller's copy is stale), committing (fence check, write, unlock, idle index),
@@ -192,6 +194,27 @@ end
 return 1
 """
 
+# KEYS: idle, sweeping. ARGV: cutoff (ms, exclusive), limit, now (ms), hold (ms). Holds past
+# their time are dropped first; the candidates read are the page plus every key still held
+# (each of those is skipped), so a full page comes back whenever one exists.
+_TAKE_IDLE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[3])
+local limit = tonumber(ARGV[2])
+local read = limit + redis.call('ZCARD', KEYS[2])
+local members = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1], 'LIMIT', 0, read)
+local hold_until = tonumber(ARGV[3]) + tonumber(ARGV[4])
+local taken = {}
+for _, member in ipairs(members) do
+  if #taken >= limit then break end
+  if not redis.call('ZSCORE', KEYS[2], member) then
+    redis.call('ZADD', KEYS[2], hold_until, member)
+    taken[#taken + 1] = member
+  end
+end
+return taken
+"""
+
+
 T = TypeVar("T")
 
 # The orphans a session's hash keeps for the next claim to release (a new one drops the oldest):
@@ -252,6 +275,7 @@ class RedisSessions:
         self._fence_off = client.register_script(_FENCE_OFF)
         self._put_response = client.register_script(_PUT_RESPONSE)
         self._drop_responses = client.register_script(_DROP_RESPONSES)
+        self._take_idle = client.register_script(_TAKE_IDLE)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisSessions:
@@ -403,6 +427,18 @@ class RedisSessions:
             )
         )
         return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+
+    async def take_idle(self, *, before: float, limit: int, hold_s: float) -> list[str]:
+        members = await self._call(
+            self._take_idle(
+                keys=[self._idle_key, f"{self._prefix}sweeping"],
+                args=[int(before * 1000), limit, int(time.time() * 1000), int(hold_s * 1000)],
+            )
+        )
+        return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+
+    async def count(self) -> int:
+        return int(await self._call(self._redis.zcard(self._idle_key)))
 
     async def pinned_idle(self, *, before: float, limit: int) -> list[tuple[str, float]]:
         members = await self._call(

@@ -6,8 +6,12 @@
   already on it) and checks it in when its answer, or its stream, is done.
 * Idle expiry: a session unused for ``idle_timeout_s`` is closed, on the periodic ``sweep`` or
   when it is next asked for, whichever comes first.
-* Bounded size: opening a session past ``max_sessions`` closes the one idle the longest; when
-  every session is in use the request gets 503 rather than the proxy growing without bound.
+* Bounded size, shared fairly: opening a session past ``max_sessions`` closes an idle one,
+  chosen so that no principal's flood closes another's sessions while it holds more than its
+  share (``_fair``); when none may go the request gets 503 (429 past ``max_sessions_per_key``)
+  rather than the proxy growing without bound, and only the principal over its share gets it.
+* A session whose first turn failed (nothing committed) is closed and forgotten, not kept: a
+  failing upstream, or a client sending what cannot be served, fills no place.
 
 Everything runs on the proxy's event loop; nothing here is thread-safe, nothing needs to be.
 
@@ -20,14 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import structlog
 
 from agentkv._core import AsyncCluster, AsyncSession, SessionClosedError
+from agentkv.proxy._bounds import SWEEP_PAGE
 from agentkv.proxy._entry import Key, SessionEntry
 from agentkv.proxy._errors import ProxyError
+from agentkv.proxy._fair import Refusal, SessionTable, choose_victim
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._shared import SharedSessions
 from agentkv.proxy._store import SessionStore
@@ -59,18 +64,25 @@ class SessionRegistry(SharedSessions):
         claim_wait_s: float = 600.0,
         wall_clock: Callable[[], float] = time.time,
         persist_idle_s: float | None = None,
+        max_sessions_per_key: int | None = None,
+        max_stored_sessions: int | None = None,
     ) -> None:
+        self._max_per_key = max_sessions_per_key
+        # With a store: how many sessions it may hold, all replicas together (new ones past it
+        # are refused); ``max_sessions`` bounds each replica's copies.
+        self._max_stored = max_sessions if max_stored_sessions is None else max_stored_sessions
         self._persist_idle_s = persist_idle_s
         self._cluster = cluster
         self._store = store
         self._claim_wait_s = claim_wait_s
         self._wall = wall_clock
         self._max = max_sessions
+        self._sweep_page = SWEEP_PAGE
         self._idle_timeout_s = idle_timeout_s
         self._metrics = metrics
         self._clock = clock
-        # Ordered by last checkout, oldest first: eviction scans from the front.
-        self._entries: OrderedDict[Key, SessionEntry] = OrderedDict()
+        # Ordered by last checkout, oldest first, per principal too (``_fair``).
+        self._entries: SessionTable = SessionTable()
         # Checkins whose commit is still being written behind their answer.
         self._writes: set[asyncio.Task[None]] = set()
         self._pins = None if store is None else UnreferencedPins(cluster, store, metrics)
@@ -129,7 +141,7 @@ class SessionRegistry(SharedSessions):
         else:
             entry = await self.lookup(principal, session_id)
         if entry is None:
-            await self._make_room()
+            await self._make_room(principal)
             # Making room may have waited (closing a session), and another request for the same
             # key may have opened it meanwhile: one key, one session.
             entry = self._entries.get(key)
@@ -152,7 +164,7 @@ class SessionRegistry(SharedSessions):
             try:
                 await self._claim(entry, placement_key=placement_key)
             except BaseException:
-                await self.checkin(entry)
+                await self.checkin(entry, failed=True)  # a new one refused leaves no copy
                 raise
         return entry
 
@@ -165,12 +177,17 @@ class SessionRegistry(SharedSessions):
             pair=entry.session.pair.name,
         )
 
-    async def checkin(self, entry: SessionEntry) -> None:
+    async def checkin(self, entry: SessionEntry, *, failed: bool = False) -> None:
         """Give the session back; a session deleted meanwhile is closed by its last user.
 
         With a shared store the commit is written behind the answer: this returns at once, and
         the session stays checked out (here and in the store) until the commit has landed.
+        ``failed``: the request's turn failed (or never ran); a session it opened that has no
+        turn yet is then dropped, and nothing is stored for it.
         """
+        if failed and self._unborn(entry):
+            await self._drop_unborn(entry)
+            return
         if entry.claim is not None and not entry.closed:
             write = asyncio.get_running_loop().create_task(self._write_behind(entry))
             entry.write = write
@@ -179,6 +196,41 @@ class SessionRegistry(SharedSessions):
             return
         await self._settle(entry)
         await self._give_back(entry)
+
+    def _unborn(self, entry: SessionEntry) -> bool:
+        """Nothing was ever committed for this session: no turn here, none stored (and no fork:
+        a fork that kept nothing of a history is still that conversation)."""
+        if entry.closed or entry.forks or entry.session.turns:
+            return False
+        claim = entry.claim
+        return entry.version == 0 if claim is None else claim.version == 0
+
+    async def _drop_unborn(self, entry: SessionEntry) -> None:
+        """Close a session whose first turn failed, unless another request waits for it (that
+        one runs the first turn next). In the store: the claim released, nothing written; a
+        copy whose claim was refused (busy elsewhere, the store full) is dropped quietly."""
+        claimed = entry.claim is not None
+        if claimed:
+            await self._release_claim(entry)
+        if entry.users > 1:
+            await self._give_back(entry)
+            return
+        if self._store is None:
+            await self._close(entry, "failed")
+            await self._give_back(entry)
+            return
+        await self._give_back(entry)
+        if self._entries.get(entry.key) is entry:
+            self._forget(entry)
+        if claimed:  # opened in the store by this request (``_claim``): now closed
+            self._metrics.sessions_closed.labels("failed").inc()
+            logger.info(
+                "agentkv.proxy.session_closed",
+                session_id=entry.session_id,
+                principal=entry.key[0],
+                reason="failed",
+                turns=0,
+            )
 
     async def _give_back(self, entry: SessionEntry) -> None:
         entry.lock.release()
@@ -308,13 +360,22 @@ class SessionRegistry(SharedSessions):
         if entry.users == 0:
             entry.session.detach()
 
-    async def _make_room(self) -> None:
-        while len(self._entries) >= self._max:
-            victim = next((e for e in self._entries.values() if e.users == 0), None)
+    async def _make_room(self, principal: str) -> None:
+        while True:
+            victim = choose_victim(
+                self._entries,
+                principal,
+                max_sessions=self._max,
+                max_per_key=self._max_per_key,
+                expired=self._expired,
+            )
             if victim is None:
+                return
+            if isinstance(victim, Refusal):
+                self._metrics.sessions_refused.labels(str(victim.status)).inc()
                 raise ProxyError(
-                    503,
-                    f"all {self._max} sessions are in use; retry shortly",
+                    victim.status,
+                    victim.message,
                     code="too_many_sessions",
                     headers={"Retry-After": "1"},
                 )

@@ -144,15 +144,22 @@ class Responses(Protocol):
 
 
 class ResponseStore:
-    """Stored responses in this process's memory, at most ``max_bytes`` (oldest out first).
+    """Stored responses in this process's memory, at most ``max_bytes``, shared fairly by keys.
 
-    ``nbytes`` is what the records hold (``ENTRY_BYTES`` each, plus their strings).
+    When full, a principal holding at least an equal share of the bytes gives up its own oldest
+    response, and any other takes the place of the oldest response of the principal holding the
+    most: one key's traffic never pushes out another key's stored responses while it holds
+    more of them (as the session registry shares its places, ``_fair``). ``nbytes`` is what the
+    records hold (``ENTRY_BYTES`` each, plus their strings).
     """
 
     def __init__(self, *, max_bytes: int) -> None:
         self._max = max_bytes
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._entries: dict[str, StoredResponse] = {}
         self._by_session: dict[Key, dict[str, None]] = {}
+        # principal -> its ids, oldest first, and the bytes they hold.
+        self._owned: dict[str, OrderedDict[str, None]] = {}
+        self._held: dict[str, int] = {}
         self.nbytes = 0
 
     def __len__(self) -> int:
@@ -161,14 +168,25 @@ class ResponseStore:
     def values(self) -> list[StoredResponse]:
         return list(self._entries.values())
 
+    def held(self, principal: str) -> int:
+        """The bytes ``principal``'s stored responses hold."""
+        return self._held.get(principal, 0)
+
     @staticmethod
     def _size(response_id: str, entry: StoredResponse) -> int:
         return ENTRY_BYTES + len(response_id) + len(entry.principal) + len(entry.session_id)
 
     def _drop(self, response_id: str) -> None:
         entry = self._entries.pop(response_id)
-        self.nbytes -= self._size(response_id, entry)
-        key = (entry.principal, entry.session_id)
+        size = self._size(response_id, entry)
+        self.nbytes -= size
+        principal = entry.principal
+        owned = self._owned[principal]
+        del owned[response_id]
+        self._held[principal] -= size
+        if not owned:
+            del self._owned[principal], self._held[principal]
+        key = (principal, entry.session_id)
         ids = self._by_session.get(key)
         if ids is not None:
             ids.pop(response_id, None)
@@ -179,10 +197,17 @@ class ResponseStore:
         size = self._size(response_id, entry)
         if size > self._max:
             return  # never kept (a bound of 0 stores none): dropping the others would not help
+        principal = entry.principal
         while self.nbytes + size > self._max:
-            self._drop(next(iter(self._entries)))
+            giver = principal
+            holders = len(self._owned) + (principal not in self._owned)
+            if giver not in self._owned or (self._held[giver] + size) * holders < self._max:
+                giver = max(self._held, key=self._held.__getitem__)  # under its share
+            self._drop(next(iter(self._owned[giver])))
         self._entries[response_id] = entry
-        self._by_session.setdefault((entry.principal, entry.session_id), {})[response_id] = None
+        self._by_session.setdefault((principal, entry.session_id), {})[response_id] = None
+        self._owned.setdefault(principal, OrderedDict())[response_id] = None
+        self._held[principal] = self._held.get(principal, 0) + size
         self.nbytes += size
 
     async def get(self, group: str, response_id: str) -> StoredResponse | None:

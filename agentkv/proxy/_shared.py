@@ -19,7 +19,9 @@
   claim too, on one replica.
 
 ``SharedSessions`` is a base of ``SessionRegistry`` (``_registry``), which owns the entries and
-their local lifecycle; the methods here are the ones that talk to the store.
+their local lifecycle; the methods here are the ones that talk to the store. What bounds the
+store (a cap on new sessions, the sweep that keeps up) is its base, ``StoreBounds``
+(``_bounds``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Callable
 import structlog
 
 from agentkv._core import AsyncCluster, AsyncSession
+from agentkv.proxy._bounds import StoreBounds
 from agentkv.proxy._entry import Key, SessionEntry, split_key, store_key
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
@@ -61,7 +64,7 @@ DIRTY_HANDOVER = (
 )
 
 
-class SharedSessions:
+class SharedSessions(StoreBounds):
     """The store side of ``SessionRegistry`` (see the module docstring)."""
 
     # Set by SessionRegistry.__init__.
@@ -162,6 +165,8 @@ class SharedSessions:
             raise ProxyError(
                 503, str(exc), code="state_unavailable", headers={"Retry-After": "1"}
             ) from exc
+        if claim.version == 0:
+            await self._admit(entry, claim)
         entry.claim = claim
         self._release_orphans(entry, claim)
         if claim.data is not None:
@@ -423,9 +428,4 @@ class SharedSessions:
         for entry in [e for e in self._entries.values() if self._expired(e)]:
             self._forget(entry)  # a cached copy only: the store decides what is idle
         before = self._wall() - self._idle_timeout_s
-        closed = 0
-        for key in await self._store.idle(before=before, limit=1000):
-            principal, session_id = split_key(key)
-            if await self._remove(principal, session_id, reason="idle", idle_before=before):
-                closed += 1
-        return closed
+        return await self._sweep_store(before)

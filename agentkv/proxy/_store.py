@@ -194,6 +194,16 @@ class SessionStore(Protocol):
         """Keys of sessions last used before ``before`` (wall-clock seconds)."""
         ...
 
+    async def take_idle(self, *, before: float, limit: int, hold_s: float) -> list[str]:
+        """Up to ``limit`` keys of sessions last used before ``before``, each handed to one
+        caller: a key taken is not taken again for ``hold_s`` seconds (the idle sweep of
+        several replicas shares the work this way instead of racing for the same keys)."""
+        ...
+
+    async def count(self) -> int:
+        """How many sessions are stored (committed at least once and not removed)."""
+        ...
+
     async def pinned_idle(self, *, before: float, limit: int) -> list[tuple[str, float]]:
         """Keys and last use of sessions with pinned KV, last used before ``before``."""
         ...

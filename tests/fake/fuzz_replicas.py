@@ -109,6 +109,7 @@ class MemoryStore:
         self._locks: dict[str, tuple[int, float]] = {}  # key -> (fence, lease deadline)
         self._idle: dict[str, float] = {}
         self._pinned: dict[str, float] = {}
+        self._sweeping: dict[str, float] = {}  # key -> until when an idle sweep holds it
         self._secret: str | None = None
         # As Redis' ``r:{group}`` hashes: group -> (id -> (count, record)), and when each
         # group's ``PX`` runs out.
@@ -280,6 +281,17 @@ class MemoryStore:
     async def idle(self, *, before: float, limit: int) -> list[str]:
         keys = sorted((used, key) for key, used in self._idle.items() if used < before)
         return [key for _, key in keys[:limit]]
+
+    async def take_idle(self, *, before: float, limit: int, hold_s: float) -> list[str]:
+        now = self.clock()
+        self._sweeping = {k: until for k, until in self._sweeping.items() if until > now}
+        idle = await self.idle(before=before, limit=len(self._idle))
+        taken = [key for key in idle if key not in self._sweeping][:limit]
+        self._sweeping.update(dict.fromkeys(taken, now + hold_s))
+        return taken
+
+    async def count(self) -> int:
+        return len(self._idle)
 
     async def pinned_idle(self, *, before: float, limit: int) -> list[tuple[str, float]]:
         keys = sorted((used, key) for key, used in self._pinned.items() if used < before)
