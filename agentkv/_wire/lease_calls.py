@@ -60,6 +60,8 @@ logger = structlog.get_logger("agentkv")
 RECHECK_UNSUPPORTED_S = defaults.RECHECK_UNSUPPORTED_S
 METRICS_PATH = "/metrics"
 KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
+WAITING_METRIC = "vllm:num_requests_waiting_by_reason"
+CAPACITY_LABEL = 'reason="capacity"'
 _CALL_TIMEOUT_S = defaults.LEASE_CALL_TIMEOUT_S
 
 # Outcomes of a lease call, as logged (``outcome``).
@@ -186,8 +188,10 @@ class LeaseCalls:
 
     async def kv_usage(self, decode: str) -> float | None:
         """Decode's KV memory in use (0-1, vLLM's ``kv_cache_usage_perc``, the fullest engine),
-        read from its ``/metrics``; ``None`` when it cannot be read. For the tier policy's
-        memory-pressure rule: one small request, asked only when a decision depends on it."""
+        read from its ``/metrics``, and 1.0 while requests wait there for KV capacity
+        (``vllm:num_requests_waiting_by_reason{reason="capacity"}``); ``None`` when it cannot
+        be read. For the tier policy's memory-pressure rule and the proxy's pressure relief:
+        one small request, asked only when a decision depends on it."""
         url = decode + METRICS_PATH
         try:
             response = await self._client.get(url, timeout=_CALL_TIMEOUT_S)
@@ -196,7 +200,12 @@ class LeaseCalls:
             return None
         if response.status_code != 200:
             return None
-        usage = sample_values(response.text, KV_USAGE_METRIC)
+        text = response.text
+        # Requests waiting for KV capacity: decode is full for the work it has, whatever
+        # fraction its blocks in use come to (a new turn needs more than what is free).
+        if any(sample_values(text, WAITING_METRIC, label=CAPACITY_LABEL)):
+            return 1.0
+        usage = sample_values(text, KV_USAGE_METRIC)
         return max(usage) if usage else None
 
     async def _call(self, url: str, body: dict[str, Any]) -> tuple[int, Any] | CallResult:

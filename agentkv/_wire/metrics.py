@@ -35,15 +35,23 @@ def _value(line: str, name: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def sample_values(text: str, name: str) -> list[float]:
+def sample_values(text: str, name: str, *, label: str | None = None) -> list[float]:
     """The finite values of series ``name``'s samples (one per label set), in exposition order.
 
     Only samples named exactly ``name`` count: ``name_total`` or ``name_bucket`` are other
-    series, and ``# HELP``/``# TYPE`` lines are comments."""
+    series, and ``# HELP``/``# TYPE`` lines are comments. ``label`` (``'key="value"'``) keeps
+    the samples whose labels hold it.
+
+    >>> waiting = 'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 2.0\\n'
+    >>> sample_values(waiting, "vllm:num_requests_waiting_by_reason", label='reason="capacity"')
+    [2.0]
+    """
     values: list[float] = []
     # Lines end at "\n" only (str.splitlines would also split inside a label value at "\x1e").
     for line in text.split("\n"):
         if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            if label is not None and label not in line[: line.rfind("}") + 1]:
+                continue
             value = _value(line, name)
             if value is not None:
                 values.append(value)

@@ -27,10 +27,10 @@ def _messages(i, *more):
 
 
 class Proxy:
-    def __init__(self, fake, clock, store=None, **config):
+    def __init__(self, fake, clock, store=None, transport=None, **config):
         self.fake = fake
         self.cluster = AsyncCluster.from_dict(
-            fake.cluster_spec, transport=fake.transport, clock=clock
+            fake.cluster_spec, transport=transport or fake.transport, clock=clock
         )
         self.app = create_app(self.cluster, ProxyConfig(**config), clock=clock, store=store)
         self.store = store
@@ -159,3 +159,37 @@ def test_a_relief_threshold_outside_its_range_is_refused(value):
 
     with pytest.raises(ConfigError, match="relieve_kv_usage"):
         ProxyConfig(relieve_kv_usage=value)
+
+
+class WaitingForCapacity(httpx2.AsyncBaseTransport):
+    """The fake's transport, its decode's ``/metrics`` saying a request waits for KV capacity
+    (as vLLM's does when a new turn needs more blocks than are free)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.waiting = False
+
+    async def handle_async_request(self, request):
+        response = await self._inner.handle_async_request(request)
+        if not self.waiting or request.url.path != "/metrics" or "d0" not in request.url.host:
+            return response
+        body = await response.aread()
+        line = 'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 1.0\n'
+        return httpx2.Response(200, headers=response.headers, content=body + line.encode())
+
+
+async def test_a_request_waiting_for_kv_capacity_counts_as_a_full_decode(clock):
+    """A new turn that needs more blocks than are free waits at decode and adds nothing to the
+    usage: below the threshold by usage, decode is still full for it, and pins are freed."""
+    fake = FakeCluster(pairs=1, clock=clock, num_kv_blocks=128)
+    transport = WaitingForCapacity(fake.transport)
+    proxy = Proxy(fake, clock, transport=transport)
+    for i in range(3):
+        await proxy.ask(i)
+    assert await proxy.usage() < 0.9
+    assert await proxy.app.state.relief.relieve() == 0
+    transport.waiting = True
+    assert await proxy.usage() == 1.0
+    assert await proxy.app.state.relief.relieve() >= 1
+    assert fake.decode(0).pinned_handles < 3
+    await proxy.aclose()
