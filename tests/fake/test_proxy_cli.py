@@ -52,12 +52,33 @@ def test_flags_map_onto_proxy_config(tmp_path):
     assert (config.max_sessions, config.max_body_bytes, config.default_max_tokens) == (7, 4096, 64)
 
 
+def test_slow_client_flags_map_onto_proxy_config_and_zero_turns_each_off():
+    config = config_from_args(
+        _parse("--body-timeout", "2.5", "--body-min-rate", "1000", "--max-connections", "50")
+    )
+    assert (config.body_timeout_s, config.body_min_rate, config.max_connections) == (2.5, 1000, 50)
+    off = config_from_args(
+        _parse("--body-timeout", "0", "--body-min-rate", "0", "--max-connections", "0")
+    )
+    assert (off.body_timeout_s, off.body_min_rate, off.max_connections) == (None, None, None)
+
+
 def test_defaults_are_proxy_configs():
     config = config_from_args(_parse())
     assert config == ProxyConfig()
 
 
-@pytest.mark.parametrize("bad", [["--max-sessions", "0"], ["--api-keys", "/nonexistent/keys"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--max-sessions", "0"],
+        ["--api-keys", "/nonexistent/keys"],
+        ["--body-timeout", "-1"],
+        ["--body-timeout", "inf"],
+        ["--body-min-rate", "-5"],
+        ["--max-connections", "1"],
+    ],
+)
 def test_bad_flags_are_config_errors(bad):
     with pytest.raises(ConfigError):
         config_from_args(_parse(*bad))
