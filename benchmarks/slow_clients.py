@@ -7,9 +7,11 @@ every upload has stalled), and WAIT seconds after the last byte (default: the bo
 3 s); so is the number of client connections the proxy still holds (its ESTABLISHED sockets on
 the port), and how the stalled clients were answered. ``--body-timeout 0`` serves without a body
 deadline (as before issue 39): the stalled uploads are then held as long as their clients wait.
+``--stall headers`` stops the clients before their headers end instead (slowloris), which no
+body deadline reaches: uvicorn has no timeout on reading headers.
 
     .venv/bin/python benchmarks/slow_clients.py [--clients 40] [--sent-mib 7]
-        [--body-timeout 10] [--waves 2] [--wait SECONDS]
+        [--body-timeout 10] [--waves 2] [--wait SECONDS] [--stall body|headers]
 """
 
 from __future__ import annotations
@@ -74,14 +76,15 @@ def _turn(port: int, i: int) -> None:
     answer.raise_for_status()
 
 
-def _stall(port: int, sent: int, declared: int) -> socket.socket:
+def _stall(port: int, sent: int, declared: int, *, headers_only: bool) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port))
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         f"Authorization: Bearer sk-slow\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {declared}\r\n\r\n"
+        f"Content-Length: {declared}\r\n"
     ).encode()
-    sock.sendall(head + b" " * sent)
+    # Headers cut before their blank line (slowloris), or whole and then part of the body.
+    sock.sendall(head if headers_only else head + b"\r\n" + b" " * sent)
     return sock
 
 
@@ -102,7 +105,11 @@ Wave = tuple[float, int, float, int, collections.Counter[str]]
 
 def _wave(args: argparse.Namespace, proxy: psutil.Process, port: int, wait: float) -> Wave:
     """CLIENTS stalled uploads: RSS and connections held during, then ``wait`` s later."""
-    socks = [_stall(port, args.sent_mib * MIB, 8 * MIB) for _ in range(args.clients)]
+    headers_only = args.stall == "headers"
+    socks = [
+        _stall(port, args.sent_mib * MIB, 8 * MIB, headers_only=headers_only)
+        for _ in range(args.clients)
+    ]
     try:
         stalled_at = time.monotonic()
         time.sleep(1.0)  # the proxy reads what is on the sockets
@@ -137,8 +144,13 @@ def _run(args: argparse.Namespace) -> None:
         child.stdin.close()
         child.wait(timeout=30)
     deadline = f"{args.body_timeout:g} s body timeout" if args.body_timeout else "no body deadline"
+    what = (
+        "requests stalled in their headers"
+        if args.stall == "headers"
+        else f"uploads stalled after {args.sent_mib} MiB of 8 MiB"
+    )
     print(
-        f"{args.clients} uploads stalled after {args.sent_mib} MiB of 8 MiB, {deadline}; "
+        f"{args.clients} {what}, {deadline}; "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
     )
     print(f"proxy RSS before {before:5.0f} MiB")
@@ -156,6 +168,12 @@ def main() -> int:
     parser.add_argument("--sent-mib", type=int, default=7, help="of the 8 MiB each declares")
     parser.add_argument(
         "--body-timeout", type=float, default=10.0, help="the proxy's (0: no deadline)"
+    )
+    parser.add_argument(
+        "--stall",
+        choices=("body", "headers"),
+        default="body",
+        help="where the clients stop: in the body, or before their headers end (slowloris)",
     )
     parser.add_argument("--waves", type=int, default=2, help="of CLIENTS stalled uploads")
     parser.add_argument("--wait", type=float, help="seconds after the last byte to measure")
