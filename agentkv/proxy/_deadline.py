@@ -20,8 +20,8 @@ Freed is not given back: glibc keeps the freed pieces of 40 cut 7 MiB uploads in
 proxy's RSS stayed near its peak, reused by the next wave but never returned). So once a request
 whose body was not read to its end (cut, left, refused as too large) has ended having read
 ``_TRIM_AFTER_BYTES`` or more, the middleware asks glibc's ``malloc_trim`` to return free pages to
-the system: a second later, once for all such requests of that second (~3 ms for 280 MB of freed
-pieces, on the event loop). Elsewhere than glibc this does nothing.
+the system: a second later, once for all such requests of that second (one call on the event
+loop, never on the path of a request read whole). Elsewhere than glibc this does nothing.
 
 The deadline is loop time from when the app first sees the request (its headers complete). It
 costs one timer per ``receive`` until the body is complete, then nothing: the in-process
