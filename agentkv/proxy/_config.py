@@ -102,11 +102,11 @@ class ProxyConfig:
             rate is never cut, and no body holds a connection longer than ``body_timeout_s +
             max_body_bytes / body_min_rate`` (138 s by default). 64 KiB/s is a 512 kbit/s
             uplink. ``None``: the whole body within ``body_timeout_s``.
-        max_connections: client connections at most (uvicorn's ``limit_concurrency``, which
-            also counts requests in flight); a request past it gets uvicorn's plain 503 and its
-            connection is closed. Bounds what clients can hold together (about
-            ``max_body_bytes`` each while uploading); below the usual 1,024-descriptor limit,
-            past which accepting fails instead. ``None``: no limit.
+        max_connections: uvicorn's ``limit_concurrency``: a request that arrives while this many
+            client connections are open (its own included) or this many requests are in flight
+            gets uvicorn's plain 503, and its connection is closed. Bounds what clients can hold
+            together (about ``max_body_bytes`` each while uploading); below the usual
+            1,024-descriptor limit, past which accepting fails instead. ``None``: no limit.
         default_max_tokens: the generation limit of requests that set none.
         sweep_interval_s: how often idle sessions are looked for.
         tool_calling: ``auto`` (probe the backend once for a tool parser), ``native`` (the

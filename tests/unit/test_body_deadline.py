@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
-
 from agentkv.proxy._deadline import BodyDeadline, BodyPace
 from agentkv.proxy._errors import ProxyError
 
@@ -74,6 +72,7 @@ async def test_bodies_left_unread_ask_one_trim_a_second_later_and_whole_ones_non
     # Three cut at once (1.5 MiB read each), and one cut below the threshold.
     statuses = await asyncio.gather(*(_serve(app, _Client(n)) for n in (3, 3, 3, 1)))
     assert statuses == [408] * 4
-    await asyncio.sleep(1.3)
+    await asyncio.sleep(1.5)
     assert len(trims) == 1
-    assert trims[0] - started == pytest.approx(1.05, abs=0.2)
+    # One second after the first cut (0.05 s in), not at each.
+    assert 1.0 <= trims[0] - started < 1.3
