@@ -8,10 +8,12 @@ every upload has stalled), and WAIT seconds after the last byte (default: the bo
 the port), and how the stalled clients were answered. ``--body-timeout 0`` serves without a body
 deadline (as before issue 39): the stalled uploads are then held as long as their clients wait.
 ``--stall headers`` stops the clients before their headers end instead (slowloris), which no
-body deadline reaches: uvicorn has no timeout on reading headers.
+body deadline reaches: the proxy's header deadline closes them (uvicorn has none;
+``--header-timeout 0`` serves without it).
 
     .venv/bin/python benchmarks/slow_clients.py [--clients 40] [--sent-mib 7]
-        [--body-timeout 10] [--waves 2] [--wait SECONDS] [--stall body|headers]
+        [--body-timeout 10] [--header-timeout 10] [--waves 2] [--wait SECONDS]
+        [--stall body|headers]
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ def _serve(args: argparse.Namespace) -> None:
     def make() -> AsyncCluster:
         return AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
 
-    config = ProxyConfig(port=0, body_timeout_s=args.body_timeout or None)
+    config = ProxyConfig(
+        port=0,
+        body_timeout_s=args.body_timeout or None,
+        header_timeout_s=args.header_timeout or None,
+    )
     with ProxyServer(make, config) as server:
         print(server.port, flush=True)
         sys.stdin.read()
@@ -124,7 +130,15 @@ def _wave(args: argparse.Namespace, proxy: psutil.Process, port: int, wait: floa
 
 def _run(args: argparse.Namespace) -> None:
     child = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--body-timeout", str(args.body_timeout)],
+        [
+            sys.executable,
+            __file__,
+            "--serve",
+            "--body-timeout",
+            str(args.body_timeout),
+            "--header-timeout",
+            str(args.header_timeout),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -143,7 +157,13 @@ def _run(args: argparse.Namespace) -> None:
     finally:
         child.stdin.close()
         child.wait(timeout=30)
-    deadline = f"{args.body_timeout:g} s body timeout" if args.body_timeout else "no body deadline"
+    deadline = (
+        f"{args.body_timeout:g} s body timeout" if args.body_timeout else "no body deadline"
+    ) + (
+        f", {args.header_timeout:g} s header timeout"
+        if args.header_timeout
+        else ", none on headers"
+    )
     what = (
         "requests stalled in their headers"
         if args.stall == "headers"
@@ -176,6 +196,9 @@ def main() -> int:
         help="where the clients stop: in the body, or before their headers end (slowloris)",
     )
     parser.add_argument("--waves", type=int, default=2, help="of CLIENTS stalled uploads")
+    parser.add_argument(
+        "--header-timeout", type=float, default=10.0, help="the proxy's (0: no deadline)"
+    )
     parser.add_argument("--wait", type=float, help="seconds after the last byte to measure")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

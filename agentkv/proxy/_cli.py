@@ -86,6 +86,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         f"(default {_DEFAULTS.body_min_rate}; 0: the whole body within --body-timeout)",
     )
     parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=_DEFAULTS.header_timeout_s,
+        metavar="SECONDS",
+        help="close connections that take longer to send a request's headers "
+        f"(default {_DEFAULTS.header_timeout_s:g}; 0: no deadline)",
+    )
+    parser.add_argument(
         "--max-connections",
         type=int,
         default=_DEFAULTS.max_connections,
@@ -144,6 +152,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout or None,
         body_min_rate=args.body_min_rate or None,
+        header_timeout_s=args.header_timeout or None,
         max_connections=args.max_connections or None,
         default_max_tokens=args.default_max_tokens,
         tool_calling=args.tool_calling,

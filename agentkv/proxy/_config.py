@@ -102,6 +102,11 @@ class ProxyConfig:
             rate is never cut, and no body holds a connection longer than ``body_timeout_s +
             max_body_bytes / body_min_rate`` (138 s by default). 64 KiB/s is a 512 kbit/s
             uplink. ``None``: the whole body within ``body_timeout_s``.
+        header_timeout_s: a connection must complete a request's headers within this many
+            seconds of connecting (or of its first byte after a response), else it is closed;
+            uvicorn has none (``_header_deadline``), so clients stalled in their headers
+            (slowloris) would hold their connections, and ``max_connections``, as long as they
+            liked. ``None``: no deadline (only behind a front proxy that has one).
         max_connections: uvicorn's ``limit_concurrency``: a request that arrives while this many
             client connections are open (its own included) or this many requests are in flight
             gets uvicorn's plain 503, and its connection is closed. Bounds what clients can hold
@@ -139,6 +144,7 @@ class ProxyConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     body_timeout_s: float | None = 10.0
     body_min_rate: int | None = 64 * 1024
+    header_timeout_s: float | None = 10.0
     max_connections: int | None = 1000
     default_max_tokens: int = 1024
     sweep_interval_s: float = 15.0
@@ -184,6 +190,10 @@ class ProxyConfig:
             math.isfinite(self.body_timeout_s) and self.body_timeout_s > 0
         ):
             raise ConfigError("body_timeout_s must be positive (or None: no deadline)")
+        if self.header_timeout_s is not None and not (
+            math.isfinite(self.header_timeout_s) and self.header_timeout_s > 0
+        ):
+            raise ConfigError("header_timeout_s must be positive (or None: no deadline)")
         if self.body_min_rate is not None and self.body_min_rate < 1:
             raise ConfigError("body_min_rate must be at least 1 byte/s (or None: no rate)")
         if self.max_connections is not None and self.max_connections < 2:

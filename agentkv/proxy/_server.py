@@ -22,6 +22,7 @@ from starlette.applications import Starlette
 from agentkv._core import AsyncCluster, Portal, listening_socket
 from agentkv.proxy._app import create_app
 from agentkv.proxy._config import ProxyConfig
+from agentkv.proxy._header_deadline import header_deadline_protocol
 
 if TYPE_CHECKING:
     import uvicorn
@@ -40,15 +41,18 @@ def _uvicorn_server(app: Starlette, config: ProxyConfig, *, log_level: str) -> u
         lifespan="on",
         log_level=log_level,
         access_log=False,  # the proxy logs its own events; a line per request is noise
-        http="auto",  # httptools where installed (uvicorn[standard]), else pure-Python h11
+        # httptools where installed (uvicorn[standard]), else pure-Python h11; with the header
+        # deadline uvicorn lacks (_header_deadline).
+        http="auto"
+        if config.header_timeout_s is None
+        else header_deadline_protocol(config.header_timeout_s),
         ws="none",
         # Longer than clients keep idle connections (httpx2: 5 s, uvicorn's default too): a server
         # that closes first races the client's next request on that connection.
         timeout_keep_alive=75,
         timeout_graceful_shutdown=5,
         # Connections (idle, uploading, or not past their headers yet) or requests in flight at
-        # most; a request past it gets a plain 503. uvicorn has no timeout on reading headers:
-        # this is what bounds clients that open connections and stall before them (docs/proxy.md).
+        # most; a request past it gets a plain 503 (docs/proxy.md, "Slow clients").
         limit_concurrency=config.max_connections,
     )
     return uvicorn.Server(server_config)

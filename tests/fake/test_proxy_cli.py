@@ -54,13 +54,21 @@ def test_flags_map_onto_proxy_config(tmp_path):
 
 def test_slow_client_flags_map_onto_proxy_config_and_zero_turns_each_off():
     config = config_from_args(
-        _parse("--body-timeout", "2.5", "--body-min-rate", "1000", "--max-connections", "50")
-    )
-    assert (config.body_timeout_s, config.body_min_rate, config.max_connections) == (2.5, 1000, 50)
+        _parse(
+            "--body-timeout", "2.5", "--body-min-rate", "1000", "--header-timeout", "3",
+            "--max-connections", "50",
+        )
+    )  # fmt: skip
+    assert (config.body_timeout_s, config.body_min_rate) == (2.5, 1000)
+    assert (config.header_timeout_s, config.max_connections) == (3, 50)
     off = config_from_args(
-        _parse("--body-timeout", "0", "--body-min-rate", "0", "--max-connections", "0")
-    )
-    assert (off.body_timeout_s, off.body_min_rate, off.max_connections) == (None, None, None)
+        _parse(
+            "--body-timeout", "0", "--body-min-rate", "0", "--header-timeout", "0",
+            "--max-connections", "0",
+        )
+    )  # fmt: skip
+    assert (off.body_timeout_s, off.body_min_rate) == (None, None)
+    assert (off.header_timeout_s, off.max_connections) == (None, None)
 
 
 def test_defaults_are_proxy_configs():
@@ -76,6 +84,7 @@ def test_defaults_are_proxy_configs():
         ["--body-timeout", "-1"],
         ["--body-timeout", "inf"],
         ["--body-min-rate", "-5"],
+        ["--header-timeout", "nan"],
         ["--max-connections", "1"],
     ],
 )

@@ -3,7 +3,9 @@ fake pair, and raw sockets that send headers and part of a body, then stall, tri
 
 A stalled upload gets 408 within the body deadline and its connection is closed; a slow but
 steady one is served; one that leaves mid-body is a 499 logged at info, never a 500; past
-``max_connections`` uvicorn answers 503, and the proxy serves normally once the stalls are cut.
+``max_connections`` uvicorn answers 503, and the proxy serves normally once the stalls are cut;
+a connection stalled before its headers end is closed at the header deadline, and one kept alive
+between requests is not.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from agentkv.proxy import ProxyConfig, ProxyServer
 from agentkv.testing import FakeCluster, ManualClock
 
 TIMEOUT_S = 0.5
+HEADER_TIMEOUT_S = 0.5
 RATE = 20_000  # bytes/s
 CHAT = "/v1/chat/completions"
 
@@ -39,7 +42,11 @@ def _server(fake: FakeCluster, *, max_connections: int | None = None) -> ProxySe
         return AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
 
     config = ProxyConfig(
-        port=0, body_timeout_s=TIMEOUT_S, body_min_rate=RATE, max_connections=max_connections
+        port=0,
+        body_timeout_s=TIMEOUT_S,
+        body_min_rate=RATE,
+        header_timeout_s=HEADER_TIMEOUT_S,
+        max_connections=max_connections,
     )
     return ProxyServer(make, config)
 
@@ -237,3 +244,50 @@ def test_the_in_process_client_never_waits_on_the_body_deadline(fake):
             client.chat.completions.create(model=fake.model, messages=messages, stream=True)
         )
         assert chunks
+
+
+def _served(sock: socket.socket, request: bytes) -> int:
+    """Send ``request`` on a kept-alive connection; its answer's status (read to its end)."""
+    sock.sendall(request)
+    sock.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(
+            h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+        )
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1])
+
+
+def test_connections_stalled_before_their_headers_end_are_closed_at_the_header_deadline(server):
+    started = time.monotonic()
+    silent = socket.create_connection(("127.0.0.1", server.port))
+    partial = socket.create_connection(("127.0.0.1", server.port))
+    partial.sendall(_head(server, 100)[:40])  # the request line and part of a header
+    with silent, partial:
+        _eventually(lambda: server.open_connections() == 2)
+        for sock in (silent, partial):
+            sock.settimeout(HEADER_TIMEOUT_S + 5)
+            assert sock.recv(65536) == b""  # closed, nothing answered
+    assert HEADER_TIMEOUT_S * 0.9 <= time.monotonic() - started < HEADER_TIMEOUT_S + 1.0
+    _eventually(lambda: server.open_connections() == 0)
+
+
+def test_a_kept_alive_connection_idles_past_the_header_deadline_but_not_in_its_next_headers(
+    server, fake
+):
+    body = _chat_body(fake)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        assert _served(sock, _head(server, len(body)) + body) == 200
+        time.sleep(HEADER_TIMEOUT_S * 2)  # idle between requests: the keep-alive timeout's
+        assert _served(sock, _head(server, len(body)) + body) == 200
+        started = time.monotonic()
+        sock.sendall(_head(server, len(body))[:40])
+        sock.settimeout(HEADER_TIMEOUT_S + 5)
+        assert sock.recv(65536) == b""
+        assert time.monotonic() - started < HEADER_TIMEOUT_S + 1.0
