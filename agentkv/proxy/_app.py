@@ -21,13 +21,15 @@ from typing import Any
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from agentkv._core import AsyncCluster, JSONDecodeError, loads
 from agentkv.proxy._chat import ChatService, json_response
 from agentkv.proxy._config import ProxyConfig, key_digest
+from agentkv.proxy._deadline import BodyDeadline, BodyPace
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._open_store import open_store
@@ -44,6 +46,7 @@ logger = structlog.get_logger("agentkv")
 
 Handler = Callable[[Request], Awaitable[Response]]
 _ANONYMOUS = "anonymous"
+_CLIENT_GONE = 499
 
 
 def _principal(request: Request, config: ProxyConfig) -> str:
@@ -164,25 +167,9 @@ class _Proxy:
             try:
                 response = await handler(request)
             except Exception as exc:
-                error = ProxyError.from_exception(exc)
-                if error.status >= 500:
-                    logger.error(
-                        "agentkv.proxy.request_failed",
-                        endpoint=name,
-                        status=error.status,
-                        error=type(exc).__name__,
-                        detail=str(exc),
-                        exc_info=not isinstance(exc, ProxyError) and error.status == 500,
-                    )
-                else:
-                    logger.info(
-                        "agentkv.proxy.request_refused",
-                        endpoint=name,
-                        status=error.status,
-                        code=error.code,
-                        detail=error.message,
-                    )
-                response = json_response(error.body(), status=error.status, headers=error.headers)
+                # Built in a call of its own: nothing in this frame (which the traceback holds)
+                # keeps the exception, so a refused upload's frames and bytes go with ``exc``.
+                response = _error_response(name, exc)
             self.metrics.requests.labels(name, str(response.status_code)).inc()
             return response
 
@@ -369,6 +356,34 @@ class _Proxy:
             logger.info("agentkv.proxy.stopped")
 
 
+def _error_response(endpoint: str, exc: Exception) -> Response:
+    """The answer to ``exc``, logged: 5xx as failures, 4xx as refusals, a client gone as 499."""
+    if isinstance(exc, ClientDisconnect):
+        # The client left before its request was read: no one to answer, nothing failed. 499 is
+        # nginx's status for it, for the requests metric (uvicorn sends nothing to a closed socket).
+        logger.info("agentkv.proxy.client_disconnected", endpoint=endpoint, status=_CLIENT_GONE)
+        return Response(status_code=_CLIENT_GONE)
+    error = ProxyError.from_exception(exc)
+    if error.status >= 500:
+        logger.error(
+            "agentkv.proxy.request_failed",
+            endpoint=endpoint,
+            status=error.status,
+            error=type(exc).__name__,
+            detail=str(exc),
+            exc_info=not isinstance(exc, ProxyError) and error.status == 500,
+        )
+    else:
+        logger.info(
+            "agentkv.proxy.request_refused",
+            endpoint=endpoint,
+            status=error.status,
+            code=error.code,
+            detail=error.message,
+        )
+    return json_response(error.body(), status=error.status, headers=error.headers)
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (unknown path, wrong method) in the OpenAI error shape."""
     del request
@@ -396,7 +411,8 @@ def create_app(
     ``store`` shares sessions with other replicas (default: the one ``config.state`` names, or
     none: sessions in this process's memory).
     """
-    proxy = _Proxy(cluster, config or ProxyConfig(), clock=clock, store=store)
+    config = config or ProxyConfig()
+    proxy = _Proxy(cluster, config, clock=clock, store=store)
     chat = proxy.endpoint("chat", proxy.chat_completions)
     responses = proxy.endpoint("responses", proxy.create_response)
     routes = [
@@ -411,8 +427,16 @@ def create_app(
         Route("/healthz", proxy.endpoint("healthz", proxy.healthz), methods=["GET"]),
         Route("/metrics", proxy.endpoint("metrics", proxy.metrics_text), methods=["GET"]),
     ]
+    pace = (
+        None
+        if config.body_timeout_s is None
+        else BodyPace(timeout_s=config.body_timeout_s, min_rate=config.body_min_rate)
+    )
     app = Starlette(
         routes=routes,
+        # Middleware, not _read_json: the in-process transport's direct endpoints, whose body is
+        # whole before they run, skip it and pay nothing.
+        middleware=[Middleware(BodyDeadline, pace=pace)],
         lifespan=proxy.lifespan,
         exception_handlers={HTTPException: _http_error},
     )

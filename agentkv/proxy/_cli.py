@@ -102,6 +102,38 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"larger request bodies get 413 (default {_DEFAULTS.max_body_bytes})",
     )
     parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=_DEFAULTS.body_timeout_s,
+        metavar="SECONDS",
+        help="a request body may pause this long, and has this long plus a second per "
+        "--body-min-rate bytes to arrive; else 408 and the connection is closed "
+        f"(default {_DEFAULTS.body_timeout_s:g}; 0: no deadline)",
+    )
+    parser.add_argument(
+        "--body-min-rate",
+        type=int,
+        default=_DEFAULTS.body_min_rate,
+        metavar="BYTES_PER_S",
+        help="bytes a second that earn a slow upload more time "
+        f"(default {_DEFAULTS.body_min_rate}; 0: the whole body within --body-timeout)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=_DEFAULTS.header_timeout_s,
+        metavar="SECONDS",
+        help="close connections that take longer to send a request's headers "
+        f"(default {_DEFAULTS.header_timeout_s:g}; 0: no deadline)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=_DEFAULTS.max_connections,
+        help="client connections (or requests in flight) at most; past it uvicorn answers 503 "
+        f"(default {_DEFAULTS.max_connections}; 0: no limit)",
+    )
+    parser.add_argument(
         "--default-max-tokens",
         type=int,
         default=_DEFAULTS.default_max_tokens,
@@ -155,6 +187,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_stored_sessions=args.max_stored_sessions,
         max_body_bytes=args.max_body_bytes,
         responses_max_bytes=args.responses_max_bytes,
+        body_timeout_s=args.body_timeout or None,
+        body_min_rate=args.body_min_rate or None,
+        header_timeout_s=args.header_timeout or None,
+        max_connections=args.max_connections or None,
         default_max_tokens=args.default_max_tokens,
         tool_calling=args.tool_calling,
         state=args.state,

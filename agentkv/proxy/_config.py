@@ -97,6 +97,26 @@ class ProxyConfig:
         max_stored_sessions: with ``state``, sessions the store holds at most, all replicas
             together: a new session past it gets 503 (``None``: ``max_sessions``).
         max_body_bytes: larger request bodies get 413 before they are parsed.
+        body_timeout_s: a request body may pause this long between two pieces, and has this
+            long plus a second per ``body_min_rate`` bytes received to arrive whole; past either,
+            408 and the connection is closed (``_deadline`` says why both). Ten seconds: far
+            past a healthy client's pauses (TCP retransmits), short enough that clients stalled
+            mid-upload free their memory and connections quickly. ``None``: no deadline (only
+            behind a front proxy that has one).
+        body_min_rate: bytes a second that earn a slow upload more time: a steady upload at this
+            rate is never cut, and no body holds a connection longer than ``body_timeout_s +
+            max_body_bytes / body_min_rate`` (138 s by default). 64 KiB/s is a 512 kbit/s
+            uplink. ``None``: the whole body within ``body_timeout_s``.
+        header_timeout_s: a connection must complete a request's headers within this many
+            seconds of connecting (or of its first byte after a response), else it is closed;
+            uvicorn has none (``_header_deadline``), so clients stalled in their headers
+            (slowloris) would hold their connections, and ``max_connections``, as long as they
+            liked. ``None``: no deadline (only behind a front proxy that has one).
+        max_connections: uvicorn's ``limit_concurrency``: a request that arrives while this many
+            client connections are open (its own included) or this many requests are in flight
+            gets uvicorn's plain 503, and its connection is closed. Bounds what clients can hold
+            together (about ``max_body_bytes`` each while uploading); below the usual
+            1,024-descriptor limit, past which accepting fails instead. ``None``: no limit.
         default_max_tokens: the generation limit of requests that set none.
         sweep_interval_s: how often idle sessions are looked for.
         tool_calling: ``auto`` (probe the backend once for a tool parser), ``native`` (the
@@ -140,6 +160,10 @@ class ProxyConfig:
     max_sessions_per_key: int | None = None
     max_stored_sessions: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float | None = 10.0
+    body_min_rate: int | None = 64 * 1024
+    header_timeout_s: float | None = 10.0
+    max_connections: int | None = 1000
     default_max_tokens: int = 1024
     sweep_interval_s: float = 15.0
     tool_calling: str = "auto"
@@ -194,9 +218,25 @@ class ProxyConfig:
                 raise ConfigError(f"{name} must be at least 1")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
+        self._check_client_limits()
         if self.default_max_tokens < 1:
             raise ConfigError("default_max_tokens must be at least 1")
         if self.responses_max_bytes < 0:
             raise ConfigError("responses_max_bytes must not be negative (0: store none)")
         if self.sweep_interval_s <= 0:
             raise ConfigError("sweep_interval_s must be positive")
+
+    def _check_client_limits(self) -> None:
+        if self.body_timeout_s is not None and not (
+            math.isfinite(self.body_timeout_s) and self.body_timeout_s > 0
+        ):
+            raise ConfigError("body_timeout_s must be positive (or None: no deadline)")
+        if self.header_timeout_s is not None and not (
+            math.isfinite(self.header_timeout_s) and self.header_timeout_s > 0
+        ):
+            raise ConfigError("header_timeout_s must be positive (or None: no deadline)")
+        if self.body_min_rate is not None and self.body_min_rate < 1:
+            raise ConfigError("body_min_rate must be at least 1 byte/s (or None: no rate)")
+        if self.max_connections is not None and self.max_connections < 2:
+            # uvicorn counts the asking connection: one would refuse every request.
+            raise ConfigError("max_connections must be at least 2 (or None: no limit)")

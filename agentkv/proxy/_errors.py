@@ -36,6 +36,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",

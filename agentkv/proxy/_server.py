@@ -22,6 +22,7 @@ from starlette.applications import Starlette
 from agentkv._core import AsyncCluster, Portal, listening_socket
 from agentkv.proxy._app import create_app
 from agentkv.proxy._config import ProxyConfig
+from agentkv.proxy._header_deadline import header_deadline_protocol
 
 if TYPE_CHECKING:
     import uvicorn
@@ -31,30 +32,37 @@ __all__ = ["ProxyServer", "run", "serve"]
 _START_TIMEOUT_S = 30.0
 
 
-def _uvicorn_server(app: Starlette, *, log_level: str) -> uvicorn.Server:
+def _uvicorn_server(app: Starlette, config: ProxyConfig, *, log_level: str) -> uvicorn.Server:
     # Lazy: create_app runs on any ASGI server; only serving here needs uvicorn.
     import uvicorn
 
-    config = uvicorn.Config(
+    server_config = uvicorn.Config(
         app,
         lifespan="on",
         log_level=log_level,
         access_log=False,  # the proxy logs its own events; a line per request is noise
-        http="auto",  # httptools where installed (uvicorn[standard]), else pure-Python h11
+        # httptools where installed (uvicorn[standard]), else pure-Python h11; with the header
+        # deadline uvicorn lacks (_header_deadline).
+        http="auto"
+        if config.header_timeout_s is None
+        else header_deadline_protocol(config.header_timeout_s),
         ws="none",
         # Longer than clients keep idle connections (httpx2: 5 s, uvicorn's default too): a server
         # that closes first races the client's next request on that connection.
         timeout_keep_alive=75,
         timeout_graceful_shutdown=5,
+        # Connections (idle, uploading, or not past their headers yet) or requests in flight at
+        # most; a request past it gets a plain 503 (docs/proxy.md, "Slow clients").
+        limit_concurrency=config.max_connections,
     )
-    return uvicorn.Server(config)
+    return uvicorn.Server(server_config)
 
 
 async def serve(cluster_file: str | Path, config: ProxyConfig, *, log_level: str = "info") -> None:
     """Serve until interrupted: open the cluster, run the app, close the cluster."""
     async with AsyncCluster.from_file(cluster_file) as cluster:
         app = create_app(cluster, config)
-        server = _uvicorn_server(app, log_level=log_level)
+        server = _uvicorn_server(app, config, log_level=log_level)
         await server.serve(sockets=[listening_socket(config.host, config.port)])
 
 
@@ -104,7 +112,9 @@ class ProxyServer:
             self.app = create_app(cluster, self._config, clock=self._clock)
             sock = listening_socket("127.0.0.1", self._config.port)
             self.port = sock.getsockname()[1]
-            server = self._server = _uvicorn_server(self.app, log_level=self._log_level)
+            server = self._server = _uvicorn_server(
+                self.app, self._config, log_level=self._log_level
+            )
             serving = self._serving = asyncio.ensure_future(server.serve(sockets=[sock]))
             # uvicorn reports readiness as a flag, not an event.
             while not server.started and not serving.done():  # noqa: ASYNC110
@@ -123,6 +133,13 @@ class ProxyServer:
         finally:
             if self._cluster is not None:
                 await self._cluster.aclose()
+
+    def open_connections(self) -> int:
+        """The client connections the server holds now (open, not yet closed by either side)."""
+        server = self._server
+        if server is None:
+            raise RuntimeError("the proxy server is not running")
+        return int(self.call(lambda: len(server.server_state.connections)))
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the server's loop (where the app's state lives); return its result.

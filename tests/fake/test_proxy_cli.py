@@ -52,12 +52,42 @@ def test_flags_map_onto_proxy_config(tmp_path):
     assert (config.max_sessions, config.max_body_bytes, config.default_max_tokens) == (7, 4096, 64)
 
 
+def test_slow_client_flags_map_onto_proxy_config_and_zero_turns_each_off():
+    config = config_from_args(
+        _parse(
+            "--body-timeout", "2.5", "--body-min-rate", "1000", "--header-timeout", "3",
+            "--max-connections", "50",
+        )
+    )  # fmt: skip
+    assert (config.body_timeout_s, config.body_min_rate) == (2.5, 1000)
+    assert (config.header_timeout_s, config.max_connections) == (3, 50)
+    off = config_from_args(
+        _parse(
+            "--body-timeout", "0", "--body-min-rate", "0", "--header-timeout", "0",
+            "--max-connections", "0",
+        )
+    )  # fmt: skip
+    assert (off.body_timeout_s, off.body_min_rate) == (None, None)
+    assert (off.header_timeout_s, off.max_connections) == (None, None)
+
+
 def test_defaults_are_proxy_configs():
     config = config_from_args(_parse())
     assert config == ProxyConfig()
 
 
-@pytest.mark.parametrize("bad", [["--max-sessions", "0"], ["--api-keys", "/nonexistent/keys"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--max-sessions", "0"],
+        ["--api-keys", "/nonexistent/keys"],
+        ["--body-timeout", "-1"],
+        ["--body-timeout", "inf"],
+        ["--body-min-rate", "-5"],
+        ["--header-timeout", "nan"],
+        ["--max-connections", "1"],
+    ],
+)
 def test_bad_flags_are_config_errors(bad):
     with pytest.raises(ConfigError):
         config_from_args(_parse(*bad))
