@@ -56,6 +56,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         f"(default {_DEFAULTS.persist_idle_s:g}; 0: never)",
     )
     parser.add_argument(
+        "--allow-client-persist",
+        action="store_true",
+        help="honour clients' X-AgentKV-Persist: disk (a write to decode's file tier that every "
+        "tenant waits behind); by default it is ignored and the answer says so",
+    )
+    parser.add_argument(
+        "--client-persist-rate",
+        type=float,
+        default=_DEFAULTS.client_persist_per_minute,
+        metavar="PER_MINUTE",
+        help="with --allow-client-persist, the persists one API key may ask for a minute "
+        f"(default {_DEFAULTS.client_persist_per_minute:g}; more are ignored)",
+    )
+    parser.add_argument(
         "--max-sessions",
         type=int,
         default=_DEFAULTS.max_sessions,
@@ -116,6 +130,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         api_keys=ApiKeys.from_file(args.api_keys) if args.api_keys else None,
         session_idle_timeout_s=args.session_idle_timeout,
         persist_idle_s=args.persist_idle or None,
+        allow_client_persist=args.allow_client_persist,
+        client_persist_per_minute=args.client_persist_rate,
         max_sessions=args.max_sessions,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,

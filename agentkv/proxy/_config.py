@@ -114,6 +114,11 @@ class ProxyConfig:
             the next turn loads it back from the tier. ``None`` keeps the pin until it expires.
             Two minutes: past any think time a pin is meant for, far below the pin's 480 s TTL.
             In-memory sessions only (a shared store's sessions keep their pins).
+        allow_client_persist: honour a client's ``X-AgentKV-Persist: disk`` (a tier write on
+            decode that every tenant waits behind); off by default: the header is ignored and
+            the answer says so (``X-AgentKV-Persist-Ignored``). See ``_persist_gate``.
+        client_persist_per_minute: with ``allow_client_persist``, the persists one principal
+            may ask for a minute (a burst of as many, then that rate; per proxy replica).
     """
 
     host: str = "127.0.0.1"
@@ -131,8 +136,14 @@ class ProxyConfig:
     cache_salt_secret: str | None = field(default=None, repr=False)
     metrics_need_key: bool = False
     persist_idle_s: float | None = 120.0
+    allow_client_persist: bool = False
+    client_persist_per_minute: float = 6.0
 
     def __post_init__(self) -> None:
+        if not (
+            math.isfinite(self.client_persist_per_minute) and self.client_persist_per_minute >= 1
+        ):
+            raise ConfigError("client_persist_per_minute must be a finite number, at least 1")
         if self.persist_idle_s is not None and not (
             math.isfinite(self.persist_idle_s) and self.persist_idle_s > 0
         ):
