@@ -187,3 +187,22 @@ async def test_without_persist_idle_s_the_sweep_keeps_the_pin(cluster, fake, clo
         clock.advance(500)
         assert await app.state.registry.persist_idle() == 0
         assert fake.decode(0).leased_handles == 1
+
+
+async def test_a_persist_over_its_key_s_share_is_refused_and_loses_nothing(cluster, fake):
+    app = create_app(cluster, ALLOWED)
+    prompt = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
+    async with _client(app, "alice") as alice, _client(app, "mallory") as mallory:
+        await _turn(alice, "a", list(prompt), persist="disk")
+        mine = (await _entry(app, "a", "alice")).session.tier
+        fake.tier.budget_bytes = fake.tier.usage().bytes * 3 // 2  # two keys: a share < one entry
+        history = list(prompt)
+        await _turn(mallory, "m", history, persist="disk")
+        session = (await _entry(app, "m", "mallory")).session
+        assert session.tier is None  # refused ...
+        assert session.handle is not None  # ... and the pin kept
+        assert list(fake.tier.entries) == [mine.id]  # nobody else's entry went for it
+        history.append({"role": "user", "content": "And Rome?"})
+        response = await _turn(mallory, "m", history)
+        assert response.headers["x-agentkv-handle"] == HandleState.ATTACHED.value
+    assert fake.wrong_reuse_events == 0
