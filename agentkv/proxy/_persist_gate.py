@@ -28,7 +28,7 @@ from typing import Literal
 
 import structlog
 
-from agentkv._policy import PersistMode
+from agentkv._core import PersistMode
 
 __all__ = ["IGNORED_HEADER", "Admission", "PersistGate"]
 
