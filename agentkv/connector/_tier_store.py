@@ -15,7 +15,9 @@ exact weights and KV layout, one checksum per block and rank, an expiry (wall cl
 of the entry's secret (the delete capability, :meth:`TierStore.delete_owned`). A load takes only
 the prefix of a prompt that the entry really holds, for the same salt, adapter and weights, only
 before the expiry, and only blocks whose bytes still hash to what was written. A byte budget
-evicts least recently used entries (by last write or read: the manifest's mtime).
+evicts least recently used entries (by last write or read: the manifest's mtime), each salt
+within its fair share (``_tier_share``): no tenant's writes evict another's entries while it
+holds more than its share.
 :meth:`TierStore.sweep` (at start-up, then periodically: ``TierScheduler``) removes expired
 entries, temporary files, data without a manifest, manifests without (complete) data or that do
 not parse (manifests of an older version included), and enforces the budget: a crash leaves
@@ -41,6 +43,7 @@ from typing import Any
 import structlog
 
 from agentkv._wire.tier import TIER_ID_PATTERN, TierUsage
+from agentkv.connector._tier_share import Eviction, Held, evictions
 
 logger = structlog.get_logger("agentkv.connector.tier")
 
@@ -215,6 +218,9 @@ class TierStore:
         self.budget_bytes = budget_bytes
         self._clock = clock
         self._new_id = new_id
+        # Entry id -> its salt's digest, read once per entry (a committed manifest never
+        # changes): the budget groups entries by salt at every commit.
+        self._salts: dict[str, str] = {}
 
     # --- names ------------------------------------------------------------------------------
 
@@ -242,7 +248,11 @@ class TierStore:
 
     def commit(self, manifest: Manifest) -> None:
         """Make an entry whose data files were written (and fsynced) as ``*.tmp`` visible, then
-        evict the least recently used other entries beyond the budget."""
+        evict least recently used entries beyond the budget, within the salts' shares.
+
+        :class:`TierError` (the entry removed again) when its salt is over its share and has
+        nothing else to evict: the write must not evict other salts' entries.
+        """
         for rank in range(manifest.ranks):
             tmp = self.tmp(self.data_path(manifest.id, rank))
             size = tmp.stat().st_size
@@ -260,7 +270,13 @@ class TierStore:
         tmp.replace(target)
         self.touch(manifest.id)  # its LRU position: on the store's clock
         _fsync_dir(self.root)
-        self.enforce_budget(keep=manifest.id)
+        self._salts[manifest.id] = manifest.salt_digest
+        if not self.enforce_budget(keep=manifest.id).fits:
+            self.delete(manifest.id)
+            raise TierError(
+                f"{manifest.data_bytes} bytes do not fit this salt's share of the tier budget "
+                f"of {self.budget_bytes} bytes (other salts' entries are not evicted for it)"
+            )
 
     def abort(self, entry: str) -> None:
         """Remove whatever a failed write of ``entry`` left."""
@@ -399,8 +415,8 @@ class TierStore:
             existed = True
         return existed
 
-    def _entries(self) -> list[tuple[float, str, int]]:
-        """(last use, id, bytes) of every committed entry, oldest first."""
+    def _entries(self) -> list[Held]:
+        """Every committed entry: its salt's digest, bytes and last use."""
         out = []
         for path in self.root.glob("*.json"):
             entry = path.name[: -len(".json")]
@@ -412,30 +428,38 @@ class TierStore:
                     p.stat().st_size for p in self.root.glob(f"{entry}.r*.kv"))
             except OSError:
                 continue
-            out.append((used, entry, size))
-        return sorted(out)
+            out.append(Held(id=entry, salt=self._salt(entry), bytes=size, used=used))
+        present = {e.id for e in out}
+        self._salts = {k: v for k, v in self._salts.items() if k in present}
+        return out
+
+    def _salt(self, entry: str) -> str:
+        salt = self._salts.get(entry)
+        if salt is None:
+            try:
+                salt = _str(json.loads(self.manifest_path(entry).read_bytes())["salt_digest"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return ""  # unreadable: a group of its own until the sweep removes it
+            self._salts[entry] = salt
+        return salt
 
     def usage(self) -> TierUsage:
         entries = self._entries()
-        return TierUsage(bytes=sum(e[2] for e in entries), entries=len(entries),
+        return TierUsage(bytes=sum(e.bytes for e in entries), entries=len(entries),
                          budget_bytes=self.budget_bytes, dir=str(self.root))
 
-    def enforce_budget(self, *, keep: str | None = None) -> list[str]:
-        """Evict least recently used entries (never ``keep``) until usage fits the budget."""
+    def enforce_budget(self, *, keep: str | None = None) -> Eviction:
+        """Evict least recently used entries (never ``keep``, the entry just written) until usage
+        fits the budget, each salt within its share (``_tier_share.evictions``)."""
         entries = self._entries()
-        total = sum(e[2] for e in entries)
-        evicted = []
-        for _, entry, size in entries:
-            if total <= self.budget_bytes:
-                break
-            if entry == keep:
-                continue
+        decision = evictions(entries, budget=self.budget_bytes, keep=keep)
+        for entry in decision.evict:
             self.delete(entry)
-            total -= size
-            evicted.append(entry)
-        if evicted:
-            logger.info("tier_evicted", ids=evicted, bytes=total, budget=self.budget_bytes)
-        return evicted
+        if decision.evict:
+            gone = set(decision.evict)
+            logger.info("tier_evicted", ids=list(decision.evict), budget=self.budget_bytes,
+                        bytes=sum(e.bytes for e in entries if e.id not in gone))
+        return decision
 
     def sweep(self, *, tmp_grace_s: float = 0.0) -> list[Path]:
         """Cleanup, at start-up and then periodically: expired entries, temporary files, orphans

@@ -33,6 +33,7 @@ from agentkv.proxy._deadline import BodyDeadline, BodyPace
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._open_store import open_store
+from agentkv.proxy._persist_gate import IGNORED_HEADER, PersistGate
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
 from agentkv.proxy._relief import PressureRelief
 from agentkv.proxy._request import persist_from, route_from
@@ -108,6 +109,11 @@ class _Proxy:
         self.config = config
         self.clock = clock
         self.metrics = ProxyMetrics()
+        self.persist_gate = PersistGate(
+            allowed=config.allow_client_persist,
+            per_minute=config.client_persist_per_minute,
+            clock=clock,
+        )
         # A store the app opened (from config.state) is the app's to close.
         self.owned_store = (
             open_store(config.state, lease_s=config.state_lease_s)
@@ -179,14 +185,20 @@ class _Proxy:
         started = time.perf_counter()
         principal = _principal(request, self.config)
         body = await _read_json(request, self.config.max_body_bytes)
-        return await self.chat.complete(
+        persist = persist_from(request.headers.get("x-agentkv-persist"))
+        route = route_from(request.headers.get("x-agentkv-route"))
+        admission = self.persist_gate.admit(principal, persist)  # bad headers cost no persist
+        response = await self.chat.complete(
             body,
             principal=principal,
             session_header=request.headers.get("x-session-id"),
             started=started,
-            persist=persist_from(request.headers.get("x-agentkv-persist")),
-            route=route_from(request.headers.get("x-agentkv-route")),
+            persist=admission.mode,
+            route=route,
         )
+        if admission.ignored is not None:
+            response.headers[IGNORED_HEADER] = admission.ignored
+        return response
 
     async def create_response(self, request: Request) -> Response:
         started = time.perf_counter()

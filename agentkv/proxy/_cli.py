@@ -65,6 +65,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         f"(default {_DEFAULTS.relieve_kv_usage:g}; 0: never)",
     )
     parser.add_argument(
+        "--allow-client-persist",
+        action="store_true",
+        help="honour clients' X-AgentKV-Persist: disk (a write to decode's file tier that every "
+        "tenant waits behind); by default it is ignored and the answer says so",
+    )
+    parser.add_argument(
+        "--client-persist-rate",
+        type=float,
+        default=_DEFAULTS.client_persist_per_minute,
+        metavar="PER_MINUTE",
+        help="with --allow-client-persist, the persists one API key may ask for a minute "
+        f"(default {_DEFAULTS.client_persist_per_minute:g}; more are ignored)",
+    )
+    parser.add_argument(
         "--max-sessions",
         type=int,
         default=_DEFAULTS.max_sessions,
@@ -182,6 +196,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         session_idle_timeout_s=args.session_idle_timeout,
         persist_idle_s=args.persist_idle or None,
         relieve_kv_usage=args.relieve_kv_usage or None,
+        allow_client_persist=args.allow_client_persist,
+        client_persist_per_minute=args.client_persist_rate,
         max_sessions=args.max_sessions,
         max_sessions_per_key=args.max_sessions_per_key,
         max_stored_sessions=args.max_stored_sessions,

@@ -150,6 +150,11 @@ class ProxyConfig:
             oldest go first. Each is a reference into its session, about 450 bytes whatever the
             conversation's length: the default keeps about 150,000. With ``state`` they live in
             the shared store instead, each session's until it is removed.
+        allow_client_persist: honour a client's ``X-AgentKV-Persist: disk`` (a tier write on
+            decode that every tenant waits behind); off by default: the header is ignored and
+            the answer says so (``X-AgentKV-Persist-Ignored``). See ``_persist_gate``.
+        client_persist_per_minute: with ``allow_client_persist``, the persists one principal
+            may ask for a minute (a burst of as many, then that rate; per proxy replica).
     """
 
     host: str = "127.0.0.1"
@@ -176,8 +181,15 @@ class ProxyConfig:
     relieve_kv_usage: float | None = 0.9
     relieve_margin: float = 0.1
     relieve_interval_s: float = 2.0
+    allow_client_persist: bool = False
+    client_persist_per_minute: float = 6.0
+    responses_max_bytes: int = 64 * 1024 * 1024
 
     def _check_serving(self) -> None:
+        if not (
+            math.isfinite(self.client_persist_per_minute) and self.client_persist_per_minute >= 1
+        ):
+            raise ConfigError("client_persist_per_minute must be a finite number, at least 1")
         if self.state is not None and not self.state.startswith(
             ("redis://", "rediss://", "unix://")
         ):
@@ -201,7 +213,6 @@ class ProxyConfig:
             )
         if not (math.isfinite(self.relieve_interval_s) and self.relieve_interval_s > 0):
             raise ConfigError("relieve_interval_s must be positive")
-    responses_max_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.persist_idle_s is not None and not (

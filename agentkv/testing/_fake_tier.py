@@ -17,8 +17,11 @@ as files do. What is faithful to the real store (``_tier_store.TierStore``):
   did is the connector's reason (``TierLoadReport``: ``ok``, ``missing``, ``salt``, ``tokens``,
   ``truncated`` from the file's size at lookup, ``load_failed`` from the worker's checksum);
 * expired entries are removed at the next tier operation (the real store's periodic sweep);
-* a byte budget with least-recently-used eviction (by last write or read); an entry larger than
-  the budget fails the write (500 ``tier_write_failed``, the pin is kept);
+* a byte budget with least-recently-used eviction (by last write or read), each salt within its
+  fair share, by the connector's own rule (``_tier_share.evictions``): a writer over its share
+  evicts only its own entries; an entry larger than the budget, or over its salt's share with
+  nothing of its own left to evict, fails the write (500 ``tier_write_failed``, the pin is kept,
+  nothing of another salt is evicted);
 * usage (bytes, entries, budget, dir) for ``GET /v1/agentkv/info``.
 
 Tests damage entries with :meth:`FakeTier.corrupt` (a flipped byte), :meth:`FakeTier.truncate`
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 
 from agentkv._core import PersistResult, TierRef, TierUsage
 from agentkv.connector._tier import DEFAULT_TIER_MAX_TTL_S, DEFAULT_TIER_TTL_S
+from agentkv.connector._tier_share import Held, evictions
 from agentkv.connector._tier_store import granted_ttl, new_secret, salt_digest, secret_digest
 from agentkv.testing._fake_kv import BlockContent
 
@@ -45,7 +49,8 @@ DEFAULT_BUDGET_BYTES = 4 << 30
 
 
 class TierFullError(RuntimeError):
-    """The entry alone exceeds the tier's budget (the real store's ``TierError``)."""
+    """The entry does not fit the tier's budget, or its salt's share of it (the real store's
+    ``TierError``)."""
 
 
 def _checksum(block: BlockContent) -> int:
@@ -157,7 +162,7 @@ class FakeTier:
         ttl_s: float | None = None,
     ) -> PersistResult:
         """Commit a new entry to live ``ttl_s`` (capped; ``None``: the tier's default), then
-        evict least recently used others beyond the budget."""
+        evict least recently used others beyond the budget, each salt within its share."""
         self.sweep()
         n_blocks = -(-len(token_ids) // self.block_size)
         nbytes = n_blocks * self.block_size * self.bytes_per_token
@@ -178,15 +183,20 @@ class FakeTier:
             used=next(self._tick),
         )
         self.entries[entry.id] = entry
-        total = sum(e.bytes for e in self.entries.values())
-        for old in sorted(self.entries.values(), key=lambda e: e.used):
-            if total <= self.budget_bytes:
-                break
-            if old.id == entry.id:
-                continue
-            del self.entries[old.id]
-            self.evicted.append(old.id)
-            total -= old.bytes
+        held = [
+            Held(id=e.id, salt=e.salt_digest, bytes=e.bytes, used=float(e.used))
+            for e in self.entries.values()
+        ]
+        decision = evictions(held, budget=self.budget_bytes, keep=entry.id)
+        for old in decision.evict:
+            del self.entries[old]
+            self.evicted.append(old)
+        if not decision.fits:
+            del self.entries[entry.id]
+            raise TierFullError(
+                f"{nbytes} bytes do not fit this salt's share of the tier budget of "
+                f"{self.budget_bytes} bytes (other salts' entries are not evicted for it)"
+            )
         return PersistResult(
             ref=TierRef(id=entry.id, n_tokens=entry.n_tokens, secret=secret),
             bytes=nbytes,

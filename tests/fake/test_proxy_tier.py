@@ -1,4 +1,5 @@
-"""The proxy and decode's file tier: ``X-AgentKV-Persist`` and the idle sweep's persist."""
+"""The proxy and decode's file tier: ``X-AgentKV-Persist`` (off unless allowed, rate-limited per
+principal), the tier's per-salt share, and the idle sweep's persist."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ async def cluster(fake):
         yield cluster
 
 
-def _client(app) -> httpx2.AsyncClient:
+ALLOWED = ProxyConfig(allow_client_persist=True)
+
+
+def _client(app, key="k") -> httpx2.AsyncClient:
     return httpx2.AsyncClient(
         transport=httpx2.ASGITransport(app=app),
         base_url="http://proxy",
-        headers={"Authorization": "Bearer k"},
+        headers={"Authorization": f"Bearer {key}"},
     )
 
 
@@ -48,14 +52,14 @@ async def _turn(client, session_id, messages, *, persist=None, stream=False):
     return response
 
 
-async def _entry(app, session_id):
-    return await app.state.registry.lookup("key-" + key_digest("k"), session_id)
+async def _entry(app, session_id, key="k"):
+    return await app.state.registry.lookup("key-" + key_digest(key), session_id)
 
 
 async def test_the_persist_header_disk_persists_the_turn_and_the_next_turn_loads_it(
     cluster, fake
 ):
-    app = create_app(cluster, ProxyConfig())
+    app = create_app(cluster, ALLOWED)
     async with _client(app) as client:
         history = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
         await _turn(client, "s", history, persist="disk")
@@ -71,15 +75,16 @@ async def test_the_persist_header_disk_persists_the_turn_and_the_next_turn_loads
 
 
 async def test_a_streamed_turn_with_the_persist_header_persists_too(cluster, fake):
-    app = create_app(cluster, ProxyConfig())
+    app = create_app(cluster, ALLOWED)
     async with _client(app) as client:
         history = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
         await _turn(client, "s", history, persist="disk", stream=True)
         assert (await _entry(app, "s")).session.tier is not None
 
 
-async def test_a_bad_persist_header_is_a_400(cluster):
-    app = create_app(cluster, ProxyConfig())
+@pytest.mark.parametrize("config", [ProxyConfig(), ALLOWED], ids=["default", "allowed"])
+async def test_a_bad_persist_header_is_a_400(cluster, config):
+    app = create_app(cluster, config)
     async with _client(app) as client:
         response = await client.post(
             "/v1/chat/completions",
@@ -88,6 +93,69 @@ async def test_a_bad_persist_header_is_a_400(cluster):
         )
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "X-AgentKV-Persist"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_by_default_a_client_s_persist_header_writes_nothing_and_the_answer_says_so(
+    cluster, fake, stream
+):
+    app = create_app(cluster, ProxyConfig())
+    async with _client(app) as client:
+        history = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
+        response = await _turn(client, "s", history, persist="disk", stream=stream)
+        assert response.headers["x-agentkv-persist-ignored"] == "not_allowed"
+        assert fake.tier.usage().entries == 0
+        assert (await _entry(app, "s")).session.tier is None
+        assert fake.decode(0).leased_handles == 1  # served as without the header: pinned
+        plain = await _turn(client, "t", [{"role": "user", "content": "Hi, a story please."}])
+        assert "x-agentkv-persist-ignored" not in plain.headers  # no header, nothing to notice
+
+
+async def test_client_persists_are_rate_limited_per_principal(cluster, fake, clock):
+    app = create_app(
+        cluster,
+        ProxyConfig(allow_client_persist=True, client_persist_per_minute=2),
+        clock=clock,
+    )
+    async with _client(app, "mallory") as mallory, _client(app, "alice") as alice:
+        answers = [
+            await _turn(mallory, f"m{i}", [{"role": "user", "content": f"Story {i}, long."}],
+                        persist="disk")
+            for i in range(3)
+        ]
+        ignored = [a.headers.get("x-agentkv-persist-ignored") for a in answers]
+        assert ignored == [None, None, "rate_limited"]
+        assert fake.tier.usage().entries == 2
+        assert (await _entry(app, "m2", "mallory")).session.tier is None
+        # One key over its rate does not affect another.
+        answer = await _turn(alice, "a", [{"role": "user", "content": "Mine, long."}],
+                             persist="disk")
+        assert "x-agentkv-persist-ignored" not in answer.headers
+        assert (await _entry(app, "a", "alice")).session.tier is not None
+        clock.advance(30)  # a minute's rate of 2: one persist back after 30 s
+        back = await _turn(mallory, "m3", [{"role": "user", "content": "Again, long."}],
+                           persist="disk")
+        assert "x-agentkv-persist-ignored" not in back.headers
+        assert fake.tier.usage().entries == 4
+
+
+async def test_one_key_flooding_the_tier_evicts_only_its_own_entries(cluster, fake):
+    app = create_app(cluster, ProxyConfig(allow_client_persist=True,
+                                          client_persist_per_minute=100))
+    prompt = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
+    async with _client(app, "alice") as alice, _client(app, "mallory") as mallory:
+        history = list(prompt)
+        await _turn(alice, "a", history, persist="disk")
+        mine = (await _entry(app, "a", "alice")).session.tier
+        fake.tier.budget_bytes = 4 * fake.tier.usage().bytes + 1
+        for i in range(8):  # twice the whole budget
+            await _turn(mallory, f"m{i}", list(prompt), persist="disk")
+        assert mine.id in fake.tier.entries
+        assert fake.tier.usage().bytes <= fake.tier.budget_bytes
+        history.append({"role": "user", "content": "And Rome?"})
+        response = await _turn(alice, "a", history)
+        assert response.headers["x-agentkv-handle"] == HandleState.TIER.value
+    assert fake.wrong_reuse_events == 0
 
 
 async def test_the_sweep_persists_a_session_idle_past_persist_idle_s_once(cluster, fake, clock):
@@ -119,3 +187,22 @@ async def test_without_persist_idle_s_the_sweep_keeps_the_pin(cluster, fake, clo
         clock.advance(500)
         assert await app.state.registry.persist_idle() == 0
         assert fake.decode(0).leased_handles == 1
+
+
+async def test_a_persist_over_its_key_s_share_is_refused_and_loses_nothing(cluster, fake):
+    app = create_app(cluster, ALLOWED)
+    prompt = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
+    async with _client(app, "alice") as alice, _client(app, "mallory") as mallory:
+        await _turn(alice, "a", list(prompt), persist="disk")
+        mine = (await _entry(app, "a", "alice")).session.tier
+        fake.tier.budget_bytes = fake.tier.usage().bytes * 3 // 2  # two keys: a share < one entry
+        history = list(prompt)
+        await _turn(mallory, "m", history, persist="disk")
+        session = (await _entry(app, "m", "mallory")).session
+        assert session.tier is None  # refused ...
+        assert session.handle is not None  # ... and the pin kept
+        assert list(fake.tier.entries) == [mine.id]  # nobody else's entry went for it
+        history.append({"role": "user", "content": "And Rome?"})
+        response = await _turn(mallory, "m", history)
+        assert response.headers["x-agentkv-handle"] == HandleState.ATTACHED.value
+    assert fake.wrong_reuse_events == 0
