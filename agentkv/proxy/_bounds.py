@@ -89,12 +89,7 @@ class StoreBounds:
         if store is None or claim is None:
             return
         entry.claim = None
-        renewer, entry.renewer = entry.renewer, None
-        if renewer is not None:
-            renewer.cancel()
-            await asyncio.wait([renewer])
-            if not renewer.cancelled():
-                renewer.exception()  # retrieved: a renewer that failed is the release's to find
+        await entry.stop_renewing()
         try:
             await store.release(claim)
         except StoreUnavailableError as exc:

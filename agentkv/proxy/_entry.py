@@ -68,6 +68,21 @@ class SessionEntry:
     def session_id(self) -> str:
         return self.key[1]
 
+    async def stop_renewing(self) -> None:
+        """Stop the claim's renewer, if one runs, and wait until it has stopped.
+
+        Not ``await renewer`` under suppress(CancelledError): that also swallowed a
+        cancellation of the caller (a write behind an answer cancelled at shutdown went on to
+        commit). A renewer that failed (Redis gone) is left to the caller's next store call to
+        find; its exception is retrieved here, so it is not logged as never retrieved."""
+        renewer, self.renewer = self.renewer, None
+        if renewer is None:
+            return
+        renewer.cancel()
+        await asyncio.wait([renewer])
+        if not renewer.cancelled():
+            renewer.exception()
+
     def to_bytes(self, *, wall: float) -> bytes:
         """The entry as the shared store keeps it: the mapping's JSON, then the session's
         ``snapshot_bytes`` (the token ids as raw int32, not JSON numbers)."""

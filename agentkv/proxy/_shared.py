@@ -229,15 +229,7 @@ class SharedSessions(StoreBounds):
         if store is None or claim is None:
             return
         entry.claim = None
-        renewer, entry.renewer = entry.renewer, None
-        if renewer is not None:
-            renewer.cancel()
-            # Not ``await renewer`` under suppress(CancelledError): that also swallowed a
-            # cancellation of this task (a write behind an answer cancelled at shutdown went
-            # on to commit). A renewer that failed (Redis gone) is left to the commit to find.
-            await asyncio.wait([renewer])
-            if not renewer.cancelled():
-                renewer.exception()  # retrieved: not logged as never retrieved
+        await entry.stop_renewing()
         if entry.closed:
             return
         if pinned is None:
