@@ -416,21 +416,30 @@ class TierStore:
         return existed
 
     def _entries(self) -> list[Held]:
-        """Every committed entry: its salt's digest, bytes and last use."""
-        out = []
-        for path in self.root.glob("*.json"):
-            entry = path.name[: -len(".json")]
-            if not TIER_ID_PATTERN.fullmatch(entry):
-                continue
-            try:
-                used = path.stat().st_mtime
-                size = path.stat().st_size + sum(
-                    p.stat().st_size for p in self.root.glob(f"{entry}.r*.kv"))
-            except OSError:
-                continue
-            out.append(Held(id=entry, salt=self._salt(entry), bytes=size, used=used))
-        present = {e.id for e in out}
-        self._salts = {k: v for k, v in self._salts.items() if k in present}
+        """Every committed entry: its salt's digest, bytes and last use.
+
+        One listing of the root, not one per entry: this runs at every commit, on decode's
+        engine thread, and a glob per entry made it quadratic in the entries held.
+        """
+        manifests: dict[str, float] = {}
+        sizes: dict[str, int] = {}
+        with os.scandir(self.root) as listing:
+            for item in listing:
+                entry, _, rest = item.name.partition(".")
+                if rest != "json" and not (rest.startswith("r") and rest.endswith(".kv")):
+                    continue
+                if not TIER_ID_PATTERN.fullmatch(entry):
+                    continue
+                try:
+                    stat = item.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                sizes[entry] = sizes.get(entry, 0) + stat.st_size
+                if rest == "json":
+                    manifests[entry] = stat.st_mtime
+        out = [Held(id=entry, salt=self._salt(entry), bytes=sizes[entry], used=used)
+               for entry, used in manifests.items()]
+        self._salts = {k: v for k, v in self._salts.items() if k in manifests}
         return out
 
     def _salt(self, entry: str) -> str:
