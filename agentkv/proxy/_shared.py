@@ -15,8 +15,8 @@
   releases by it (a refused commit's, an unanswered one's that did not land, and those a claim
   that ended mid-turn left to the next claim). The pin a stored snapshot references is
   released only by a DELETE or the idle sweep, after removing the session from the store under
-  a claim: exactly once, on whichever replica removed it. The idle persist moves a pinned session's KV to decode's file tier under a
-  claim too, on one replica.
+  a claim: exactly once, on whichever replica removed it. The idle persist moves a pinned
+  session's KV to decode's file tier under a claim too, on one replica.
 
 ``SharedSessions`` is a base of ``SessionRegistry`` (``_registry``), which owns the entries and
 their local lifecycle; the methods here are the ones that talk to the store. What bounds the
