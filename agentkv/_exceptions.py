@@ -20,6 +20,7 @@
     │   └── SessionLoadError         a saved session is unreadable, corrupt or of another version
     ├── TemplateError                the chat template cannot be rendered as an append-only delta
     ├── InvalidMessageError          a message is empty, has an unknown role or non-string content
+    ├── ContextLengthError           the prompt (and the asked output) exceed the context
     └── ConfigError                  a cluster file or setting is wrong
 
 The agent runtime's tool errors (defined in ``agentkv/_agent/tools.py``) hang off the same root::
@@ -59,6 +60,7 @@ __all__ = [
     "ConfigError",
     "ConnectError",
     "ConnectionLostError",
+    "ContextLengthError",
     "InvalidMessageError",
     "MalformedResponseError",
     "NoHealthyPairError",
@@ -237,6 +239,33 @@ class TemplateError(AgentKVError):
 
 class InvalidMessageError(AgentKVError):
     """A message is empty, has an unknown role, or content that is not a string."""
+
+
+class ContextLengthError(AgentKVError):
+    """The prompt does not fit the model's context, or leaves no room for the asked output.
+
+    Each API answers it in its own words, the ones its agents act on (OpenAI's
+    ``context_length_exceeded``; Anthropic's ``prompt is too long`` and ``input length and
+    `max_tokens` exceed context limit``).
+
+    Attributes:
+        prompt_tokens: the prompt's length in tokens.
+        max_tokens: the output asked for, or ``None`` when the prompt alone does not fit.
+        limit: the model's context (``max_model_len``).
+    """
+
+    def __init__(self, *, prompt_tokens: int, max_tokens: int | None, limit: int) -> None:
+        if max_tokens is None:
+            message = f"the prompt is {prompt_tokens} tokens, over the context of {limit}"
+        else:
+            message = (
+                f"the prompt's {prompt_tokens} tokens and max_tokens {max_tokens} exceed the"
+                f" context of {limit}"
+            )
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.limit = limit
 
 
 class ConfigError(AgentKVError):
