@@ -20,8 +20,11 @@ from agentkv.proxy._cli import add_parser, config_from_args
 yaml = pytest.importorskip("yaml")
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
-# Flags whose values belong to a deployment (which model, where it listens, how long a context).
-DEPLOYMENT_FLAGS = {"--model", "--served-model-name", "--host", "--port", "--max-model-len"}
+# Flags whose values belong to a deployment (which model, where it listens, how long a context,
+# which dtype: the local pair picks bf16 or fp32 by the CPU it runs on, see local/_cpu.py).
+DEPLOYMENT_FLAGS = {
+    "--model", "--served-model-name", "--host", "--port", "--max-model-len", "--dtype"
+}
 # The local pair's tool calls go through structured outputs (no tool parser) with a 135M model,
 # which pads free-whitespace JSON past max_tokens; GPU deployments parse tool calls natively and
 # keep vLLM's "auto" backend (docs/proxy.md, "Tool calls").
