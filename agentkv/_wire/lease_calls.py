@@ -208,10 +208,12 @@ class LeaseCalls:
         usage = sample_values(text, KV_USAGE_METRIC)
         return max(usage) if usage else None
 
-    async def _call(self, url: str, body: dict[str, Any]) -> tuple[int, Any] | CallResult:
+    async def _call(
+        self, url: str, body: dict[str, Any], *, timeout_s: float = _CALL_TIMEOUT_S
+    ) -> tuple[int, Any] | CallResult:
         try:
             return await exchange(
-                self._client, "POST", url, body=dumps(body), timeout_s=_CALL_TIMEOUT_S
+                self._client, "POST", url, body=dumps(body), timeout_s=timeout_s
             )
         except TransportError as exc:
             return CallResult(outcome=FAILED, status=None, detail=str(exc))
@@ -293,7 +295,8 @@ class LeaseCalls:
         ``ttl_s`` seconds (decode caps it; ``None``: decode's default). The answer's reference
         carries the entry's secret, which the delete needs."""
         request = PersistRequest(ref=lease_ref(handle), ttl_s=ttl_s)
-        answer = await self._call(decode + PERSIST_PATH, request.to_wire())
+        answer = await self._call(decode + PERSIST_PATH, request.to_wire(),
+                                  timeout_s=defaults.PERSIST_CALL_TIMEOUT_S)
         if isinstance(answer, CallResult):
             return answer
         status, data = answer

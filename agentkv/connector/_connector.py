@@ -189,6 +189,10 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         results = super().get_transfer_results(finished_req_ids)
         tier = self.agentkv_tier_worker
+        if tier is not None:
+            # A pin whose blocks are being written to the tier is not freed until the write
+            # has ended (_tier_writer): its lease may lapse or a prefill read it meanwhile.
+            results.finished_sending = tier.writes.hold(results.finished_sending)
         done = (tier.done if tier is not None else set()) | self._tier_lost_done
         if done:
             results.finished_recving = set(results.finished_recving) | done
@@ -295,10 +299,12 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
 
     def agentkv_tier_op(self, op: str, payload: object,  # noqa: PLR0911 - one answer per case
                         run_on_workers: RunOnWorkers) -> dict[str, object]:
-        """Serve a tier call (``persist``, ``tier_delete``); runs on the EngineCore thread.
+        """Serve a tier call (``persist``, ``persist_poll``, ``tier_delete``); runs on the
+        EngineCore thread.
 
         ``run_on_workers`` is the executor's ``collective_rpc``: the write runs in the workers,
-        where the KV tensors are.
+        where the KV tensors are, on threads of their own (``_tier_writer``): ``persist`` starts
+        it and ``persist_poll`` commits it once every worker is done, then frees the pin.
         """
         if self._service is None or self._book is None:
             return {"status": "unavailable"}
@@ -306,6 +312,16 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
             return {"status": "tier_unavailable"}
         if op == "tier_delete":
             return self._tier.delete(payload)
+        if op == "persist_poll":
+            entry = payload.get("entry") if isinstance(payload, dict) else None
+            if not isinstance(entry, str):
+                return {"status": "invalid", "message": "persist_poll needs the entry's id"}
+            ref = self._tier.persist_ref(entry)
+            answer = self._tier.persist_poll(entry, run_on_workers)
+            if answer.get("status") == "ok" and ref is not None:
+                # Written and committed: now, and only now, free decode's blocks.
+                self._service.handle("release", ref.to_wire())
+            return answer
         if op != "persist":
             return {"status": "invalid", "message": f"unknown tier operation {op!r}"}
         try:
@@ -316,11 +332,7 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
         outcome, lease = self._book.check(ref)
         if outcome is not Outcome.OK or lease is None:
             return {"status": outcome.value}
-        answer = self._tier.persist(ref, lease.block_ids, run_on_workers, ttl_s=request.ttl_s)
-        if answer.get("status") == "ok":
-            # Written and committed: now, and only now, free decode's blocks.
-            self._service.handle("release", ref.to_wire())
-        return answer
+        return self._tier.persist(ref, lease.block_ids, run_on_workers, ttl_s=request.ttl_s)
 
 
 def _tier_ref(params: dict[str, Any]) -> TierRef | None:

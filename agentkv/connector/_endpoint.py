@@ -17,6 +17,7 @@ Loaded by vLLM (entry point ``vllm.endpoint_plugins:agentkv``) only when ``VLLM_
 
 from __future__ import annotations
 
+import asyncio
 from argparse import Namespace
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -41,6 +42,11 @@ from agentkv._wire.hints import (
 from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH, PersistRequest, TierDelete
 from agentkv.connector import _stream
 from agentkv.connector._engine_rpc import METHOD
+
+# How often the persist route asks whether the workers' tier write has ended: first after 2 ms
+# (a small write), then backing off to every 50 ms (a long one costs the engine ~20 calls a s).
+_POLL_FIRST_S = 0.002
+_POLL_MAX_S = 0.05
 
 
 def _error(status: str, message: object = None) -> JSONResponse:
@@ -79,7 +85,7 @@ class _EngineLink:
 
 
 def _merge(answers: list[Any]) -> dict[str, Any]:
-    ranked = ["ok", "tier_failed", "expired", "invalid", "unknown", "tier_unavailable",
+    ranked = ["ok", "pending", "tier_failed", "expired", "invalid", "unknown", "tier_unavailable",
               "unavailable"]
     good = [a for a in answers if isinstance(a, dict) and a.get("status") in ranked]
     if not good:
@@ -125,7 +131,7 @@ class _Wire(Protocol):
 
 
 async def _forward(
-    request: Request, parse: Callable[[object], _Wire], op: str
+    request: Request, parse: Callable[[object], _Wire], op: str, *, pending_ok: bool = False
 ) -> dict[str, Any] | JSONResponse:
     """Parse the body with ``parse`` and run ``op`` on the engine: the engine's ``ok`` answer,
     or the error response to send (bad body, no engine, or the engine's refusal)."""
@@ -137,9 +143,9 @@ async def _forward(
     if link is None:
         return _error("unavailable")
     answer = await link.call(op, payload)
-    if answer.get("status") != "ok":
-        return _error(str(answer.get("status")), answer.get("message"))
-    return answer
+    if answer.get("status") == "ok" or (pending_ok and answer.get("status") == "pending"):
+        return answer
+    return _error(str(answer.get("status")), answer.get("message"))
 
 
 @router.post(RELEASE_PATH)
@@ -182,9 +188,22 @@ async def claim(request: Request) -> JSONResponse:
 
 @router.post(PERSIST_PATH)
 async def persist(request: Request) -> JSONResponse:
-    answer = await _forward(request, PersistRequest.from_wire, "persist")
+    """Start the write, then poll the engine until it is committed (or failed).
+
+    Each call is a short engine utility call between steps: the workers write on threads of
+    their own, so the engine keeps serving every other session while this route waits.
+    """
+    answer = await _forward(request, PersistRequest.from_wire, "persist", pending_ok=True)
     if isinstance(answer, JSONResponse):
         return answer
+    link = _link(request)
+    delay = _POLL_FIRST_S
+    while answer.get("status") == "pending" and link is not None:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, _POLL_MAX_S)
+        answer = await link.call("persist_poll", {"entry": answer.get("entry")})
+    if answer.get("status") != "ok":
+        return _error(str(answer.get("status")), answer.get("message"))
     return JSONResponse({"tier": answer.get("tier")})
 
 

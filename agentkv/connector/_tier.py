@@ -55,9 +55,10 @@ from agentkv.connector._tier_store import (
     salt_digest,
     secret_digest,
 )
+from agentkv.connector._tier_writer import RESULT_KEEP_S, BackgroundWrites
 
 if TYPE_CHECKING:  # torch stays out of the scheduler's process
-    from agentkv.connector._tier_io import ClearSlots
+    from agentkv.connector._tier_io import ClearSlots, TierIO
 
 logger = structlog.get_logger("agentkv.connector.tier")
 
@@ -73,6 +74,9 @@ TMP_GRACE_S = 120.0
 SWEEP_EVERY_S = 60.0
 
 RunOnWorkers = Callable[..., list[Any]]
+# How often the writing thread checks its NIXL write: it sleeps in between, so the worker's
+# forward pass keeps the GIL (a spinning check cost other sessions ~270 ms gaps a write).
+WRITE_POLL_S = 0.001
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,6 +178,16 @@ class TokenRecord:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class _Persist:
+    """A tier write the workers are running: what its commit needs."""
+
+    ref: LeaseRef
+    record: TokenRecord
+    ttl_s: float | None
+    started: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TierLoad:
     """One request's load, scheduler to workers: file blocks into local blocks, with checksums."""
 
@@ -224,6 +238,7 @@ class TierScheduler:
         self._loads: dict[str, TierLoad] = {}  # planned this step, for the workers
         self._inflight: dict[str, TierLoad] = {}  # sent to the workers, not yet received
         self._outcomes: Counter[str] = Counter()  # finished requests' reasons, for the metric
+        self._persists: dict[str, _Persist] = {}  # tier writes started, not yet committed
 
     # --- decode: persist --------------------------------------------------------------------
 
@@ -253,29 +268,58 @@ class TierScheduler:
 
     def persist(self, ref: LeaseRef, block_ids: tuple[tuple[int, ...], ...],
                 run_on_workers: RunOnWorkers, *, ttl_s: float | None = None) -> dict[str, object]:
-        """Write a pinned handle's blocks, to live ``ttl_s`` (capped; ``None``: the default);
-        the engine status and, on success, the answer (with the entry's secret)."""
+        """Start writing a pinned handle's blocks, to live ``ttl_s`` (capped; ``None``: the
+        default): ``{"status": "pending", "entry": id}``, which :meth:`persist_poll` finishes,
+        or the engine status of a refusal. The workers write on threads of their own
+        (``_tier_writer``): this returns as soon as they have started."""
         self.maybe_sweep()
+        self._abort_stale()
         record = self._records.get(ref.request_id)
         if record is None or not record.token_ids:
             return {"status": "tier_failed", "message": "no token record for this handle"}
         if len(block_ids) != 1:
             return {"status": "tier_failed", "message": "one KV cache group is supported"}
+        if any(p.ref.request_id == ref.request_id for p in self._persists.values()):
+            return {"status": "tier_failed", "message": "this handle is already being persisted"}
         n_blocks = -(-len(record.token_ids) // self.block_size)
         blocks = list(block_ids[0][:n_blocks])
         if len(blocks) < n_blocks:
             return {"status": "tier_failed", "message": "the handle holds fewer blocks than tokens"}
         entry = self.store.new_id()
         try:
-            answers = sorted(run_on_workers(worker_write,
-                                            args=(entry, blocks, len(record.token_ids))),
-                             key=lambda a: int(a["rank"]))
-            if [int(a["rank"]) for a in answers] != list(range(len(answers))):
-                raise TierError("the workers' ranks are not 0..n-1")
+            answers = run_on_workers(worker_write_start,
+                                     args=(entry, ref.request_id, blocks, len(record.token_ids)))
+            self._ranks(answers)
+        except Exception as exc:
+            self.store.abort(entry)
+            logger.warning("tier_persist_failed", request_id=ref.request_id, error=repr(exc))
+            return {"status": "tier_failed", "message": f"tier write failed: {exc}"}
+        self._persists[entry] = _Persist(ref=ref, record=record, ttl_s=ttl_s,
+                                         started=self._clock())
+        return {"status": "pending", "entry": entry}
+
+    def persist_poll(self, entry: str, run_on_workers: RunOnWorkers) -> dict[str, object]:
+        """Where the write :meth:`persist` started stands: ``pending``; ``ok`` with the answer
+        (the entry committed, with its secret: free the pin now); or ``tier_failed`` (its
+        files removed, the pin kept)."""
+        pending = self._persists.get(entry)
+        if pending is None:
+            return {"status": "unknown", "message": "no such tier write in progress"}
+        ref, record = pending.ref, pending.record
+        try:
+            answers = self._ranks(run_on_workers(worker_write_poll, args=(entry,)))
+            failed = [str(a.get("error")) for a in answers if a.get("state") == "failed"]
+            if failed:
+                raise TierError("; ".join(failed))
+            if any(a.get("state") != "done" for a in answers):
+                if any(a.get("state") != "pending" for a in answers):
+                    raise TierError("a worker answered an unknown write state")
+                return {"status": "pending", "entry": entry}
+            del self._persists[entry]
             sizes = {int(a["block_bytes"]) for a in answers}
             if len(sizes) != 1:
                 raise TierError("the ranks disagree on the block size in bytes")
-            now, ttl, secret = self._clock(), self.config.ttl(ttl_s), new_secret()
+            now, ttl, secret = self._clock(), self.config.ttl(pending.ttl_s), new_secret()
             manifest = Manifest(
                 id=entry,
                 fingerprint=self.fingerprint,
@@ -292,6 +336,7 @@ class TierScheduler:
             self.store.check_fits(manifest.data_bytes)
             self.store.commit(manifest)
         except Exception as exc:
+            self._persists.pop(entry, None)
             self.store.abort(entry)
             logger.warning("tier_persist_failed", request_id=ref.request_id, error=repr(exc))
             return {"status": "tier_failed", "message": f"tier write failed: {exc}"}
@@ -300,8 +345,32 @@ class TierScheduler:
             bytes=manifest.data_bytes, ttl_s=ttl,
         )
         logger.info("tier_persisted", request_id=ref.request_id, id=entry,
-                    n_tokens=manifest.n_tokens, bytes=manifest.data_bytes, ttl_s=ttl)
+                    n_tokens=manifest.n_tokens, bytes=manifest.data_bytes, ttl_s=ttl,
+                    seconds=round(now - pending.started, 3))
         return {"status": "ok", **result.to_wire()}
+
+    def persist_ref(self, entry: str) -> LeaseRef | None:
+        """The handle a write in progress persists (the pin its commit frees)."""
+        pending = self._persists.get(entry)
+        return None if pending is None else pending.ref
+
+    @staticmethod
+    def _ranks(answers: list[Any]) -> list[dict[str, Any]]:
+        answers = sorted(answers, key=lambda a: int(a["rank"]))
+        if [int(a["rank"]) for a in answers] != list(range(len(answers))):
+            raise TierError("the workers' ranks are not 0..n-1")
+        return answers
+
+    def _abort_stale(self) -> None:
+        """Give up writes nobody polled for (the persist route died): their files go, and the
+        pin stays until its own lease ends."""
+        now = self._clock()
+        for entry, pending in list(self._persists.items()):
+            if now - pending.started > RESULT_KEEP_S:
+                del self._persists[entry]
+                self.store.abort(entry)
+                logger.warning("tier_persist_abandoned", request_id=pending.ref.request_id,
+                               id=entry)
 
     def delete(self, payload: object) -> dict[str, object]:
         """Remove an entry for the client that shows its secret; ``unknown`` alike for a
@@ -441,6 +510,8 @@ class TierWorker:
         self.io = TierIO(KVLayout(kv_caches, num_blocks=num_blocks, clear_slots=clear_slots))
         self.done: set[str] = set()
         self.invalid: set[int] = set()
+        self.writes = BackgroundWrites()
+        self._write_io: TierIO | None = None
         logger.info("tier_worker_ready", engine=self.io.engine, rank=rank,
                     block_bytes=self.io.layout.block_bytes,
                     last_block="zeroed past the tokens" if clear_slots else "written whole")
@@ -448,11 +519,26 @@ class TierWorker:
     def _path(self, entry: str) -> Path:
         return self.store_root / f"{valid_tier_id(entry)}.r{self.rank}.kv"
 
-    def write(self, entry: str, block_ids: list[int], n_tokens: int) -> dict[str, Any]:
-        path = self._path(entry)
-        checksums = self.io.write(TierStore.tmp(path), block_ids, n_tokens=n_tokens)
+    def start_write(self, entry: str, request_id: str, block_ids: list[int],
+                    n_tokens: int) -> dict[str, Any]:
+        """Start writing this rank's shard of ``request_id``'s blocks, which hold ``n_tokens``
+        tokens, on the writing thread (:mod:`~agentkv.connector._tier_writer`)."""
+        path = TierStore.tmp(self._path(entry))
+
+        def write() -> dict[str, Any]:
+            if self._write_io is None:  # made on the writing thread, used only there
+                from agentkv.connector._tier_io import TierIO
+
+                self._write_io = TierIO(self.io.layout, yield_s=WRITE_POLL_S)
+            return {"checksums": self._write_io.write(path, block_ids, n_tokens=n_tokens)}
+
+        self.writes.start(entry, request_id, write)
+        return {"rank": self.rank}
+
+    def poll_write(self, entry: str) -> dict[str, Any]:
+        """Where this rank's write of ``entry`` stands (``_tier_writer.BackgroundWrites.poll``)."""
         return {"rank": self.rank, "block_bytes": self.io.layout.block_bytes,
-                "checksums": checksums}
+                **self.writes.poll(entry)}
 
     def load(self, request_id: str, load: TierLoad) -> None:
         good = 0
@@ -466,14 +552,25 @@ class TierWorker:
         self.done.add(request_id)
 
 
-def worker_write(worker: Any, entry: str, block_ids: list[int], n_tokens: int) -> dict[str, Any]:
-    """Run by ``collective_rpc`` in every worker: write this rank's shard of the blocks, which
-    hold ``n_tokens`` tokens (the last block's slots past them are written as zeros)."""
+def _tier_worker() -> TierWorker:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    connector = get_kv_transfer_group()
-    tier = getattr(connector, "agentkv_tier_worker", None)
-    if tier is None:
+    tier = getattr(get_kv_transfer_group(), "agentkv_tier_worker", None)
+    if not isinstance(tier, TierWorker):
         raise RuntimeError("agentkv tier: this worker has no tier configured")
-    result: dict[str, Any] = tier.write(entry, block_ids, n_tokens)
-    return result
+    return tier
+
+
+def worker_write_start(worker: Any, entry: str, request_id: str, block_ids: list[int],
+                       n_tokens: int) -> dict[str, Any]:
+    """Run by ``collective_rpc`` in every worker: start writing this rank's shard of the
+    blocks, which hold ``n_tokens`` tokens (the last block's slots past them written as
+    zeros); returns at once."""
+    del worker
+    return _tier_worker().start_write(entry, request_id, block_ids, n_tokens)
+
+
+def worker_write_poll(worker: Any, entry: str) -> dict[str, Any]:
+    """Run by ``collective_rpc`` in every worker: where this rank's write of ``entry`` stands."""
+    del worker
+    return _tier_worker().poll_write(entry)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,8 +141,11 @@ class KVLayout:
 class TierIO:
     """Moves blocks between a :class:`KVLayout` and files, through NIXL POSIX when it loads."""
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, *, yield_s: float = 0.0) -> None:
+        """``yield_s``: sleep this long between checks of a NIXL transfer's state instead of
+        spinning (a writer on a thread of its own must leave the GIL to the engine's)."""
         self.layout = layout
+        self._yield_s = yield_s
         self._agent: Any = None
         self._name = f"agentkv-tier-{os.getpid()}-{next(_names)}"
         try:
@@ -195,10 +199,7 @@ class TierIO:
             )
             indices = list(range(len(file_blocks) * len(layout.layers)))
             handle = agent.make_prepped_xfer(op, local, indices, remote, indices)
-            state = agent.transfer(handle)
-            while state == "PROC":
-                # Raises nixlBackendError on a short file (a truncated tier entry).
-                state = agent.check_xfer_state(handle)
+            state = self._wait(agent, handle, agent.transfer(handle))
             if state != "DONE":
                 raise OSError(f"NIXL {op} of {path} ended in state {state}")
         finally:
@@ -208,6 +209,15 @@ class TierIO:
                 if dlist is not None:
                     agent.release_dlist_handle(dlist)
             agent.deregister_memory(file_reg)
+
+    def _wait(self, agent: Any, handle: Any, state: str) -> str:
+        """The transfer's final state (raises nixlBackendError on a short file: a truncated
+        tier entry)."""
+        while state == "PROC":
+            if self._yield_s:
+                time.sleep(self._yield_s)
+            state = agent.check_xfer_state(handle)
+        return state
 
     # --- the tier's two operations ----------------------------------------------------------
 

@@ -11,6 +11,8 @@ so that prefill's prefix cache from one run cannot serve another's.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import httpx2
 import pytest
 
 import agentkv
-from agentkv import CachePolicy, HandleState, Message
+from agentkv import CachePolicy, HandleState, Message, TextDelta
 from agentkv._wire.hints import INFO_PATH
 from agentkv._wire.tier import TierUsage
 
@@ -98,3 +100,49 @@ def test_a_saved_session_resumes_from_the_tier_in_another_process(
         session.close()
         assert _tier_files(restarted, ref.id) == []
         assert _reference(restarted, questions) == (first.text, second.text)
+
+
+async def test_decode_streams_other_sessions_while_it_writes_the_tier(cluster_file: Path) -> None:
+    """A persist's write runs on the workers' own threads: another session on the same decode
+    keeps streaming tokens during it (on the engine thread, as before issue 39, no token could
+    come out until the write and its fsync had ended)."""
+    long_history = "\n".join(
+        f"Ledger line {i}: parcel {i * 37 % 1009} went to shelf {i % 23}, row {i % 7}."
+        for i in range(160)
+    )
+    async with agentkv.AsyncCluster.from_file(cluster_file) as cluster:
+        big = cluster.session(max_tokens=4, temperature=0.0)
+        await big.send(long_history + "\nWhich shelf holds parcel 37?")
+        streamer = cluster.session(max_tokens=120, temperature=0.0,
+                                   extra_body={"ignore_eos": True})
+        streamer.append(Message.user("Count slowly from one to one thousand."))
+        arrivals: list[float] = []
+        started = asyncio.Event()
+        window: list[float] = []
+
+        async def stream() -> None:
+            async for event in streamer.stream(final=True):
+                if isinstance(event, TextDelta):
+                    arrivals.append(time.perf_counter())
+                    if len(arrivals) == 6:
+                        started.set()
+
+        async def persist() -> agentkv.TierRef | None:
+            await started.wait()
+            window.append(time.perf_counter())
+            ref = await big.persist()
+            window.append(time.perf_counter())
+            return ref
+
+        _, ref = await asyncio.gather(stream(), persist())
+        await big.aclose()
+        await streamer.aclose()
+    assert ref is not None, "the persist failed"
+    begin, end = window
+    during = sum(1 for t in arrivals if begin < t < end)
+    gaps = sorted(b - a for a, b in itertools.pairwise(arrivals)
+                  if b <= begin or a >= end)
+    typical = gaps[len(gaps) // 2]
+    # Decode stepped while it wrote: at least a third of the tokens its usual pace would give.
+    expected = int((end - begin) / typical / 3)
+    assert during >= expected, (during, end - begin, typical)

@@ -251,3 +251,42 @@ async def test_a_failed_persist_answers_500_and_names_the_cause(
     response = await client.post(PERSIST_PATH, json=engine.pin("req-f").to_wire())
     assert response.status_code == 500
     assert response.json() == {"error": {"code": "tier_write_failed", "message": "disk full"}}
+
+
+async def test_persist_polls_the_engine_until_the_workers_write_is_committed(
+    client: httpx2.AsyncClient, engine: Engine
+) -> None:
+    """The engine starts the write and answers ``pending``; the route asks again (each a short
+    utility call between engine steps) until the commit, and answers its reference."""
+    from agentkv._wire.tier import PERSIST_PATH
+
+    calls: list[tuple[str, object]] = []
+    polls = iter([{"status": "pending", "entry": "e1"}] * 3
+                 + [{"status": "ok", "tier": {"id": "e1"}}])
+
+    def tier_op(op: str, payload: object, run: object) -> dict[str, object]:
+        calls.append((op, payload))
+        return {"status": "pending", "entry": "e1"} if op == "persist" else next(polls)
+
+    engine.connector.agentkv_tier_op = tier_op  # type: ignore[attr-defined]
+    response = await client.post(PERSIST_PATH, json=engine.pin("req-w").to_wire())
+    assert response.status_code == 200, response.text
+    assert response.json() == {"tier": {"id": "e1"}}
+    assert [op for op, _ in calls] == ["persist"] + ["persist_poll"] * 4
+    assert all(payload == {"entry": "e1"} for _, payload in calls[1:])
+
+
+async def test_a_write_that_fails_after_it_started_answers_500(
+    client: httpx2.AsyncClient, engine: Engine
+) -> None:
+    from agentkv._wire.tier import PERSIST_PATH
+
+    def tier_op(op: str, payload: object, run: object) -> dict[str, object]:
+        if op == "persist":
+            return {"status": "pending", "entry": "e2"}
+        return {"status": "tier_failed", "message": "tier write failed: disk full"}
+
+    engine.connector.agentkv_tier_op = tier_op  # type: ignore[attr-defined]
+    response = await client.post(PERSIST_PATH, json=engine.pin("req-x").to_wire())
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "tier_write_failed"

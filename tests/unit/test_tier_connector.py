@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +29,14 @@ from prometheus_client import CollectorRegistry, Counter
 from agentkv._wire.handoff import TurnRequest, decode_body, parse_prefill
 from agentkv._wire.hints import HINTS_KEY, LeaseRef
 from agentkv._wire.tier import TierLoadReport, TierRef, with_tier_load
-from agentkv.connector._tier import TierLoad, TierScheduler, TierWorker, tier_config
+from agentkv.connector._tier import (
+    TierLoad,
+    TierScheduler,
+    TierWorker,
+    tier_config,
+    worker_write_poll,
+    worker_write_start,
+)
 from agentkv.connector._tier_io import CacheWriter, KVLayout, cpu_attn_clear_slots
 from agentkv.connector._tier_stats import (
     METRIC_NAME,
@@ -180,10 +188,18 @@ class Pair:
         blocks = D_BLOCKS[: -(-len(tokens) // BS)]
 
         def run_on_workers(method: Callable[..., Any], *, args: tuple[Any, ...]) -> list[Any]:
-            return [self.d_worker.write(*args)]  # the worker's real write, in-process
+            # The worker's real calls, in-process.
+            calls = {worker_write_start: self.d_worker.start_write,
+                     worker_write_poll: self.d_worker.poll_write}
+            return [calls[method](*args)]
 
-        answer = self.d.persist(LeaseRef(request_id="d-1", block_ids=(tuple(blocks),),
-                                         lease="secret"), (tuple(blocks),), run_on_workers)
+        started = self.d.persist(LeaseRef(request_id="d-1", block_ids=(tuple(blocks),),
+                                          lease="secret"), (tuple(blocks),), run_on_workers)
+        assert started["status"] == "pending", started
+        answer = self.d.persist_poll(str(started["entry"]), run_on_workers)
+        while answer["status"] == "pending":
+            time.sleep(0.001)
+            answer = self.d.persist_poll(str(started["entry"]), run_on_workers)
         assert answer["status"] == "ok", answer
         tier = answer["tier"]
         assert isinstance(tier, dict)

@@ -30,6 +30,8 @@ from agentkv.connector._tier import (
     _lora_name,
     fingerprint,
     tier_config,
+    worker_write_poll,
+    worker_write_start,
 )
 from agentkv.connector._tier_store import TierStore, block_checksum, salt_digest, secret_digest
 
@@ -87,16 +89,23 @@ def scheduler(root: Path, clock: Clock, config: Any = None, **tier: Any) -> Tier
 
 
 def run_on_workers(store: TierStore) -> Any:
-    """The executor's ``collective_rpc``: rank 0 writes its ``*.tmp`` data file, 0600."""
+    """The executor's ``collective_rpc``: rank 0 writes its ``*.tmp`` data file, 0600, when the
+    write starts, and reports it done at the first poll."""
+    written: dict[str, list[str]] = {}
 
     def run(function: Any, *, args: tuple[Any, ...]) -> list[dict[str, Any]]:
-        entry, blocks = args[0], args[1]
+        if function is worker_write_poll:
+            return [{"rank": 0, "block_bytes": BB, "state": "done",
+                     "checksums": written.pop(args[0])}]
+        assert function is worker_write_start
+        entry, blocks = args[0], args[2]
         data = [bytes([b % 256] * BB) for b in range(len(blocks))]
         path = store.tmp(store.data_path(entry, 0))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(b"".join(data))
-        return [{"rank": 0, "block_bytes": BB, "checksums": [block_checksum(d) for d in data]}]
+        written[entry] = [block_checksum(d) for d in data]
+        return [{"rank": 0}]
 
     return run
 
@@ -106,7 +115,10 @@ def persist(tier: TierScheduler, req: SimpleNamespace | None = None,
     req = req or request()
     tier.record(req)
     ref = LeaseRef(request_id=req.request_id, block_ids=((0, 1, 2),), lease="s3cret")
-    answer = tier.persist(ref, ref.block_ids, run_on_workers(tier.store), ttl_s=ttl_s)
+    run = run_on_workers(tier.store)
+    started = tier.persist(ref, ref.block_ids, run, ttl_s=ttl_s)
+    assert started["status"] == "pending", started
+    answer = tier.persist_poll(str(started["entry"]), run)
     assert answer["status"] == "ok", answer
     return PersistResult.from_wire(answer)
 
