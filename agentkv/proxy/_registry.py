@@ -112,6 +112,10 @@ class SessionRegistry(SharedSessions):
             return None
         return entry
 
+    def cached(self, principal: str, session_id: str) -> SessionEntry | None:
+        """This process's copy of a session, as it is (no expiry check, no store read)."""
+        return self._entries.get((principal, session_id))
+
     def _fresh_session(self, key: Key, *, placement_key: str | None) -> AsyncSession:
         principal, session_id = key
         return self._cluster.session(
