@@ -9,10 +9,13 @@ entry (own transcript, own KV, own lock), under an id derived from the session's
 * a thread with an agent id is ``<session>~agent:<agent id>``;
 * without one, the thread is told by where its history starts (``start_digest``: the system
   messages it begins with). The first start seen under a session id is the session's own
-  thread, keyed by the session id itself, as before threads existed; a request starting
-  elsewhere is a side thread ``<session>~start:<digest>``, and each later request finds its own
-  thread by its start. At most ``MAX_SIDE_THREADS`` side threads a session: past them a request
-  goes to the session's own thread (it forks it, as any other history that does not extend it).
+  thread, keyed by the session id itself, as before threads existed. A new conversation (no
+  assistant message yet) starting elsewhere opens a side thread ``<session>~start:<digest>``,
+  and each later request finds its own thread by its start. A history of turns starting
+  elsewhere that no side thread began is the session's own thread with its system prompt
+  changed: it forks that thread (a prefix break, counted as ``system_changed``). At most
+  ``MAX_SIDE_THREADS`` side threads a session: past them a request goes to the session's own
+  thread too.
 
 Every thread of a session is placed by the session's key (its parent session's, when the client
 names one), so they land on the same pair, whose prefill cache holds what they share.
@@ -131,7 +134,10 @@ class ThreadIndex:
         if start == starts.main:
             return Thread(registry_id=session, name=MAIN, placement=own_placement)
         if start not in starts.sides:
-            if len(starts.sides) >= MAX_SIDE_THREADS:
+            fresh = not any(m.role == "assistant" for m in messages)
+            if not fresh or len(starts.sides) >= MAX_SIDE_THREADS:
+                # A history of turns starting elsewhere is the session's own with its system
+                # prompt changed: it forks it, and the break is counted as such.
                 return Thread(registry_id=session, name=MAIN, placement=own_placement)
             starts.sides.append(start)
         name = f"start:{start}"
