@@ -78,7 +78,7 @@ from agentkv._policy import (
     TierCostModel,
     TierDecision,
 )
-from agentkv._prompt.history import HistoryPlan
+from agentkv._prompt.history import HistoryPlan, PrefixBreak
 from agentkv._prompt.transcript import Span, TranscriptView
 from agentkv._route import Route, RouteCostModel, RouteDecision, RoutePolicy
 from agentkv._types import (
@@ -136,6 +136,7 @@ __all__ = [
     "Pair",
     "PersistMode",
     "PrefillWeights",
+    "PrefixBreak",
     "PrefixDivergedError",
     "RequestTimeoutError",
     "RetryPolicy",

@@ -62,6 +62,7 @@ from agentkv._route import ROUTES, Route
 from agentkv._types import (
     HandleState,
     Message,
+    Pair,
     TextDelta,
     ToolCall,
     TurnOverrides,
@@ -134,6 +135,7 @@ __all__ = [
     "LeaseRef",
     "MalformedResponseError",
     "Message",
+    "Pair",
     "PersistHint",
     "PersistMode",
     "PersistRequest",

@@ -245,6 +245,7 @@ class _Twin(Generic[SessionT]):
         extra_body: Mapping[str, Any] | None = None,
         placement_key: str | None = None,
         route: Route = "pull",
+        near: Pair | None = None,
     ) -> SessionT:
         """Open a session, placed on a pair by its id. Use it as a context manager (``async
         with`` on ``AsyncCluster``).
@@ -256,7 +257,9 @@ class _Twin(Generic[SessionT]):
         ``route`` is how each turn's prompt reaches decode (a turn can override it): ``"pull"``
         (prefill pulls the KV back; the default), ``"decode"`` (the session's decode computes
         the new tokens itself), ``"recompute"``, or ``"auto"`` (the policy chooses per turn,
-        ``CachePolicy.route``: short appends on decode, the rest pulled).
+        ``CachePolicy.route``: short appends on decode, the rest pulled). ``near`` opens it on that
+        pair while it is healthy, whatever its load: a session that shares another's prefix (a
+        thread of the same agent) finds it in that pair's prefill cache.
         """
         self._pool.check_open()
         check_extra_body(extra_body or {})
@@ -276,6 +279,7 @@ class _Twin(Generic[SessionT]):
                 policy=resolved,
                 options=options,
                 placement_key=placement_key,
+                near=near,
             )
         )
 

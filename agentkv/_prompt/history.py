@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from agentkv._types import Message, ToolCall
 from agentkv._wire.json import JSONDecodeError, dumps, loads
@@ -36,6 +37,7 @@ __all__ = [
     "NOTHING_NEW",
     "TOOLS_CHANGED",
     "HistoryPlan",
+    "PrefixBreak",
     "echo_form",
     "is_echo",
     "plan_history",
@@ -47,6 +49,16 @@ TOOLS_CHANGED = "tools changed"
 # The history is the session's, nothing after: a turn has nothing to send (a regenerate).
 NOTHING_NEW = "history holds no new message"
 
+PrefixBreak = Literal[
+    "system_changed", "tools_changed", "messages_changed", "model_changed", "regenerated"
+]
+"""Why a history does not extend its session (``HistoryPlan.break_reason``), in the words of
+Anthropic's cache diagnostics where they have one: ``system_changed`` (the system messages it
+starts with differ), ``tools_changed``, ``messages_changed`` (an earlier message edited or
+removed), ``regenerated`` (the session's history again, nothing new: a retry or regenerate).
+``model_changed`` is for front ends that compare models: a session serves one model, so a plan
+never says it."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HistoryPlan:
@@ -57,7 +69,14 @@ class HistoryPlan:
         new: the history's messages after those: appended, or (forked) the fork's to send.
         forked: the history does not extend the session; a fork keeping ``keep`` messages does.
         echoes: how many echoed assistant messages were matched by meaning, not equality.
-        reason: why it forked (``None`` when it extends the session).
+        reason: why it forked, in words (``None`` when it extends the session).
+        break_reason: why it forked, as a value to count or act on (``PrefixBreak``).
+        diverged_message: the index of the first message where history and session differ
+            (the history's length when it stops short of the session); ``None`` when it extends.
+        diverged_token: where that message starts in the session's tokens: the prefix before it
+            is what the session's KV still holds for the history (a transcript fills it in;
+            ``None`` in a plan of messages alone, or when it extends).
+        lost_tokens: the session's tokens from there on, which the history does not reuse.
     """
 
     keep: int
@@ -65,6 +84,10 @@ class HistoryPlan:
     forked: bool
     echoes: int = 0
     reason: str | None = None
+    break_reason: PrefixBreak | None = None
+    diverged_message: int | None = None
+    diverged_token: int | None = None
+    lost_tokens: int = 0
 
     @staticmethod
     def key(messages: Sequence[Message]) -> bytes:
@@ -143,7 +166,14 @@ def plan_history(
     history comes with other tools than the session's prefix was rendered with.
     """
     if tools_changed:
-        return HistoryPlan(keep=0, new=tuple(incoming), forked=True, reason=TOOLS_CHANGED)
+        return HistoryPlan(
+            keep=0,
+            new=tuple(incoming),
+            forked=True,
+            reason=TOOLS_CHANGED,
+            break_reason="tools_changed",
+            diverged_message=0,
+        )
     views = views or {}
     n, m = len(held), len(incoming)
     keep = 0
@@ -158,9 +188,29 @@ def plan_history(
     if keep == n and m > n:
         return HistoryPlan(keep=n, new=tuple(incoming[n:]), forked=False, echoes=echoes)
     reason = NOTHING_NEW if keep == n == m else EDITED
+    diverged = keep
     # A turn needs at least one message to send: a history that is a prefix of the session
     # (a regenerate) re-sends its last message on the fork.
     keep = max(0, min(keep, m - 1))
     return HistoryPlan(
-        keep=keep, new=tuple(incoming[keep:]), forked=True, echoes=echoes, reason=reason
+        keep=keep,
+        new=tuple(incoming[keep:]),
+        forked=True,
+        echoes=echoes,
+        reason=reason,
+        break_reason=_break_reason(held, incoming, diverged),
+        diverged_message=diverged,
     )
+
+
+def _break_reason(
+    held: Sequence[Message], incoming: Sequence[Message], diverged: int
+) -> PrefixBreak:
+    """Name a break at message ``diverged``: in the system messages the histories start with,
+    after them, or nowhere (the session's history again)."""
+    if diverged == len(held) == len(incoming):
+        return "regenerated"
+    leading = [m for m in (held, incoming) if diverged < len(m) and m[diverged].role == "system"]
+    if leading and all(x.role == "system" for m in (held, incoming) for x in m[:diverged]):
+        return "system_changed"
+    return "messages_changed"

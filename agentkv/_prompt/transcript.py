@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 from types import MappingProxyType
 
 from agentkv._exceptions import InvalidMessageError, PrefixDivergedError
@@ -509,12 +509,12 @@ class Transcript:
             tools_changed=tools_changed,
         )
         committed = len(self._messages)
-        if plan.forked and plan.keep > committed:
-            return HistoryPlan(
-                keep=committed,
-                new=tuple(incoming[committed:]),
-                forked=True,
-                echoes=plan.echoes,
-                reason=plan.reason,
-            )
+        if not plan.forked:
+            return plan
+        # Where the break falls in the session's tokens (a pending message has none yet).
+        diverged = plan.diverged_message or 0
+        token = self._spans[diverged].start if diverged < committed else len(self._tokens)
+        plan = replace(plan, diverged_token=token, lost_tokens=len(self._tokens) - token)
+        if plan.keep > committed:
+            return replace(plan, keep=committed, new=tuple(incoming[committed:]))
         return plan

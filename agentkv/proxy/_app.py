@@ -40,6 +40,7 @@ from agentkv.proxy._request import persist_from, route_from
 from agentkv.proxy._responses import ResponsesService
 from agentkv.proxy._shape import turn_stats_json
 from agentkv.proxy._store import SessionStore
+from agentkv.proxy._threads import thread_of
 
 __all__ = ["create_app"]
 
@@ -191,7 +192,8 @@ class _Proxy:
         response = await self.chat.complete(
             body,
             principal=principal,
-            session_header=request.headers.get("x-session-id"),
+            session_header=None,
+            headers=request.headers,
             started=started,
             persist=admission.mode,
             route=route,
@@ -207,7 +209,7 @@ class _Proxy:
         return await self.responses.create(
             body,
             principal=principal,
-            session_header=request.headers.get("x-session-id"),
+            headers=request.headers,
             started=started,
             route=route_from(request.headers.get("x-agentkv-route")),
         )
@@ -286,9 +288,12 @@ class _Proxy:
         handle = session.handle
         turns = session.turns
         stats = session.stats
+        session_id, thread = thread_of(entry.session_id)
         return {
             "id": entry.session_id,
             "object": "agentkv.session",
+            "session": session_id,
+            "thread": thread,
             "created": int(entry.created_at),
             "pair": session.pair.name,
             "busy": entry.users > 0,

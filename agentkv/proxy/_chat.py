@@ -39,17 +39,21 @@ from agentkv.proxy._affinity import HistoryIndex
 from agentkv.proxy._config import ProxyConfig
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
+from agentkv.proxy._prefix_breaks import record_break
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
-from agentkv.proxy._request import ChatRequest, parse_chat_request, session_id_from
+from agentkv.proxy._request import ChatRequest, parse_chat_request
 from agentkv.proxy._salt import CacheSalts
+from agentkv.proxy._session_key import session_key
 from agentkv.proxy._shape import (
     HEADER_FORKED,
     HEADER_HANDLE,
     HEADER_PAIR,
     HEADER_SESSION,
+    HEADER_THREAD,
     Completion,
 )
 from agentkv.proxy._store import SessionStore, StoreUnavailableError
+from agentkv.proxy._threads import MAIN, Thread, ThreadIndex, thread_of
 from agentkv.proxy._tools import HEADER_TOOL_CALLING, ToolModes, ToolPlan, plan_tools
 
 __all__ = ["AnswerShape", "ChatService", "json_response"]
@@ -174,7 +178,7 @@ class ChatShape:
 class _Lease:
     """The session one request runs its turn on, and how to give it back."""
 
-    __slots__ = ("entry", "forked", "new", "plan", "registry", "session")
+    __slots__ = ("entry", "forked", "new", "plan", "registry", "session", "thread")
 
     def __init__(
         self,
@@ -183,11 +187,13 @@ class _Lease:
         entry: SessionEntry | None = None,
         registry: SessionRegistry | None = None,
         plan: HistoryPlan | None = None,
+        thread: str | None = None,
     ) -> None:
         self.session = session
         self.entry = entry
         self.registry = registry
         self.plan = plan
+        self.thread = thread
         self.forked = plan is not None and plan.forked
 
     @property
@@ -215,6 +221,8 @@ class _Lease:
         headers = {HEADER_PAIR: pair, HEADER_HANDLE: handle.value}
         if self.entry is not None:
             headers[HEADER_SESSION] = self.entry.session_id
+        if self.thread is not None:
+            headers[HEADER_THREAD] = self.thread
         if self.forked:
             headers[HEADER_FORKED] = "1"
         return headers
@@ -269,6 +277,7 @@ class ChatService:
         )
         self.tool_modes = ToolModes(cluster, configured=config.tool_calling)
         self._histories = HistoryIndex(max_entries=config.max_sessions)
+        self._threads = ThreadIndex(max_entries=config.max_sessions)
 
     async def _salted(self, extra: Mapping[str, Any], principal: str) -> Mapping[str, Any]:
         """``extra`` with the principal's ``cache_salt`` (``isolate_prefix_caches``)."""
@@ -295,6 +304,7 @@ class ChatService:
         shape: AnswerShape | None = None,
         persist: PersistMode = "auto",
         route: Route | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Response:
         """Answer one chat completion request (``ProxyError`` or agentkv errors on failure).
 
@@ -305,6 +315,10 @@ class ChatService:
         turn's persist option (``X-AgentKV-Persist``: ``disk`` persists the turn-end KV to
         decode's file tier right after the answer); ``route`` the turn's route
         (``X-AgentKV-Route``), else the session's.
+
+        The session comes from ``headers`` (the agents' own, ``_session_key``) and the body, on
+        the thread of it the request's history belongs to (``_threads``); ``session_header``
+        names the registry's session directly instead (a stored response's, for Responses).
         """
         request = parse_chat_request(
             body, model=self._cluster.model, default_max_tokens=self._config.default_max_tokens
@@ -319,16 +333,8 @@ class ChatService:
             parallel_tool_calls=request.parallel_tool_calls,
             extra=request.extra,
         )
-        session_id = session_id_from(session_header, request)
-        placement: str | None = None
-        cache_key = request.prompt_cache_key
-        if session_id is None and cache_key is not None:
-            # A shared prefix, not a conversation: place by the key, find the conversation by
-            # its history (``_affinity``).
-            placement = f"{principal}:{cache_key}"
-            found = self._histories.find(principal, cache_key, request.messages)
-            session_id = found or _new_pck_id()
-        if session_id is None:
+        thread = self._thread(principal, session_header, headers or {}, request)
+        if thread is None:
             lease = _Lease(self._cluster.session())
             try:
                 lease.session.append(*tools.messages)
@@ -336,7 +342,7 @@ class ChatService:
                 await lease.release(failed=True)
                 raise
         else:
-            lease = await self._map(principal, session_id, request, tools, placement)
+            lease = await self._map(principal, thread, request, tools)
         shape.bind(lease.entry.session_id if lease.entry is not None else None)
         overrides: TurnOverrides = {
             "max_tokens": request.max_tokens,
@@ -419,15 +425,46 @@ class ChatService:
             )
         return message, finish
 
-    async def _map(
+    def _thread(
         self,
         principal: str,
-        session_id: str,
+        session_header: str | None,
+        headers: Mapping[str, str],
         request: ChatRequest,
-        tools: ToolPlan,
-        placement: str | None = None,
+    ) -> Thread | None:
+        """The thread the request runs on (``None``: a one-shot request)."""
+        if session_header is not None:
+            return Thread(registry_id=session_header, name=thread_of(session_header)[1])
+        key = session_key(headers, request.body_session_id)
+        cache_key = request.prompt_cache_key
+        if key is None and cache_key is not None:
+            # A shared prefix, not a conversation: place by the key, find the conversation by
+            # its history (``_affinity``).
+            found = self._histories.find(principal, cache_key, request.messages)
+            return Thread(
+                registry_id=found or _new_pck_id(),
+                name=MAIN,
+                placement=f"{principal}:{cache_key}",
+                by_history=True,
+            )
+        if key is None:
+            return None
+
+        def held() -> tuple[Message, ...] | None:
+            entry = self._registry.cached(principal, key.session_id)
+            if entry is None:
+                return None
+            transcript = entry.session.transcript
+            return (*transcript.messages, *transcript.pending) or None
+
+        return self._threads.resolve(principal, key, request.messages, held=held)
+
+    async def _map(
+        self, principal: str, thread: Thread, request: ChatRequest, tools: ToolPlan
     ) -> _Lease:
-        """Check the session out and bring it to the request's history (append, or fork)."""
+        """Check the thread's session out and bring it to the request's history (append, or
+        fork)."""
+        session_id, placement, by_history = thread.registry_id, thread.placement, thread.by_history
         registry = self._registry
         entry = await registry.checkout(principal, session_id, placement_key=placement)
         try:
@@ -438,7 +475,15 @@ class ChatService:
             plan = session.sync_history(tools.messages, tools=tools.tools)
             if plan.echoes:
                 self._metrics.echoes.inc(plan.echoes)
-            if plan.forked and placement is not None:
+            if plan.forked:
+                record_break(
+                    self._metrics,
+                    plan,
+                    session_id=session_id,
+                    principal=principal,
+                    thread=thread.name,
+                )
+            if plan.forked and by_history:
                 # Found by its history (``prompt_cache_key``), yet it does not extend the
                 # session: another continuation of that history committed on it first. The two
                 # are two conversations now: this one forks into a session of its own, and the
@@ -452,7 +497,7 @@ class ChatService:
         except BaseException:
             await registry.checkin(entry, failed=True)  # a new session the request never used
             raise
-        if plan.forked and placement is not None:
+        if plan.forked and by_history:
             await registry.checkin(entry)
             try:
                 entry = await registry.checkout(principal, session_id, placement_key=placement)
@@ -461,7 +506,8 @@ class ChatService:
                 raise
             await registry.replace(entry, child)
             self._forked(child, session_id, principal=principal, plan=plan)
-        return _Lease(entry.session, entry=entry, registry=registry, plan=plan)
+        name = None if by_history else thread.name
+        return _Lease(entry.session, entry=entry, registry=registry, plan=plan, thread=name)
 
     def _forked(
         self, child: AsyncSession, session_id: str, *, principal: str, plan: HistoryPlan

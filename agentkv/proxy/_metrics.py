@@ -150,6 +150,19 @@ class ProxyMetrics:
             "Requests whose history did not extend their session",
             registry=registry,
         )
+        self.prefix_breaks = Counter(
+            "agentkv_prefix_breaks",
+            "Requests whose history did not extend their thread, by why (system_changed, "
+            "tools_changed, messages_changed, regenerated)",
+            ("reason",),
+            registry=registry,
+        )
+        self.prefix_break_tokens = Counter(
+            "agentkv_prefix_break_lost_tokens",
+            "Tokens a thread held past the point where a request's history broke from it",
+            ("reason",),
+            registry=registry,
+        )
         self.echoes = Counter(
             "agentkv_proxy_echo_matches",
             "Echoed assistant messages matched to generated tokens by meaning, not equality",

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from agentkv._core import AsyncCluster, AsyncSession, SessionClosedError
+from agentkv._core import AsyncCluster, AsyncSession, Pair, SessionClosedError
 from agentkv.proxy._bounds import SWEEP_PAGE
 from agentkv.proxy._entry import Key, SessionEntry
 from agentkv.proxy._errors import ProxyError
@@ -36,6 +36,7 @@ from agentkv.proxy._fair import Refusal, SessionTable, choose_victim
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._shared import SharedSessions
 from agentkv.proxy._store import SessionStore
+from agentkv.proxy._threads import MAIN, thread_of
 from agentkv.proxy._unreferenced import UnreferencedPins
 
 __all__ = ["OnClose", "OnFork", "SessionEntry", "SessionRegistry"]
@@ -112,11 +113,25 @@ class SessionRegistry(SharedSessions):
             return None
         return entry
 
+    def cached(self, principal: str, session_id: str) -> SessionEntry | None:
+        """This process's copy of a session, as it is (no expiry check, no store read)."""
+        return self._entries.get((principal, session_id))
+
     def _fresh_session(self, key: Key, *, placement_key: str | None) -> AsyncSession:
         principal, session_id = key
         return self._cluster.session(
-            session_id=f"{principal}:{session_id}", placement_key=placement_key
+            session_id=f"{principal}:{session_id}",
+            placement_key=placement_key,
+            near=self._near(key),
         )
+
+    def _near(self, key: Key) -> Pair | None:
+        """The pair of the session whose thread ``key`` is (``_threads``), where this process
+        holds it: threads share its prefix, and its prefill's cache holds it. The placement key
+        places them alike anyway, but bounded load may spread them."""
+        session_id, thread = thread_of(key[1])
+        own = None if thread == MAIN else self._entries.get((key[0], session_id))
+        return None if own is None or own.session.closed else own.session.pair
 
     def _new_entry(self, key: Key, *, placement_key: str | None) -> SessionEntry:
         entry = SessionEntry(

@@ -34,6 +34,7 @@ from agentkv._core import (
     refusal,
 )
 from agentkv.proxy._errors import ProxyError
+from agentkv.proxy._session_key import session_key
 
 __all__ = ["ChatRequest", "parse_chat_request", "session_id_from"]
 
@@ -62,7 +63,6 @@ _HANDLED = frozenset(
 # Fields the proxy sets itself for every request: a client's value could address KV or lift the
 # per-key isolation of prefix caches.
 _PROXY_SET = {"cache_salt": "is set by the proxy (prefix caches are isolated per API key)"}
-_MAX_SESSION_ID = 256
 # OpenAI's API refuses a longer key ("string_above_max_length"); its SDK does not check it.
 _MAX_PROMPT_CACHE_KEY = 64
 
@@ -239,19 +239,13 @@ def parse_chat_request(body: object, *, model: str, default_max_tokens: int) -> 
 
 
 def session_id_from(header: str | None, request: ChatRequest) -> str | None:
-    """The session key: the ``X-Session-ID`` header, else the body's ``conversation_id``, else its
-    ``session_id``; else none (``prompt_cache_key`` is a shared prefix, not a conversation)."""
-    raw = header if header is not None else request.body_session_id
-    if raw is None:
-        return None
-    session_id = raw.strip()
-    if not session_id or len(session_id) > _MAX_SESSION_ID or not session_id.isprintable():
-        raise _bad(
-            f"a session id is 1 to {_MAX_SESSION_ID} printable characters",
-            "X-Session-ID",
-            code="invalid_session_id",
-        )
-    return session_id
+    """The session key of a request carrying only ``X-Session-ID`` (``header``) and its body:
+    the header, else the body's ``conversation_id``, else its ``session_id``; else none
+    (``prompt_cache_key`` is a shared prefix, not a conversation). The whole precedence, the
+    agents' own headers included, is ``_session_key.session_key``."""
+    headers = {} if header is None else {"x-session-id": header}
+    key = session_key(headers, request.body_session_id)
+    return None if key is None else key.session_id
 
 
 def persist_from(header: str | None) -> PersistMode:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -43,6 +43,7 @@ from agentkv.proxy._responses_store import (
     StoredResponse,
     history_tail,
 )
+from agentkv.proxy._session_key import session_key
 from agentkv.proxy._store import SessionStore, StoreUnavailableError
 from agentkv.proxy._tools import ToolPlan, shown_messages
 
@@ -200,10 +201,12 @@ class ResponsesService:
         body: object,
         *,
         principal: str,
-        session_header: str | None,
+        headers: Mapping[str, str],
         started: float,
         route: Route | None = None,
     ) -> Response:
+        """Answer one Responses request; its session comes from ``headers`` as on chat
+        (``_session_key``), from ``previous_response_id``, or is minted for a stored one."""
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
         for name, reason in REFUSED.items():
@@ -214,14 +217,19 @@ class ResponsesService:
             raise bad("'instructions' must be a string", "instructions")
         store = body.get("store", True) is not False
         ids = await self._response_ids() if store else None
+        session_header: str | None = None
         history: Sequence[dict[str, Any]] = []
         previous = body.get("previous_response_id")
         if previous is not None:
             session_header, shown = await self._history(principal, previous)
             history = [message.to_openai() for message in shown]
         chat = chat_body(body, history=history)
-        has_key = session_header is not None or any(
-            chat.get(key) for key in ("conversation_id", "session_id", "prompt_cache_key")
+        has_key = (
+            session_header is not None
+            or session_key(headers) is not None
+            or any(
+                chat.get(key) for key in ("conversation_id", "session_id", "prompt_cache_key")
+            )
         )
         if store and not has_key:
             # A stored response must be continuable: it gets a session of its own.
@@ -238,6 +246,7 @@ class ResponsesService:
             chat,
             principal=principal,
             session_header=session_header,
+            headers=headers,
             started=started,
             shape=shape,
             route=route,

@@ -20,6 +20,7 @@ __all__ = [
     "HEADER_HANDLE",
     "HEADER_PAIR",
     "HEADER_SESSION",
+    "HEADER_THREAD",
     "Completion",
     "turn_stats_json",
 ]
@@ -28,6 +29,8 @@ HEADER_PAIR = "X-AgentKV-Pair"
 HEADER_HANDLE = "X-AgentKV-Handle"
 HEADER_FORKED = "X-AgentKV-Forked"
 HEADER_SESSION = "X-AgentKV-Session-ID"
+# The thread of its session a request ran on (``_threads``): main, agent:<id>, start:<digest>.
+HEADER_THREAD = "X-AgentKV-Thread"
 
 
 def _message(message: Message) -> dict[str, Any]:

@@ -307,3 +307,47 @@ def test_raw_request_with_conversation_id_and_vllm_only_fields(
         refused = http.post("/v1/chat/completions", json={**body, "echo": True})
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "echo"
+
+
+def test_claude_code_parent_and_subagent_threads_reuse_at_the_ideal(
+    proxy: ProxyServer, model: str
+) -> None:
+    """Claude Code's headers: a parent and a subagent under one session id, turns in flight
+    together; each thread's turn 2 reuses its own history at the ideal, on the same pair, and
+    neither forks the other."""
+    session = {"X-Claude-Code-Session-Id": "cc-e2e-1"}
+    agent = {**session, "x-claude-code-agent-id": "agent-e2e-1"}
+    system = {"role": "system", "content": "You are a terse coding assistant."}
+    threads: dict[str, tuple[dict[str, str], list[dict[str, Any]]]] = {
+        "parent": (session, [system, {"role": "user", "content": "Name a sorting algorithm."}]),
+        "subagent": (agent, [system, {"role": "user", "content": "Name a search algorithm."}]),
+    }
+
+    async def turn(http: httpx2.AsyncClient, name: str) -> httpx2.Response:
+        headers, messages = threads[name]
+        body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
+        response = await http.post("/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        assert "x-agentkv-forked" not in response.headers
+        return response
+
+    async def run() -> None:
+        async with httpx2.AsyncClient(base_url=proxy.url, timeout=600) as http:
+            first = await asyncio.gather(turn(http, "parent"), turn(http, "subagent"))
+            for (_, messages), response in zip(threads.values(), first, strict=True):
+                messages.append(response.json()["choices"][0]["message"])
+                messages.append({"role": "user", "content": "Another one."})
+            second = await asyncio.gather(turn(http, "parent"), turn(http, "subagent"))
+            assert [r.headers["x-agentkv-thread"] for r in second] == [
+                "main",
+                "agent:agent-e2e-1",
+            ]
+            assert len({r.headers["x-agentkv-pair"] for r in (*first, *second)}) == 1
+            for name, before, after in zip(threads, first, second, strict=True):
+                usage = before.json()["usage"]
+                ideal = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+                cached = after.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                _report(f"claude-code-{name}", cached, ideal)
+                assert cached == ideal, name
+
+    asyncio.run(run())
