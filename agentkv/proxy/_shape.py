@@ -18,8 +18,10 @@ from agentkv._core import HandleState, Message, TurnResult, TurnStats
 __all__ = [
     "HEADER_FORKED",
     "HEADER_HANDLE",
+    "HEADER_MAX_TOKENS_CLAMPED",
     "HEADER_PAIR",
     "HEADER_SESSION",
+    "HEADER_TOOLS_DROPPED",
     "Completion",
     "turn_stats_json",
 ]
@@ -28,6 +30,10 @@ HEADER_PAIR = "X-AgentKV-Pair"
 HEADER_HANDLE = "X-AgentKV-Handle"
 HEADER_FORKED = "X-AgentKV-Forked"
 HEADER_SESSION = "X-AgentKV-Session-ID"
+# The types of tools a Responses request sent that the proxy dropped (``web_search,namespace``).
+HEADER_TOOLS_DROPPED = "X-AgentKV-Tools-Dropped"
+# ``<asked>-><given>``: the request's max_tokens was above what its prompt left of the context.
+HEADER_MAX_TOKENS_CLAMPED = "X-AgentKV-Max-Tokens-Clamped"
 
 
 def _message(message: Message) -> dict[str, Any]:
