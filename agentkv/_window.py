@@ -51,7 +51,7 @@ def fit_max_tokens(asked: int, *, prompt_tokens: int, limit: int | None, refuse:
     >>> fit_max_tokens(10, prompt_tokens=8192, limit=8192, refuse=False)
     Traceback (most recent call last):
     ...
-    agentkv._exceptions.ContextLengthError: the prompt is 8192 tokens, over the context of 8192
+    agentkv.ContextLengthError: the prompt is 8192 tokens, over the context of 8192
     """
     if limit is None:
         return asked
