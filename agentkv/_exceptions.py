@@ -167,7 +167,11 @@ class UpstreamStatusError(AgentKVError):
 
 
 class BadRequestError(UpstreamStatusError):
-    """A 4xx answer: the request is wrong (for example a prompt longer than the model allows)."""
+    """A 4xx answer: the request is wrong (for example a sampling value out of range).
+
+    A prompt over the model's context is a ``ContextLengthError`` instead, raised before the
+    request is sent, or from the server's own 400 about it.
+    """
 
 
 class ServerError(UpstreamStatusError):

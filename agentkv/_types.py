@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeAlias, TypedDict, cast
 from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError, InvalidMessageError
 from agentkv._route import Route, TakenRoute
+from agentkv._window import OversizedMaxTokens
 
 __all__ = [
     "HandleState",
@@ -341,6 +342,10 @@ class TurnStats:
     The server-side split: ``server_ttft_s`` from the last attempt's P leg to the first token,
     ``prefill_s`` the P leg, ``decode_s`` the D leg (to its last token), ``total_s`` the call.
     A non-streamed turn's first token arrives with its last.
+
+    ``max_tokens`` is the output limit the turn ran with; ``max_tokens_clamped_from`` the
+    caller's ask when it was above what the prompt left of the context and the turn clamped it
+    (``agentkv._window``), else ``None``.
     """
 
     session_id: str
@@ -364,6 +369,8 @@ class TurnStats:
     prefill: str = ""
     route: TakenRoute = "pull"
     route_reason: str = ""
+    max_tokens: int | None = None
+    max_tokens_clamped_from: int | None = None
 
     @property
     def ttft_ms(self) -> float:
@@ -406,11 +413,15 @@ class TextDelta:
 
     A stream's first delta also says what the turn did with the stored handle
     (``handle_state``, as the result's stats will), for a caller that answers before the turn
-    ends (the proxy's response headers); later deltas carry ``None``.
+    ends (the proxy's response headers); later deltas carry ``None``. So does
+    ``max_tokens_clamped_from``: the caller's ``max_tokens`` when the turn clamped it to what
+    the context left (then ``max_tokens``, the limit it runs with; both ``None`` otherwise).
     """
 
     text: str
     handle_state: HandleState | None = None
+    max_tokens: int | None = None
+    max_tokens_clamped_from: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -487,6 +498,9 @@ class SessionOptions:
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     # How the prompt reaches decode (``agentkv._route``): "pull", "decode", "recompute", "auto".
     route: Route = "pull"
+    # A ``max_tokens`` above what the prompt leaves of the context (``agentkv._window``):
+    # "clamp" it to that, or "refuse" (``ContextLengthError``).
+    oversized_max_tokens: OversizedMaxTokens = "clamp"
 
 
 class TurnOverrides(TypedDict, total=False):
@@ -498,3 +512,4 @@ class TurnOverrides(TypedDict, total=False):
     tool_choice: Any
     extra_body: Mapping[str, Any]
     route: Route
+    oversized_max_tokens: OversizedMaxTokens

@@ -18,9 +18,15 @@ from pathlib import Path
 import httpx2
 import structlog
 
-from agentkv import AgentKVError
+from agentkv import AgentKVError, ConfigError
 from agentkv._core import INFO_PATH, HintError, ServerInfo, TierUsage
-from agentkv.local._config import ClusterRecord, LocalClusterConfig, default_cluster_file
+from agentkv.local._config import (
+    LONG_CONTEXT_KV_CACHE_GIB,
+    LONG_CONTEXT_LEN,
+    ClusterRecord,
+    LocalClusterConfig,
+    default_cluster_file,
+)
 from agentkv.local._cpu import DTYPES, ISA_ENV
 from agentkv.local._launch import server_healthy, serving_dtype, start_cluster, stop_cluster
 from agentkv.local._model import DEFAULT_MODEL, MODELS, prepare_model
@@ -49,6 +55,12 @@ def _local_config(args: argparse.Namespace) -> LocalClusterConfig:
     isa = getattr(args, "cpu_isa", None) or os.environ.get(ISA_ENV) or None
     if isa:
         overrides["cpu_isa"] = isa
+    if getattr(args, "long_context", False):
+        if args.max_model_len is not None:
+            raise ConfigError("pass --long-context or --max-model-len, not both")
+        overrides["max_model_len"] = LONG_CONTEXT_LEN
+        if args.kv_cache_gib is None:
+            overrides["kv_cache_gib"] = LONG_CONTEXT_KV_CACHE_GIB
     if getattr(args, "stock_connector", False):
         overrides["agentkv_connector"] = False
     if getattr(args, "model_cache_dir", None):
@@ -171,7 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-recompute-threshold", type=int, help="below this many missing tokens "
                     "prefill recomputes instead of pulling from decode (default "
                     f"{LocalClusterConfig.kv_recompute_threshold}; docs/operations.md)")
-    up.add_argument("--max-model-len", type=int, help="default 8192")
+    up.add_argument("--max-model-len", type=int, help="the context in tokens (default 8192); "
+                    "beyond the model's own, YaRN rope scaling stretches it")
+    up.add_argument("--long-context", action="store_true",
+                    help=f"a {LONG_CONTEXT_LEN}-token window (YaRN), enough for a coding "
+                    f"agent's default prompt; KV cache {LONG_CONTEXT_KV_CACHE_GIB} GiB per "
+                    "server unless --kv-cache-gib")
     up.add_argument("--startup-timeout-s", type=float, help="default 900")
     up.add_argument("--stock-connector", action="store_true",
                     help="run vLLM's NixlConnector without the agentkv extension")

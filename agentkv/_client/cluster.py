@@ -78,6 +78,8 @@ def _parse_spec(spec: object, source: str) -> tuple[list[Pair], str, ClusterOpti
     extra: ClusterOptions = {}
     if "block_size" in spec:
         extra["block_size"] = spec["block_size"]
+    if "max_model_len" in spec:  # agentkv up records it; the pool validates it
+        extra["max_model_len"] = spec["max_model_len"]
     threshold = spec.get("kv_recompute_threshold")
     if threshold is not None:
         # The servers' own threshold: handles are worth attaching down to it (the local pair

@@ -59,6 +59,7 @@ from agentkv._policy import CachePolicy
 from agentkv._prompt.transcript import TOKEN_TYPECODE, Span, Transcript
 from agentkv._route import check_route
 from agentkv._types import HandleState, KVHandle, Message, SessionOptions
+from agentkv._window import check_oversized
 from agentkv._wire.handoff import split_params
 from agentkv._wire.hints import HintError
 from agentkv._wire.json import dumps, loads
@@ -131,6 +132,7 @@ def _options_json(options: SessionOptions) -> dict[str, Any]:
         "tool_choice": options.tool_choice,
         "extra_body": dict(options.extra_body),
         "route": options.route,
+        "oversized_max_tokens": options.oversized_max_tokens,
     }
 
 
@@ -347,6 +349,7 @@ def _options(data: Mapping[str, Any]) -> SessionOptions:
         tool_choice=data.get("tool_choice"),
         extra_body=MappingProxyType(dict(_field(data, "extra_body", dict))),
         route=check_route(data.get("route", "pull")),  # saved before routes: pull
+        oversized_max_tokens=check_oversized(data.get("oversized_max_tokens", "clamp")),
     )
 
 

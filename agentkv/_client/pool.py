@@ -58,6 +58,8 @@ class ClusterOptions(TypedDict, total=False):
         prefill_pool: a pool (xPyD): prefill name -> URL. Each pair is then a decode server and
             every turn picks its prefill from the pool by load (``choose_prefill``).
         prefill_weights: how strongly a turn prefers the prefill that served the session last.
+        max_model_len: the servers' context in tokens (a cluster file's ``max_model_len``),
+            for servers whose ``/tokenize`` answers do not say it (vLLM's do).
     """
 
     transport: httpx2.AsyncBaseTransport | None
@@ -71,6 +73,7 @@ class ClusterOptions(TypedDict, total=False):
     health_recheck_s: float
     prefill_pool: Mapping[str, str] | None
     prefill_weights: PrefillWeights | None
+    max_model_len: int | None
 
 
 class PairPool:
@@ -95,6 +98,7 @@ class PairPool:
         health_recheck_s: float = defaults.HEALTH_RECHECK_S,
         prefill_pool: Mapping[str, str] | None = None,
         prefill_weights: PrefillWeights | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self._pairs: dict[str, Pair] = {}
         for pair in pairs:
@@ -107,6 +111,8 @@ class PairPool:
             raise ConfigError("model must be a non-empty string")
         if block_size is not None and (type(block_size) is not int or block_size < 1):
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
+            raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         if load_factor < 1.0:
             raise ConfigError(f"load_factor must be at least 1, got {load_factor}")
         if http_client is not None and transport is not None:
@@ -118,6 +124,7 @@ class PairPool:
         self.retry = retry or RetryPolicy()
         self.clock = clock
         self.block_size = block_size
+        self._max_model_len = max_model_len
         self.prefill_weights = prefill_weights or PrefillWeights()
         self._load_factor = load_factor
         self._health_recheck_s = health_recheck_s
@@ -186,6 +193,15 @@ class PairPool:
             renderer = ServerRenderer(self.http_client, prefill_url, model=self.model)
             template = self._templates[prefill_url] = ChatTemplate(renderer)
         return template
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The servers' context: as a server's renders said it (every server serves the same
+        model), else as configured; ``None`` while unknown."""
+        for template in self._templates.values():
+            if template.max_model_len is not None:
+                return template.max_model_len
+        return self._max_model_len
 
     # --- placement of sessions -----------------------------------------------------------------
 

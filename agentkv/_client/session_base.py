@@ -34,6 +34,7 @@ from agentkv._types import (
     TurnOverrides,
     TurnStats,
 )
+from agentkv._window import check_oversized
 from agentkv._wire.fields import check_extra_body
 from agentkv._wire.tier import TierRef
 
@@ -63,6 +64,9 @@ def merge_options(options: SessionOptions, overrides: TurnOverrides) -> SessionO
         tool_choice=overrides.get("tool_choice", options.tool_choice),
         extra_body=MappingProxyType(dict(extra)),
         route=check_route(overrides.get("route", options.route)),
+        oversized_max_tokens=check_oversized(
+            overrides.get("oversized_max_tokens", options.oversized_max_tokens)
+        ),
     )
 
 

@@ -102,6 +102,9 @@ class TurnOutcome:
     tier: TierRef | None = None
     route: TakenRoute = "pull"
     route_reason: str = ""
+    # The output limit the D leg carried, and the caller's ask when it was clamped to it.
+    max_tokens: int | None = None
+    max_tokens_clamped_from: int | None = None
 
 
 class Lifecycle(enum.Enum):
@@ -370,6 +373,8 @@ class SessionState:
             extends=outcome.extends,
             route=outcome.route,
             route_reason=outcome.route_reason,
+            max_tokens=outcome.max_tokens,
+            max_tokens_clamped_from=outcome.max_tokens_clamped_from,
         )
         self.turns.append(stats)
         self.handle = result.handle

@@ -16,6 +16,10 @@ Retry rules (each attempt is a whole P leg + D leg, so a decode failure re-runs 
   nothing, and the KV is on decode); a prefill lost mid-request is probed and the turn retried.
 * A streamed turn is not retried once text was yielded: the caller has seen it.
 * Nothing is committed until the D leg's answer is parsed, so a failed turn changes nothing.
+* The context window is decided here, once the prompt's exact length is known and before any
+  leg is sent (``agentkv._window``): a ``max_tokens`` above what the prompt leaves is clamped
+  (or refused), a prompt that leaves no room is a ``ContextLengthError``, and so is a server's
+  own 400 about the context.
 
 With agentkv's extension on decode, the D leg carries a persist hint (``CachePolicy.
 decide_persist``: pin for the next turn, or nothing on a final turn), and a leased handle the
@@ -26,6 +30,7 @@ pinned until its TTL.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
@@ -45,6 +50,7 @@ from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState, TurnOutcome
 from agentkv._client.turn_handle import confirm_loaded, release_unsent, take_handle
 from agentkv._exceptions import (
+    BadRequestError,
     ConnectError,
     InvalidMessageError,
     MalformedResponseError,
@@ -55,6 +61,7 @@ from agentkv._exceptions import (
 from agentkv._policy import PersistMode
 from agentkv._prompt.transcript import TurnPrompt
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TextDelta, TurnResult
+from agentkv._window import context_error, fit_max_tokens
 from agentkv._wire.decode_answer import StreamAccumulator, parse_decode, unexplained
 from agentkv._wire.handoff import (
     DECODE_ECHO,
@@ -110,6 +117,8 @@ class TurnRunner:
         self._yielded = False
         self._prompt: TurnPrompt | None = None
         self._request: TurnRequest | None = None
+        # The caller's max_tokens when the context made the turn clamp it.
+        self._clamped_from: int | None = None
         self._prefill_name: str | None = None
         self._t_prefill = self._started
         self._ttft: float | None = None
@@ -181,6 +190,12 @@ class TurnRunner:
             async with contextlib.aclosing(self._legs(pair)) as events:
                 async for event in events:
                     yield event
+        except BadRequestError as exc:
+            # A server's own refusal about the context (our count and its differed).
+            mapped = self._context_error(exc)
+            if mapped is not None:
+                raise mapped from exc
+            raise
         except ConnectError as exc:
             pool.mark_down(pair, reason=str(exc))
             # A server that refused a connection may come back restarted, its block ids reused
@@ -204,6 +219,38 @@ class TurnRunner:
             raise
         finally:
             self._prefill_name = None  # a retry chooses again, by the load it then sees
+
+    def _context_error(self, exc: BadRequestError) -> Exception | None:
+        if self._prompt is None:
+            return None
+        return context_error(
+            exc.response_body, prompt_tokens=len(self._prompt), limit=self._pool.max_model_len
+        )
+
+    def _fitted(self, prompt: TurnPrompt) -> TurnRequest:
+        """The turn's request, its ``max_tokens`` fitted to what the prompt leaves of the
+        context (``ContextLengthError`` before any leg is sent when it does not fit)."""
+        options = self._options
+        request = self._state.turn_request(prompt, options, model=self._pool.model)
+        given = fit_max_tokens(
+            options.max_tokens,
+            prompt_tokens=len(prompt),
+            limit=self._pool.max_model_len,
+            refuse=options.oversized_max_tokens == "refuse",
+        )
+        if given == options.max_tokens:
+            return request
+        self._clamped_from = options.max_tokens
+        logger.info(
+            "agentkv.max_tokens_clamped",
+            session_id=self._state.session_id,
+            turn=self._state.transcript.version + 1,
+            asked=options.max_tokens,
+            given=given,
+            prompt_tokens=len(prompt),
+            limit=self._pool.max_model_len,
+        )
+        return dataclasses.replace(request, max_tokens=given)
 
     async def _p_leg(
         self,
@@ -287,7 +334,7 @@ class TurnRunner:
     async def _legs(self, pair: Pair) -> AsyncGenerator[TextDelta | TurnResult, None]:
         state, pool = self._state, self._pool
         prompt = await self._prompt_for(pair)
-        request = self._request or state.turn_request(prompt, self._options, model=pool.model)
+        request = self._request or self._fitted(prompt)
         self._request = request
         # Asked once per decode server, then cached: whether to send hints at all.
         supported = await pool.leases.supported(pair.decode)
@@ -378,6 +425,8 @@ class TurnRunner:
             tier=tier,
             route=route.route,
             route_reason=route.reason,
+            max_tokens=request.max_tokens,
+            max_tokens_clamped_from=self._clamped_from,
         )
         yield await self._commit(outcome)
 
@@ -445,9 +494,7 @@ class TurnRunner:
                         if text:
                             first = not self._yielded
                             self._yielded = True
-                            yield TextDelta(
-                                text=text, handle_state=self._handle_state if first else None
-                            )
+                            yield self._delta(text, first=first)
                 result = acc.result(pair=pair.name, **dates, lease_deadline=lease_deadline)
             else:
                 data = await post_json(
@@ -471,6 +518,18 @@ class TurnRunner:
                     reason="no_handle" if result is not None else "answer_lost",
                 )
         yield result
+
+    def _delta(self, text: str, *, first: bool) -> TextDelta:
+        """A stream's text; the first piece also says the handle decision and any clamp."""
+        if not first:
+            return TextDelta(text=text)
+        clamped = self._clamped_from
+        return TextDelta(
+            text=text,
+            handle_state=self._handle_state,
+            max_tokens=self._request.max_tokens if clamped is not None and self._request else None,
+            max_tokens_clamped_from=clamped,
+        )
 
     async def _prefill(
         self,

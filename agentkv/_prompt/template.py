@@ -67,13 +67,15 @@ class ServerRenderer:
     """A ``Renderer`` backed by a vLLM server's ``/tokenize`` endpoint (chat form).
 
     Uses the server's own template and tokenizer, so the tokens are those the server would
-    produce; ``add_special_tokens`` is off because chat templates add their own.
+    produce; ``add_special_tokens`` is off because chat templates add their own. Every answer
+    also says the server's context (``max_model_len``): kept, it costs no request of its own.
     """
 
     def __init__(self, client: httpx2.AsyncClient, base_url: str, *, model: str) -> None:
         self._client = client
         self._url = base_url.rstrip("/") + "/tokenize"
         self._model = model
+        self.max_model_len: int | None = None
 
     @property
     def url(self) -> str:
@@ -91,6 +93,9 @@ class ServerRenderer:
         if tools:
             body["tools"] = tools
         data = await post_json(self._client, self._url, dumps(body), summary="tokenize")
+        length = data.get("max_model_len") if isinstance(data, dict) else None
+        if type(length) is int and length > 0:
+            self.max_model_len = length
         tokens = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, list) or not set(map(type, tokens)) <= {int}:
             raise MalformedResponseError(
@@ -136,6 +141,12 @@ class ChatTemplate:
     def __init__(self, renderer: Renderer) -> None:
         self._renderer = renderer
         self._info: dict[str, asyncio.Future[TemplateInfo]] = {}
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The server's context as its renders said it (``None``: not said, or not yet)."""
+        length: int | None = getattr(self._renderer, "max_model_len", None)
+        return length
 
     async def info(self, tools: Tools = None) -> TemplateInfo:
         key = tools_key(tools)

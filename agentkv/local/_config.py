@@ -14,6 +14,12 @@ from agentkv.local._model import DEFAULT_MODEL
 
 CLUSTER_FILE_ENV = "AGENTKV_CLUSTER"
 DEFAULT_CLUSTER_FILE = Path(".agentkv") / "cluster.json"
+# ``agentkv up --long-context``: a window that holds a coding agent's default prompt (Claude
+# Code's is ~12.6k tokens), by YaRN rope scaling of the model's 8k (``_launch.context_args``).
+LONG_CONTEXT_LEN = 32768
+# Its KV cache per server: 32k tokens of SmolLM2-135M take 1.4 GiB in fp32 (30 layers, 3 KV
+# heads of 64), and vLLM refuses to start when one whole-window request does not fit.
+LONG_CONTEXT_KV_CACHE_GIB = 2
 
 
 def default_cluster_file() -> Path:
@@ -179,6 +185,9 @@ class ClusterRecord:
     # Each role's KV cache in GiB, as started (None: not recorded).
     kv_cache_gib: float | None = None
     decode_kv_cache_gib: float | None = None
+    # The servers' context (``--max-model-len``): the SDK clamps ``max_tokens`` to what a
+    # prompt leaves of it without asking (None: not recorded; the SDK asks ``/v1/models``).
+    max_model_len: int | None = None
 
     @property
     def servers(self) -> list[tuple[str, str, ServerRecord]]:
@@ -234,6 +243,7 @@ class ClusterRecord:
                 if self.kv_cache_gib is not None and self.decode_kv_cache_gib is not None
                 else {}
             ),
+            **({"max_model_len": self.max_model_len} if self.max_model_len is not None else {}),
         }
         if self.pool:
             return {
@@ -304,6 +314,7 @@ class ClusterRecord:
                     kv_recompute_threshold=None if threshold is None else int(threshold),
                     **_tier_fields(data),
                     **_kv_cache_fields(data),
+                    **_context_fields(data),
                 )
             pairs = tuple(
                 PairRecord(
@@ -329,6 +340,7 @@ class ClusterRecord:
                 kv_recompute_threshold=None if threshold is None else int(threshold),
                 **_tier_fields(data),
                 **_kv_cache_fields(data),
+                **_context_fields(data),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"cluster file {path} is malformed: {exc!r}") from exc
@@ -341,6 +353,11 @@ def _tier_fields(data: Mapping[str, Any]) -> dict[str, Any]:
     budget = tier.get("budget_bytes")
     return {"tier_dir": str(tier["dir"]),
             "tier_budget_bytes": None if budget is None else int(budget)}
+
+
+def _context_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    length = data.get("max_model_len")
+    return {} if length is None else {"max_model_len": int(length)}
 
 
 def _kv_cache_fields(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -125,6 +125,36 @@ def kv_cache_args(gib: float) -> tuple[str, ...]:
     return ("--kv-cache-memory-bytes", str(round(gib * _GIB)))
 
 
+def context_args(config: LocalClusterConfig, *, model_path: Path) -> tuple[str, ...]:
+    """The server arguments of ``config.max_model_len``: none within the model's own context;
+    beyond it, YaRN rope scaling by the factor that reaches it (``--hf-overrides``).
+
+    vLLM 0.32 reads a YaRN model's ``max_position_embeddings`` as already scaled (as
+    Transformers does), so it is raised too, and ``rope_theta`` is kept: overriding the rope
+    parameters replaces them whole, and a lost theta would quietly change every position.
+    """
+    args: tuple[str, ...] = ("--max-model-len", str(config.max_model_len))
+    try:
+        hf = json.loads((model_path / "config.json").read_text())
+        native = int(hf["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return args  # not a prepared model folder: vLLM reads (and checks) it itself
+    if config.max_model_len <= native:
+        return args
+    rope = dict(hf.get("rope_parameters") or {})
+    theta = rope.get("rope_theta", hf.get("rope_theta"))
+    overrides = {
+        "max_position_embeddings": config.max_model_len,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": config.max_model_len / native,
+            "original_max_position_embeddings": native,
+            **({"rope_theta": theta} if theta is not None else {}),
+        },
+    }
+    return (*args, "--hf-overrides", json.dumps(overrides, separators=(",", ":")))
+
+
 STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 """The local pair's ``--structured-outputs-config`` (see ``plan_servers``)."""
 
@@ -133,6 +163,7 @@ def plan_servers(config: LocalClusterConfig, *, model_path: Path) -> list[Server
     """Ports, cores, commands and environments for every server of the cluster."""
     cores = os.cpu_count() or 1
     dtype = serving_dtype(config)
+    context = context_args(config, model_path=model_path)
     plans = []
     for name, role, index in config.servers:
         ports = config.server_ports(index)
@@ -145,7 +176,7 @@ def plan_servers(config: LocalClusterConfig, *, model_path: Path) -> list[Server
             "--served-model-name", config.model,
             "--host", config.host,
             "--port", str(ports[offset]),
-            "--max-model-len", str(config.max_model_len),
+            *context,
             "--dtype", dtype,
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
@@ -295,6 +326,7 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
             kv_recompute_threshold=config.kv_recompute_threshold,
             kv_cache_gib=config.kv_cache_gib,
             decode_kv_cache_gib=config.kv_cache_gib_of("decode"),
+            max_model_len=config.max_model_len,
             **_tier_record(config),
             pool=tuple(
                 PoolServerRecord(
@@ -314,6 +346,7 @@ def start_cluster(config: LocalClusterConfig, *, progress: Progress | None = Non
         kv_recompute_threshold=config.kv_recompute_threshold,
         kv_cache_gib=config.kv_cache_gib,
         decode_kv_cache_gib=config.kv_cache_gib_of("decode"),
+        max_model_len=config.max_model_len,
         **_tier_record(config),
         pairs=tuple(
             PairRecord(

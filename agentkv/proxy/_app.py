@@ -380,7 +380,9 @@ def _error_response(endpoint: str, exc: Exception) -> Response:
         # nginx's status for it, for the requests metric (uvicorn sends nothing to a closed socket).
         logger.info("agentkv.proxy.client_disconnected", endpoint=endpoint, status=_CLIENT_GONE)
         return Response(status_code=_CLIENT_GONE)
-    error = ProxyError.from_exception(exc)
+    error = ProxyError.from_exception(
+        exc, input_param="input" if endpoint == "responses" else "messages"
+    )
     if error.status >= 500:
         logger.error(
             "agentkv.proxy.request_failed",

@@ -38,6 +38,7 @@ from agentkv._core import (
 from agentkv.proxy._affinity import HistoryIndex
 from agentkv.proxy._config import ProxyConfig
 from agentkv.proxy._errors import ProxyError
+from agentkv.proxy._ignored import IgnoredFields
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._prefix_breaks import record_break
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
@@ -47,6 +48,7 @@ from agentkv.proxy._session_key import session_key
 from agentkv.proxy._shape import (
     HEADER_FORKED,
     HEADER_HANDLE,
+    HEADER_MAX_TOKENS_CLAMPED,
     HEADER_PAIR,
     HEADER_SESSION,
     HEADER_THREAD,
@@ -92,6 +94,13 @@ async def _aclose(events: AsyncIterator[object]) -> None:
     close = getattr(events, "aclose", None)
     if close is not None:
         await close()
+
+
+def _clamped(asked: int | None, given: int | None) -> dict[str, str]:
+    """The header that says a clamped ``max_tokens`` (the SDK clamped it, and logged why)."""
+    if asked is None or given is None:
+        return {}
+    return {HEADER_MAX_TOKENS_CLAMPED: f"{asked}->{given}"}
 
 
 class AnswerShape(Protocol):
@@ -278,6 +287,7 @@ class ChatService:
         self.tool_modes = ToolModes(cluster, configured=config.tool_calling)
         self._histories = HistoryIndex(max_entries=config.max_sessions)
         self._threads = ThreadIndex(max_entries=config.max_sessions)
+        self._ignored_fields = IgnoredFields()
 
     async def _salted(self, extra: Mapping[str, Any], principal: str) -> Mapping[str, Any]:
         """``extra`` with the principal's ``cache_salt`` (``isolate_prefix_caches``)."""
@@ -321,7 +331,10 @@ class ChatService:
         names the registry's session directly instead (a stored response's, for Responses).
         """
         request = parse_chat_request(
-            body, model=self._cluster.model, default_max_tokens=self._config.default_max_tokens
+            body,
+            model=self._cluster.model,
+            default_max_tokens=self._config.default_max_tokens,
+            ignored_fields=self._ignored_fields,
         )
         shape = shape or ChatShape(model=self._cluster.model)
         mode = await self.tool_modes.mode() if request.tools else None
@@ -350,6 +363,9 @@ class ChatService:
             "tools": tools.tools,
             "tool_choice": tools.tool_choice,
             "extra_body": await self._salted(tools.extra, principal),
+            "oversized_max_tokens": (
+                "refuse" if self._config.refuse_oversized_max_tokens else "clamp"
+            ),
         }
         if route is not None:
             overrides["route"] = route
@@ -385,7 +401,9 @@ class ChatService:
             await lease.release(failed=False)  # the turn committed: the session keeps it
             raise
         await lease.release(failed=False)
-        headers = lease.headers(pair=result.stats.pair, handle=result.stats.handle_state)
+        headers = lease.headers(pair=result.stats.pair, handle=result.stats.handle_state) | (
+            _clamped(result.stats.max_tokens_clamped_from, result.stats.max_tokens)
+        )
         if tools.mode is not None:
             headers[HEADER_TOOL_CALLING] = tools.mode.value
         response = json_response(
@@ -605,7 +623,10 @@ class ChatService:
             if result is not None:
                 self._record(result, stream=True, seconds=time.perf_counter() - started)
 
-        headers = lease.headers(pair=session.pair.name, handle=handle)
+        said = first.stats if isinstance(first, TurnResult) else first
+        headers = lease.headers(pair=session.pair.name, handle=handle) | (
+            _clamped(said.max_tokens_clamped_from, said.max_tokens)
+        )
         if tools.mode is not None:
             headers[HEADER_TOOL_CALLING] = tools.mode.value
         headers["Cache-Control"] = "no-cache"

@@ -154,6 +154,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"generation limit of requests that set none (default {_DEFAULTS.default_max_tokens})",
     )
     parser.add_argument(
+        "--refuse-oversized-max-tokens",
+        action="store_true",
+        help="answer 400 context_length_exceeded to a max_tokens above what the prompt leaves "
+        "of the model's context, instead of clamping it (X-AgentKV-Max-Tokens-Clamped)",
+    )
+    parser.add_argument(
         "--tool-calling",
         default=_DEFAULTS.tool_calling,
         choices=["auto", "native", "json"],
@@ -208,6 +214,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         header_timeout_s=args.header_timeout or None,
         max_connections=args.max_connections or None,
         default_max_tokens=args.default_max_tokens,
+        refuse_oversized_max_tokens=args.refuse_oversized_max_tokens,
         tool_calling=args.tool_calling,
         state=args.state,
         isolate_prefix_caches=not args.shared_prefix_cache,

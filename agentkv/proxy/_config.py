@@ -118,6 +118,10 @@ class ProxyConfig:
             together (about ``max_body_bytes`` each while uploading); below the usual
             1,024-descriptor limit, past which accepting fails instead. ``None``: no limit.
         default_max_tokens: the generation limit of requests that set none.
+        refuse_oversized_max_tokens: a request's ``max_tokens`` (``max_completion_tokens``,
+            ``max_output_tokens``) above what its prompt leaves of the model's context is
+            refused (400 ``context_length_exceeded``) instead of clamped to it (the default:
+            agents ask for 32000 whatever the model).
         sweep_interval_s: how often idle sessions are looked for.
         tool_calling: ``auto`` (probe the backend once for a tool parser), ``native`` (the
             backend parses tool calls) or ``json`` (agentkv's structured-output protocol).
@@ -170,6 +174,7 @@ class ProxyConfig:
     header_timeout_s: float | None = 10.0
     max_connections: int | None = 1000
     default_max_tokens: int = 1024
+    refuse_oversized_max_tokens: bool = False
     sweep_interval_s: float = 15.0
     tool_calling: str = "auto"
     state: str | None = None

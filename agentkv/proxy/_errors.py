@@ -16,6 +16,7 @@ from typing import Any
 from agentkv._core import (
     AgentKVError,
     BadRequestError,
+    ContextLengthError,
     InvalidMessageError,
     JSONDecodeError,
     MalformedResponseError,
@@ -30,7 +31,7 @@ from agentkv._core import (
     loads,
 )
 
-__all__ = ["ProxyError"]
+__all__ = ["ProxyError", "context_length_exceeded"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -77,10 +78,16 @@ class ProxyError(Exception):
         }
 
     @classmethod
-    def from_exception(cls, exc: BaseException) -> ProxyError:
-        """The answer for an exception raised while serving a request."""
+    def from_exception(cls, exc: BaseException, *, input_param: str = "messages") -> ProxyError:
+        """The answer for an exception raised while serving a request.
+
+        ``input_param`` names the request's input, for a prompt over the context: chat's
+        ``messages``, the Responses API's ``input``.
+        """
         if isinstance(exc, ProxyError):
             return exc
+        if isinstance(exc, ContextLengthError):
+            return context_length_exceeded(exc, param=input_param)
         # A model server that says when to come back (429, 503) is passed on as it said it.
         retry_after = exc.retry_after_s if isinstance(exc, UpstreamStatusError) else None
         headers = None if retry_after is None else {"Retry-After": f"{retry_after:g}"}
@@ -113,6 +120,31 @@ _MAPPED: tuple[tuple[type[BaseException], int, str | None, str | None], ...] = (
     (RoutingError, 503, "no_healthy_pair", "no healthy model server"),
     (AgentKVError, 500, None, "internal error"),
 )
+
+
+def context_length_exceeded(exc: ContextLengthError, *, param: str) -> ProxyError:
+    """OpenAI's answer to a prompt over the context, in its words and code: agents act on the
+    code (Codex compacts its history on ``context_length_exceeded``).
+
+    >>> err = context_length_exceeded(
+    ...     ContextLengthError(prompt_tokens=9000, max_tokens=None, limit=8192), param="messages")
+    >>> err.status, err.code, err.message.split(". ")[1]
+    (400, 'context_length_exceeded', 'However, your messages resulted in 9000 tokens')
+    """
+    limit = exc.limit
+    if exc.max_tokens is None:
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, your messages "
+            f"resulted in {exc.prompt_tokens} tokens. Please reduce the length of the messages."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{exc.prompt_tokens + exc.max_tokens} tokens ({exc.prompt_tokens} in the messages, "
+            f"{exc.max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion."
+        )
+    return ProxyError(400, message, code="context_length_exceeded", param=param)
 
 
 def _upstream_message(exc: UpstreamStatusError) -> str:

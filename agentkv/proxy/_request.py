@@ -6,8 +6,10 @@ Every field vLLM 0.32's ``ChatCompletionRequest`` accepts is accepted, in one of
 * **passed** to the decode leg when it only shapes sampling or the output (``seed``, ``stop``, ...);
 * **refused** with 400 (``forbidden_parameter``) when it could change the prompt's tokens behind
   the session's back or address KV (``kv_transfer_params``, ``chat_template``, ``echo``, ...);
-* **ignored** with a structlog warning (``agentkv.proxy.fields_ignored``), as vLLM ignores
-  fields it does not know, when it has no meaning here (``user``, ``metadata``, unknown fields).
+* **ignored** when it has no meaning here, as vLLM ignores fields it does not know: the agents'
+  known fields (``user``, ``metadata``, ``store``, Codex's ``client_metadata``: ``_ignored``)
+  quietly, an unknown field with a structlog warning (``agentkv.proxy.fields_ignored``) the
+  first time the app sees it.
 
 >>> request = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}],
 ...                               "temperature": 0.2, "seed": 7}, model="m", default_max_tokens=64)
@@ -34,6 +36,7 @@ from agentkv._core import (
     refusal,
 )
 from agentkv.proxy._errors import ProxyError
+from agentkv.proxy._ignored import IgnoredFields
 from agentkv.proxy._session_key import session_key
 
 __all__ = ["ChatRequest", "parse_chat_request", "session_id_from"]
@@ -182,14 +185,22 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
     return include
 
 
-def parse_chat_request(body: object, *, model: str, default_max_tokens: int) -> ChatRequest:
-    """Check ``body`` (parsed JSON) and parse it; ``ProxyError`` (400/404) when it is refused."""
+def parse_chat_request(
+    body: object,
+    *,
+    model: str,
+    default_max_tokens: int,
+    ignored_fields: IgnoredFields | None = None,
+) -> ChatRequest:
+    """Check ``body`` (parsed JSON) and parse it; ``ProxyError`` (400/404) when it is refused.
+
+    ``ignored_fields`` remembers which unknown fields were warned about (an app's own; without
+    it every request's are)."""
     if not isinstance(body, Mapping):
         raise _bad("the request body must be a JSON object")
     ignored = _check_fields(body)
-    if ignored:
-        # As vLLM does ("fields were present in the request but ignored").
-        logger.warning("agentkv.proxy.fields_ignored", fields=sorted(ignored))
+    # As vLLM does ("fields were present in the request but ignored"), once per field.
+    (ignored_fields or IgnoredFields()).report(ignored)
     requested = body.get("model")
     if requested is not None and requested != model:
         raise ProxyError(

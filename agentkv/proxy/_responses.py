@@ -33,7 +33,7 @@ from agentkv.proxy._chat import ChatService
 from agentkv.proxy._entry import SessionEntry
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._registry import SessionRegistry
-from agentkv.proxy._responses_request import REFUSED, bad, chat_body
+from agentkv.proxy._responses_request import REFUSED, bad, chat_body, dropped_tools
 from agentkv.proxy._responses_shape import OnAnswer, ResponsesShape
 from agentkv.proxy._responses_store import (
     ResponseIds,
@@ -44,6 +44,7 @@ from agentkv.proxy._responses_store import (
     history_tail,
 )
 from agentkv.proxy._session_key import session_key
+from agentkv.proxy._shape import HEADER_TOOLS_DROPPED
 from agentkv.proxy._store import SessionStore, StoreUnavailableError
 from agentkv.proxy._tools import ToolPlan, shown_messages
 
@@ -242,7 +243,7 @@ class ResponsesService:
             on_answer=self._remember(principal, instructions) if store else None,
             mint=self._minter(principal, ids),
         )
-        return await self._chat.complete(
+        response = await self._chat.complete(
             chat,
             principal=principal,
             session_header=session_header,
@@ -251,3 +252,8 @@ class ResponsesService:
             shape=shape,
             route=route,
         )
+        dropped = dropped_tools(body.get("tools"))
+        if dropped:
+            response.headers[HEADER_TOOLS_DROPPED] = ",".join(dropped)
+            logger.info("agentkv.proxy.tools_dropped", types=dropped)
+        return response

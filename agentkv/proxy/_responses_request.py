@@ -2,7 +2,9 @@
 
 ``instructions`` becomes the first system message; ``input`` items become messages (a
 ``function_call`` joins the assistant message it follows, a ``function_call_output`` is a tool
-message, ``developer`` is ``system``); function tools become chat tools; ``text.format`` becomes
+message, ``developer`` is ``system``); function tools become chat tools, and tools of any other
+type are dropped (``dropped_tools``: hosted tools such as ``web_search`` and Codex's
+``namespace`` groups, which only OpenAI's servers run); ``text.format`` becomes
 ``response_format``. Fields with no chat counterpart are dropped or refused here; the rest go
 through the chat field table (``_request``).
 
@@ -17,7 +19,7 @@ from typing import Any
 
 from agentkv.proxy._errors import ProxyError
 
-__all__ = ["REFUSED", "bad", "chat_body", "input_messages"]
+__all__ = ["REFUSED", "bad", "chat_body", "dropped_tools", "input_messages"]
 
 _RENAMED = {"max_output_tokens": "max_tokens"}
 _DROPPED = frozenset(
@@ -39,6 +41,7 @@ _DROPPED = frozenset(
         "max_tool_calls",
         "prompt_cache_retention",
         "user",
+        "client_metadata",  # Codex's, on every request (``_ignored``)
     }
 )
 REFUSED = {
@@ -112,16 +115,35 @@ def input_messages(items: object) -> list[dict[str, Any]]:
     return out
 
 
-def _chat_tools(tools: object) -> list[dict[str, Any]] | None:
+def _tool_types(tools: object) -> list[str]:
+    """Each tool's ``type``; 400 for a list that is not one of typed objects."""
     if tools is None:
-        return None
+        return []
     if not isinstance(tools, list):
         raise bad("'tools' must be a list", "tools")
-    out = []
+    types = []
     for index, tool in enumerate(tools):
-        if not isinstance(tool, Mapping) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, Mapping) else None
-            raise bad(f"tools of type {kind!r} are not supported", f"tools[{index}]")
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        if not isinstance(kind, str) or not kind:
+            raise bad("a tool must be an object with a 'type'", f"tools[{index}]")
+        types.append(kind)
+    return types
+
+
+def dropped_tools(tools: object) -> list[str]:
+    """The types of the tools the proxy drops from a request (in order, once each): every type
+    but ``function``. Hosted tools run on OpenAI's servers, and a model served here can call
+    only what its client runs; Codex sends ``web_search`` and ``namespace`` on every request,
+    and refusing them would stop it, so they go and the answer says so."""
+    return list(dict.fromkeys(kind for kind in _tool_types(tools) if kind != "function"))
+
+
+def _chat_tools(tools: object) -> list[dict[str, Any]] | None:
+    types = _tool_types(tools)
+    out = []
+    for tool, kind in zip(tools if isinstance(tools, list) else (), types, strict=True):
+        if kind != "function":
+            continue  # dropped_tools
         function = {"name": tool.get("name"), "parameters": tool.get("parameters") or {}}
         if tool.get("description") is not None:
             function["description"] = tool["description"]

@@ -18,9 +18,11 @@ from agentkv._core import HandleState, Message, TurnResult, TurnStats
 __all__ = [
     "HEADER_FORKED",
     "HEADER_HANDLE",
+    "HEADER_MAX_TOKENS_CLAMPED",
     "HEADER_PAIR",
     "HEADER_SESSION",
     "HEADER_THREAD",
+    "HEADER_TOOLS_DROPPED",
     "Completion",
     "turn_stats_json",
 ]
@@ -31,6 +33,10 @@ HEADER_FORKED = "X-AgentKV-Forked"
 HEADER_SESSION = "X-AgentKV-Session-ID"
 # The thread of its session a request ran on (``_threads``): main, agent:<id>, start:<digest>.
 HEADER_THREAD = "X-AgentKV-Thread"
+# The types of tools a Responses request sent that the proxy dropped (``web_search,namespace``).
+HEADER_TOOLS_DROPPED = "X-AgentKV-Tools-Dropped"
+# ``<asked>-><given>``: the request's max_tokens was above what its prompt left of the context.
+HEADER_MAX_TOKENS_CLAMPED = "X-AgentKV-Max-Tokens-Clamped"
 
 
 def _message(message: Message) -> dict[str, Any]:

@@ -67,6 +67,8 @@ class Fault:
     path: str
     remaining: int
     status: int = 500
+    # The error answer's message, for a ``status`` fault (None: a generic one).
+    message: str | None = None
 
 
 @dataclass
@@ -75,12 +77,14 @@ class FaultQueue:
 
     faults: list[Fault] = field(default_factory=list)
 
-    def arm(self, kind: str, *, times: int, status: int, path: str) -> None:
+    def arm(
+        self, kind: str, *, times: int, status: int, path: str, message: str | None = None
+    ) -> None:
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}; expected one of {FAULT_KINDS}")
         if times < 1:
             raise ValueError("times must be at least 1")
-        self.faults.append(Fault(cast(FaultKind, kind), path, times, status))
+        self.faults.append(Fault(cast(FaultKind, kind), path, times, status, message))
 
     def take(self, path: str) -> Fault | None:
         for fault in self.faults:
@@ -95,11 +99,11 @@ class FaultQueue:
         self.faults.clear()
 
 
-def injected_status(status: int) -> Reply:
+def injected_status(status: int, message: str | None = None) -> Reply:
     return Reply.error(
         status,
         error_body(
-            "Injected failure (agentkv fake)",
+            message or "Injected failure (agentkv fake)",
             err_type=status_error_type(status),
             code=status,
             param=None,

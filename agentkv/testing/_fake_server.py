@@ -108,18 +108,25 @@ class FakeServer:
             return 0.0 if self._engine is None else self._engine.kv_cache_usage
 
     def fail_next(
-        self, kind: FaultKind | str, *, times: int = 1, status: int = 500, path: str = CHAT_PATH
+        self,
+        kind: FaultKind | str,
+        *,
+        times: int = 1,
+        status: int = 500,
+        path: str = CHAT_PATH,
+        message: str | None = None,
     ) -> None:
         """Make the next ``times`` requests to ``path`` fail with ``kind``.
 
-        ``status`` answers with that HTTP status and vLLM's error body, without processing.
+        ``status`` answers with that HTTP status and vLLM's error body (its message
+        ``message``, when given), without processing.
         The other kinds process the request (pins and caches change) and then distort what
         the client sees: ``timeout`` (``httpx2.ReadTimeout``), ``reset``
         (``httpx2.RemoteProtocolError``), ``malformed_json``, ``truncated_json`` (half the
         body), ``no_kv_transfer_params`` (``null``) or ``bad_kv_transfer_params`` (corrupted).
         """
         with self._ctx.lock:
-            self._faults.arm(kind, times=times, status=status, path=path)
+            self._faults.arm(kind, times=times, status=status, path=path, message=message)
 
     def kill(self) -> None:
         """Stop the server: every request fails to connect, its pins and cache are gone."""
@@ -153,7 +160,7 @@ class FakeServer:
             if fault is not None and fault.kind == "status":
                 if path == CHAT_PATH:
                     self._record(body, headers)
-                return injected_status(fault.status)
+                return injected_status(fault.status, fault.message)
             reply = self._route(engine, method, path, headers, body)
             return reply if fault is None else apply_fault(fault, reply)
 

@@ -296,3 +296,44 @@ def test_delete_releases_the_decode_pin(
         f"{proxy.url}/v1/sessions/release-me", headers={"Authorization": "Bearer sk-alice"}
     )
     assert _decode_kv_usage(local_cluster) < pinned
+
+
+def test_an_agents_max_tokens_32000_is_clamped_to_the_window(
+    proxy: ProxyServer, model: str
+) -> None:
+    """Claude Code and OpenCode ask for 32000 tokens whatever the model; vLLM answers 400 above
+    max_model_len. The proxy clamps to what the prompt leaves and says so. Streamed and left
+    after the first piece: the answer could run to the whole window on a CPU."""
+    with httpx2.stream(
+        "POST",
+        f"{proxy.url}/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": "Say hi."}],
+            "max_tokens": 32000,
+            "stream": True,
+        },
+        headers={"Authorization": "Bearer sk-alice"},
+        timeout=120,
+    ) as response:
+        assert response.status_code == 200, response.read()
+        asked, given = response.headers["x-agentkv-max-tokens-clamped"].split("->")
+        assert asked == "32000"
+        assert 0 < int(given) < 8192
+        assert next(response.iter_lines()).startswith("data: ")
+
+
+def test_a_prompt_over_the_window_is_openais_context_length_exceeded(
+    proxy: ProxyServer, model: str
+) -> None:
+    """Refused from the prompt's exact count (a /tokenize call), before any prefill: the code
+    Codex compacts its history on."""
+    with pytest.raises(BadRequestError) as info:
+        _client(proxy).chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "parcel " * 9000}],
+            max_tokens=8,
+        )
+    assert info.value.code == "context_length_exceeded"
+    assert info.value.body["param"] == "messages"
+    assert "maximum context length is 8192 tokens" in info.value.message

@@ -14,8 +14,8 @@ import httpx2
 import pytest
 
 from agentkv import (
-    BadRequestError,
     Cluster,
+    ContextLengthError,
     HandleState,
     InvalidMessageError,
     Message,
@@ -267,17 +267,17 @@ def test_unsendable_messages_are_refused_before_anything_changes(cluster, bad):
     assert s.send(SECOND).text  # the session carries on
 
 
-def test_an_oversized_request_is_a_bad_request_and_loses_nothing(clock):
+def test_an_oversized_request_is_a_context_length_error_and_loses_nothing(clock):
     fake = FakeCluster(pairs=1, clock=clock, max_model_len=400)
     with Cluster.from_dict(fake.cluster_spec, transport=fake.transport, clock=clock) as cluster:
         s = started(cluster)
         before = s.transcript
         s.append(Message.user("word " * 500))
-        with pytest.raises(BadRequestError):
+        with pytest.raises(ContextLengthError):
             s.turn()
         assert s.transcript.messages == before.messages
         assert len(s.transcript.pending) == 1  # still queued: the caller decides what to drop
-        with pytest.raises(BadRequestError):
+        with pytest.raises(ContextLengthError):
             s.send("word " * 500)
         assert len(s.transcript.pending) == 1  # send() took back only its own message
 

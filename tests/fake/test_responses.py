@@ -9,6 +9,7 @@ import json
 
 import openai
 import pytest
+import structlog
 from openai.types.responses import Response
 
 import agentkv
@@ -211,10 +212,23 @@ async def test_unknown_and_expired_previous_responses_are_openai_errors(client):
             model=client.model, input="More", previous_response_id=raw.parse().id
         )
     assert expired.value.code == "previous_response_expired"
-    with pytest.raises(openai.BadRequestError):
-        await client.responses.create(
-            model=client.model, input="Hi", tools=[{"type": "web_search"}]
+
+
+async def test_hosted_tools_are_dropped_and_the_answer_says_which(client):
+    """Codex sends web_search and namespace tools (and client_metadata) on every request: the
+    request is served, without them and without a warning."""
+    with structlog.testing.capture_logs() as logs:
+        raw = await client.responses.with_raw_response.create(
+            model=client.model,
+            input="Hi",
+            max_output_tokens=8,
+            tools=[{"type": "web_search"}, {"type": "namespace", "name": "mcp", "tools": []}],
+            extra_body={"client_metadata": {"installation_id": "x"}},
         )
+    assert raw.headers["x-agentkv-tools-dropped"] == "web_search,namespace"
+    assert not [e for e in logs if e["log_level"] == "warning"]
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model=client.model, input="Hi", tools=[{"name": "f"}])
 
 
 def test_the_sync_client_continues_responses_by_id(fake):

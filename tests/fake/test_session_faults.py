@@ -12,6 +12,7 @@ from agentkv import (
     BadRequestError,
     Cluster,
     ConnectionLostError,
+    ContextLengthError,
     HandleState,
     MalformedResponseError,
     Message,
@@ -165,14 +166,18 @@ def test_a_bad_request_is_not_retried(cluster, fake):
         assert s.transcript.pending == (Message.user("Hi"),)
 
 
-def test_a_prompt_over_the_model_length_is_a_bad_request(clock):
+def test_a_prompt_over_the_model_length_is_a_context_length_error_before_any_leg(clock):
+    """Known from the prompt's exact count; before, vLLM's 400 came back as a BadRequestError."""
     fake = FakeCluster(pairs=1, clock=clock, max_model_len=64)
     with (
         Cluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster,
         cluster.session() as s,
-        pytest.raises(BadRequestError),
+        pytest.raises(ContextLengthError) as caught,
     ):
         s.send("word " * 200)
+    assert caught.value.limit == 64
+    assert caught.value.prompt_tokens > 64
+    assert fake.prefill(0).requests == fake.decode(0).requests == []
 
 
 def test_a_dead_pair_moves_the_session_and_keeps_the_transcript(cluster, fake):

@@ -361,3 +361,23 @@ def test_metrics_speak_openmetrics_to_a_scraper_that_asks_for_it():
 def test_store_keys_are_unambiguous_whatever_the_principal_and_session_id_hold(principal, sid):
     key = store_key(principal, sid)
     assert split_key(key) == (principal, sid)
+
+
+def test_agents_known_fields_are_quiet_and_unknown_ones_warned_about_once():
+    """Codex sends client_metadata on every request: no warning; an unknown field is warned
+    about the first time only."""
+    from agentkv.proxy._ignored import IgnoredFields
+
+    fields = IgnoredFields()
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "client_metadata": {"x": 1}, "user": "u", "metadata": {}, "store": False,
+    }
+    with capture_logs() as logs:
+        for _ in range(2):
+            parse_chat_request(body, model="m", default_max_tokens=8, ignored_fields=fields)
+            parse_chat_request(
+                {**body, "frobnicate": 1}, model="m", default_max_tokens=8, ignored_fields=fields
+            )
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert [e["fields"] for e in warnings] == [["frobnicate"]]

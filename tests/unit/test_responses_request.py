@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from agentkv.proxy._errors import ProxyError
-from agentkv.proxy._responses_request import chat_body, input_messages
+from agentkv.proxy._responses_request import chat_body, dropped_tools, input_messages
 
 
 def _call(call_id: str, city: str) -> dict[str, str]:
@@ -105,7 +105,9 @@ def test_the_chat_request_carries_instructions_history_tools_and_format():
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
         {"input": [{"role": "critic", "content": "x"}]},
         {"input": 7},
-        {"input": "x", "tools": [{"type": "web_search"}]},
+        {"input": "x", "tools": [{"name": "f"}]},
+        {"input": "x", "tools": [7]},
+        {"input": "x", "tools": {"type": "function"}},
         {"input": "x", "text": {"format": {"type": "grammar"}}},
     ],
 )
@@ -113,3 +115,21 @@ def test_what_has_no_chat_counterpart_is_refused(body):
     with pytest.raises(ProxyError) as refused:
         chat_body(body, history=[])
     assert refused.value.status == 400
+
+
+def test_hosted_and_namespaced_tools_are_dropped_and_function_tools_kept():
+    """Codex sends web_search and namespace tools on every request: only OpenAI runs them, and
+    refusing them would stop Codex, so they are dropped (the answer's header says which)."""
+    tools = [
+        {"type": "web_search"},
+        {"type": "function", "name": "shell", "parameters": {"type": "object"}},
+        {"type": "namespace", "name": "mcp", "tools": []},
+        {"type": "web_search"},
+    ]
+    chat = chat_body({"input": "x", "tools": tools, "tool_choice": "auto"}, history=[])
+    assert [t["function"]["name"] for t in chat["tools"]] == ["shell"]
+    assert dropped_tools(tools) == ["web_search", "namespace"]
+    only_hosted = chat_body({"input": "x", "tools": tools[:1], "tool_choice": "auto"}, history=[])
+    assert "tools" not in only_hosted
+    assert "tool_choice" not in only_hosted
+    assert dropped_tools(None) == []
