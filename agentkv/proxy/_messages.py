@@ -1,0 +1,165 @@
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's Messages API on the
+same sessions and turns as chat completions.
+
+A Messages request is translated into a chat completion request (``_messages_request``) and
+served by ``ChatService`` with a ``MessagesShape`` writing the answer: one mapping onto
+sessions, one turn, one history rule (``sync_history``), another answer shape. Claude Code
+re-sends the whole conversation every turn, so its turns extend their session like any chat.
+
+The session is ``X-Session-ID``, else Claude Code's own: its ``X-Claude-Code-Session-Id``
+header, else the ``session_id`` in ``metadata.user_id`` (a JSON string; before Claude Code
+2.1.78, ``user_<sha256>_account_<id>_session_<uuid>``). Without any, a request is a one-shot.
+
+A failure after a stream began is Anthropic's ``error`` event, then the end of the stream; the
+turn commits nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from typing import Any
+
+import structlog
+from starlette.datastructures import Headers
+from starlette.responses import Response, StreamingResponse
+
+from agentkv._core import AsyncCluster, Message, Route, RoutingError, ServerRenderer
+from agentkv.proxy._chat import ChatService, json_response
+from agentkv.proxy._messages_errors import error_event
+from agentkv.proxy._messages_request import chat_body
+from agentkv.proxy._messages_shape import MessagesShape, sse
+from agentkv.proxy._messages_system import SystemDrops
+from agentkv.proxy._metrics import ProxyMetrics
+from agentkv.proxy._request import parse_chat_request
+from agentkv.proxy._tools import plan_tools
+
+__all__ = ["MessagesService", "messages_session_id"]
+
+logger = structlog.get_logger("agentkv")
+
+_OLD_USER_ID = re.compile(r"_session_([0-9A-Za-z-]+)$")
+
+
+def _from_user_id(metadata: object) -> str | None:
+    user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+    if not isinstance(user_id, str) or not user_id:
+        return None
+    if user_id.startswith("{"):
+        try:
+            data = json.loads(user_id)
+        except json.JSONDecodeError:
+            return None
+        session = data.get("session_id") if isinstance(data, dict) else None
+        return session if isinstance(session, str) and session else None
+    match = _OLD_USER_ID.search(user_id)
+    return match.group(1) if match else None
+
+
+def messages_session_id(headers: Headers, body: object) -> str | None:
+    """The session a Messages request names, in this order: ``X-Session-ID``,
+    ``X-Claude-Code-Session-Id``, ``metadata.user_id``'s ``session_id``; else ``None``.
+
+    >>> messages_session_id(Headers({"x-claude-code-session-id": "s1"}), {})
+    's1'
+    >>> messages_session_id(Headers(), {"metadata": {"user_id": '{"session_id": "s2"}'}})
+    's2'
+    >>> messages_session_id(Headers(), {"metadata": {"user_id": "user_ab_account_1_session_c-3"}})
+    'c-3'
+    """
+    for name in ("x-session-id", "x-claude-code-session-id"):
+        value = headers.get(name)
+        if value is not None:
+            return value
+    return _from_user_id(body.get("metadata") if isinstance(body, Mapping) else None)
+
+
+async def _with_error_event(
+    chunks: AsyncIterable[str | bytes | memoryview],
+) -> AsyncIterator[str | bytes | memoryview]:
+    """The stream's events; a failure after they began becomes an ``error`` event."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # too late for a status: Anthropic's clients read this event
+        yield sse(error_event(exc))
+
+
+class MessagesService:
+    """Serves the Messages API through a ``ChatService``."""
+
+    def __init__(
+        self,
+        chat: ChatService,
+        cluster: AsyncCluster,
+        *,
+        drops: SystemDrops,
+        metrics: ProxyMetrics,
+        default_max_tokens: int,
+    ) -> None:
+        self._chat = chat
+        self._cluster = cluster
+        self._drops = drops
+        self._metrics = metrics
+        self._default_max_tokens = default_max_tokens
+
+    def _translate(self, body: object, *, count_only: bool = False) -> dict[str, Any]:
+        translated = chat_body(body, drops=self._drops, count_only=count_only)
+        for rule in translated.dropped:
+            self._metrics.system_blocks_dropped.labels(rule).inc()
+        return translated.body
+
+    async def create(
+        self,
+        body: object,
+        *,
+        principal: str,
+        headers: Headers,
+        started: float,
+        route: Route | None = None,
+    ) -> Response:
+        chat = self._translate(body)
+        response = await self._chat.complete(
+            chat,
+            principal=principal,
+            session_header=messages_session_id(headers, body),
+            started=started,
+            shape=MessagesShape(model=self._cluster.model),
+            route=route,
+        )
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _with_error_event(response.body_iterator)
+        return response
+
+    async def count_tokens(self, body: object) -> Response:
+        """``{"input_tokens": N}``: the prompt a first turn of this request would send, as the
+        turn renders it (tools described in the system message where the backend has no tool
+        parser)."""
+        chat = self._translate(body, count_only=True)
+        request = parse_chat_request(
+            chat, model=self._cluster.model, default_max_tokens=self._default_max_tokens
+        )
+        mode = await self._chat.tool_modes.mode() if request.tools else None
+        plan = plan_tools(
+            mode=mode,
+            messages=request.messages,
+            tools=request.tools,
+            tool_choice=request.tool_choice,
+            parallel_tool_calls=request.parallel_tool_calls,
+            extra=request.extra,
+        )
+        tokens = await self._render(plan.messages, tools=plan.tools)
+        return json_response({"input_tokens": tokens})
+
+    async def _render(
+        self, messages: tuple[Message, ...], *, tools: tuple[Mapping[str, Any], ...] | None
+    ) -> int:
+        healthy = [p for p in self._cluster.pairs if self._cluster.is_healthy(p.name)]
+        if not healthy:
+            raise RoutingError("no healthy pair to count tokens with")
+        renderer = ServerRenderer(
+            self._cluster.http_client, healthy[0].prefill, model=self._cluster.model
+        )
+        ids = await renderer.render(messages, tools=tools, add_generation_prompt=True)
+        return len(ids)
