@@ -78,6 +78,8 @@ class _InProcess(Generic[ClusterT]):
 
     model: str
     _cluster_type: type[ClusterT]
+    # Where the SDK sends its requests (its own paths follow): the in-process app's root.
+    _app_base_url: str = BASE_URL
 
     def __init__(
         self,
@@ -100,7 +102,7 @@ class _InProcess(Generic[ClusterT]):
             source, owned = self._cluster_type.from_file(cast(ClusterSource, cluster)), True
         self.model = source.model
         options.setdefault("api_key", API_KEY)
-        options["base_url"] = BASE_URL
+        options["base_url"] = self._app_base_url
         # The openai client next in the twin's MRO takes these (mypy sees only ``object``).
         super().__init__(  # type: ignore[call-arg]
             default_headers=_headers(session_id, options),

@@ -13,7 +13,8 @@ import anthropic
 import httpx2
 import pytest
 
-from agentkv import AsyncCluster
+import agentkv
+from agentkv import AsyncCluster, Cluster
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.testing import FakeCluster, ManualClock
 
@@ -452,7 +453,7 @@ async def test_api_keys_are_read_from_x_api_key_too(tmp_path):
     fake = _fake()
     keys = tmp_path / "keys"
     keys.write_text("alice sk-alice\n")
-    config = ProxyConfig(api_keys=__import__("agentkv").proxy.ApiKeys.from_file(keys))
+    config = ProxyConfig(api_keys=agentkv.proxy.ApiKeys.from_file(keys))
     async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
         app = create_app(cluster, config)
         async with httpx2.AsyncClient(
@@ -467,3 +468,41 @@ async def test_api_keys_are_read_from_x_api_key_too(tmp_path):
             )
             message = await sdk.messages.create(model=fake.model, **body)
             assert message.content
+
+
+async def test_agentkv_async_anthropic_serves_messages_in_process():
+    """``agentkv.AsyncAnthropic`` is the anthropic SDK's client, on the proxy's own app."""
+    fake = _fake()
+    cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
+    async with cluster, agentkv.AsyncAnthropic(cluster, session_id="s", max_retries=0) as sdk:
+        assert isinstance(sdk, anthropic.AsyncAnthropic)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Hi"}]
+        first = await sdk.messages.create(
+            model=sdk.model, max_tokens=16, system=SYSTEM, messages=messages
+        )
+        messages += [
+            {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+            {"role": "user", "content": "Bye"},
+        ]
+        async with sdk.messages.stream(
+            model=sdk.model, max_tokens=16, system=SYSTEM, messages=messages
+        ) as stream:
+            second = await stream.get_final_message()
+        assert second.usage.cache_read_input_tokens == _ideal(first)
+
+
+def test_agentkv_anthropic_is_the_sync_twin():
+    fake = _fake()
+    cluster = Cluster.from_dict(fake.cluster_spec, transport=fake.transport)
+    with cluster, agentkv.Anthropic(cluster, max_retries=0) as sdk:
+        assert isinstance(sdk, anthropic.Anthropic)
+        message = sdk.messages.create(
+            model=sdk.model, max_tokens=8, messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert message.content[0].type == "text"
+        assert (
+            sdk.messages.count_tokens(
+                model=sdk.model, messages=[{"role": "user", "content": "Hi"}]
+            ).input_tokens
+            == message.usage.input_tokens
+        )
