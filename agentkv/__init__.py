@@ -214,10 +214,14 @@ for _name in __all__:
 
 def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
-        import importlib
+        if name.endswith("Anthropic"):
+            from agentkv._anthropic import client as anthropic_client
 
-        package = "_anthropic" if "Anthropic" in name else "_openai"
-        value = getattr(importlib.import_module(f"agentkv.{package}.client"), name)
+            value = getattr(anthropic_client, name)
+        else:
+            from agentkv._openai import client as openai_client
+
+            value = getattr(openai_client, name)
         _public(value)
         return value
     raise AttributeError(f"module 'agentkv' has no attribute {name!r}")

@@ -23,7 +23,7 @@ import anthropic
 import httpx2
 
 from agentkv._core import AsyncCluster, Cluster
-from agentkv._openai.client import _InProcess
+from agentkv._openai.client import InProcess
 from agentkv._openai.transport import AppTransport, AsyncAppTransport
 from agentkv.proxy._app import create_app
 from agentkv.proxy._config import ProxyConfig
@@ -34,7 +34,7 @@ __all__ = ["Anthropic", "AsyncAnthropic"]
 BASE_URL = "http://agentkv.in-process"
 
 
-class AsyncAnthropic(_InProcess[AsyncCluster], anthropic.AsyncAnthropic):
+class AsyncAnthropic(InProcess[AsyncCluster], anthropic.AsyncAnthropic):
     """``anthropic.AsyncAnthropic`` on an agentkv cluster, in-process.
 
     Args:
@@ -67,7 +67,7 @@ class AsyncAnthropic(_InProcess[AsyncCluster], anthropic.AsyncAnthropic):
         return httpx2.AsyncClient(transport=transport, base_url=BASE_URL)
 
 
-class Anthropic(_InProcess[Cluster], anthropic.Anthropic):
+class Anthropic(InProcess[Cluster], anthropic.Anthropic):
     """``anthropic.Anthropic`` on an agentkv cluster, in-process (the sync twin of
     ``AsyncAnthropic``; the app runs on the cluster's own event-loop thread).
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentkv._exceptions import ContextLengthError
+from agentkv._core import ContextLengthError
 from agentkv.proxy._errors import ProxyError
 
 __all__ = ["anthropic_error", "context_message", "error_event"]
