@@ -25,13 +25,15 @@ def sse(event: dict[str, Any]) -> bytes:
     return b"event: " + str(event["type"]).encode() + b"\ndata: " + dumps(event) + b"\n\n"
 
 
-def stop_reason(message: Message, finish: str) -> str:
-    """Anthropic's ``stop_reason`` for a chat finish reason."""
+def stop_reason(result: TurnResult, message: Message, finish: str) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a turn's chat finish reason."""
     if finish == "length":
-        return "max_tokens"
+        return "max_tokens", None
     if message.tool_calls or finish == "tool_calls":
-        return "tool_use"
-    return "end_turn"
+        return "tool_use", None
+    if result.stop_sequence is not None:
+        return "stop_sequence", result.stop_sequence
+    return "end_turn", None
 
 
 def _usage(stats: TurnStats | None) -> dict[str, int]:
@@ -80,7 +82,10 @@ class MessagesShape:
         self._text_open = False
 
     def _message(
-        self, content: list[dict[str, Any]], reason: str | None, stats: TurnStats | None
+        self,
+        content: list[dict[str, Any]],
+        reason: tuple[str | None, str | None],
+        stats: TurnStats | None,
     ) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -88,18 +93,19 @@ class MessagesShape:
             "role": "assistant",
             "model": self._model,
             "content": content,
-            "stop_reason": reason,
-            "stop_sequence": None,
+            "stop_reason": reason[0],
+            "stop_sequence": reason[1],
             "usage": _usage(stats),
         }
 
     def body(self, result: TurnResult, *, message: Message, finish: str) -> dict[str, Any]:
-        return self._message(_content(message), stop_reason(message, finish), result.stats)
+        reason = stop_reason(result, message, finish)
+        return self._message(_content(message), reason, result.stats)
 
     # --- the stream ---------------------------------------------------------------------------
 
     def opening(self) -> list[bytes]:
-        start = {"type": "message_start", "message": self._message([], None, None)}
+        start = {"type": "message_start", "message": self._message([], (None, None), None)}
         return [sse(start), sse({"type": "ping"})]
 
     def delta(self, text: str) -> bytes:
@@ -152,7 +158,8 @@ class MessagesShape:
                 ),
                 self._stop_block(),
             ]
-        delta = {"stop_reason": stop_reason(message, finish), "stop_sequence": None}
+        reason, sequence = stop_reason(result, message, finish)
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
         events += [
             sse({"type": "message_delta", "delta": delta, "usage": _usage(result.stats)}),
             sse({"type": "message_stop"}),

@@ -506,3 +506,26 @@ def test_agentkv_anthropic_is_the_sync_twin():
             ).input_tokens
             == message.usage.input_tokens
         )
+
+
+@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_sequence_is_named_in_the_answer(proxy, stream):
+    request: dict[str, Any] = {
+        "model": proxy.fake.model,
+        "max_tokens": 60,
+        "system": SYSTEM,
+        "messages": [{"role": "user", "content": "Tell me about rule 3."}],
+    }
+    reference = (await proxy.sdk.messages.create(**request)).content[0].text
+    words = reference.split(" ")
+    assert len(words) > 6, reference
+    stop = " " + words[4]
+    request["extra_body"] = {"stop_sequences": [stop]}
+    if stream:
+        async with proxy.sdk.messages.stream(**request) as events:
+            message = await events.get_final_message()
+    else:
+        message = await proxy.sdk.messages.create(**request)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+    assert message.content[0].text == reference[: reference.index(stop)]
