@@ -32,7 +32,7 @@ from agentkv.proxy._config import ProxyConfig, key_digest
 from agentkv.proxy._deadline import BodyDeadline, BodyPace
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._messages import MessagesService
-from agentkv.proxy._messages_errors import anthropic_error
+from agentkv.proxy._messages_errors import anthropic_error, proxy_error
 from agentkv.proxy._messages_system import SystemDrops
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._open_store import open_store
@@ -406,7 +406,7 @@ def _error_response(endpoint: str, exc: Exception, *, anthropic: bool = False) -
         # nginx's status for it, for the requests metric (uvicorn sends nothing to a closed socket).
         logger.info("agentkv.proxy.client_disconnected", endpoint=endpoint, status=_CLIENT_GONE)
         return Response(status_code=_CLIENT_GONE)
-    error = ProxyError.from_exception(exc)
+    error = proxy_error(exc) if anthropic else ProxyError.from_exception(exc)
     if error.status >= 500:
         logger.error(
             "agentkv.proxy.request_failed",

@@ -19,7 +19,7 @@ from typing import Any
 from agentkv._core import ContextLengthError
 from agentkv.proxy._errors import ProxyError
 
-__all__ = ["anthropic_error", "context_message", "error_event"]
+__all__ = ["anthropic_error", "context_message", "error_event", "proxy_error"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -46,19 +46,19 @@ def context_message(exc: ContextLengthError) -> str:
     )
 
 
-def _error(exc: BaseException) -> tuple[int, str, str]:
+def proxy_error(exc: BaseException) -> ProxyError:
+    """``ProxyError.from_exception``, with a prompt over the context in Anthropic's words."""
     if isinstance(exc, ContextLengthError):
-        return 400, "invalid_request_error", context_message(exc)
-    error = ProxyError.from_exception(exc)
-    status = _OVERLOADED if error.status == 503 else error.status
-    kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return status, kind, error.message
+        return ProxyError(400, context_message(exc), code="context_length_exceeded")
+    return ProxyError.from_exception(exc)
 
 
 def anthropic_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The status and body answering ``exc``."""
-    status, kind, message = _error(exc)
-    return status, {"type": "error", "error": {"type": kind, "message": message}}
+    error = proxy_error(exc)
+    status = _OVERLOADED if error.status == 503 else error.status
+    kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def error_event(exc: BaseException) -> dict[str, Any]:
