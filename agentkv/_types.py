@@ -389,6 +389,8 @@ class TurnResult:
     ``token_ids`` are the generated ids exactly as decode produced them (the stop token included);
     ``result.text`` is the assistant's text. ``logprobs`` holds each generated token's logprob
     when the turn asked for them (``extra_body={"logprobs": True}``), else ``None``.
+    ``stop_sequence`` is the stop string that ended the turn (vLLM's ``stop_reason``), else
+    ``None``.
     """
 
     message: Message
@@ -396,6 +398,7 @@ class TurnResult:
     finish_reason: str
     stats: TurnStats
     logprobs: tuple[float, ...] | None = None
+    stop_sequence: str | None = None
 
     @property
     def text(self) -> str:

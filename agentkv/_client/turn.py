@@ -452,6 +452,7 @@ class TurnRunner:
             finish_reason=result.finish_reason,
             stats=stats,
             logprobs=result.logprobs,
+            stop_sequence=result.stop_reason if isinstance(result.stop_reason, str) else None,
         )
 
     async def _decode(

@@ -34,7 +34,7 @@ from agentkv._openai.transport import AppTransport, AsyncAppTransport
 from agentkv.proxy._app import create_app
 from agentkv.proxy._config import ProxyConfig
 
-__all__ = ["AsyncOpenAI", "OpenAI"]
+__all__ = ["AsyncOpenAI", "InProcess", "OpenAI"]
 
 # Requests never leave the process; the host only has to be a valid URL's.
 BASE_URL = "http://agentkv.in-process/v1"
@@ -70,14 +70,17 @@ def _served_model(http_client: object) -> str:
     return transport.model if isinstance(transport, AppTransport | AsyncAppTransport) else ""
 
 
-class _InProcess(Generic[ClusterT]):
-    """The twins' constructor, written once: the openai client's arguments for a cluster (no
-    I/O but opening a cluster file). A twin says which cluster it takes and how its HTTP client
-    serves the proxy's app (``_http_client``); the openai client next in its MRO takes the rest.
+class InProcess(Generic[ClusterT]):
+    """The twins' constructor, written once (the anthropic twins' too): the SDK client's
+    arguments for a cluster (no I/O but opening a cluster file). A twin says which cluster it
+    takes and how its HTTP client serves the proxy's app (``_http_client``); the SDK client
+    next in its MRO takes the rest.
     """
 
     model: str
     _cluster_type: type[ClusterT]
+    # Where the SDK sends its requests (its own paths follow): the in-process app's root.
+    _app_base_url: str = BASE_URL
 
     def __init__(
         self,
@@ -100,7 +103,7 @@ class _InProcess(Generic[ClusterT]):
             source, owned = self._cluster_type.from_file(cast(ClusterSource, cluster)), True
         self.model = source.model
         options.setdefault("api_key", API_KEY)
-        options["base_url"] = BASE_URL
+        options["base_url"] = self._app_base_url
         # The openai client next in the twin's MRO takes these (mypy sees only ``object``).
         super().__init__(  # type: ignore[call-arg]
             default_headers=_headers(session_id, options),
@@ -117,7 +120,7 @@ class _InProcess(Generic[ClusterT]):
         raise NotImplementedError
 
 
-class AsyncOpenAI(_InProcess[AsyncCluster], openai.AsyncOpenAI):
+class AsyncOpenAI(InProcess[AsyncCluster], openai.AsyncOpenAI):
     """``openai.AsyncOpenAI`` on an agentkv cluster, in-process.
 
     Args:
@@ -149,7 +152,7 @@ class AsyncOpenAI(_InProcess[AsyncCluster], openai.AsyncOpenAI):
         return httpx2.AsyncClient(transport=transport, base_url=BASE_URL)
 
 
-class OpenAI(_InProcess[Cluster], openai.OpenAI):
+class OpenAI(InProcess[Cluster], openai.OpenAI):
     """``openai.OpenAI`` on an agentkv cluster, in-process (the sync twin of ``AsyncOpenAI``).
 
     Args:

@@ -6,8 +6,8 @@
 >>> cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
 >>> app = create_app(cluster, ProxyConfig())
 >>> sorted(route.path for route in app.routes)  # doctest: +NORMALIZE_WHITESPACE
-['/healthz', '/metrics', '/v1/chat/completions', '/v1/models', '/v1/responses',
- '/v1/sessions/{session_id:path}']
+['/healthz', '/metrics', '/v1/chat/completions', '/v1/messages', '/v1/messages/count_tokens',
+ '/v1/models', '/v1/responses', '/v1/sessions/{session_id:path}']
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from agentkv.proxy._chat import ChatService, json_response
 from agentkv.proxy._config import ProxyConfig, key_digest
 from agentkv.proxy._deadline import BodyDeadline, BodyPace
 from agentkv.proxy._errors import ProxyError
+from agentkv.proxy._messages import MessagesService
+from agentkv.proxy._messages_errors import anthropic_error, proxy_error
+from agentkv.proxy._messages_system import SystemDrops
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._open_store import open_store
 from agentkv.proxy._persist_gate import IGNORED_HEADER, PersistGate
@@ -59,7 +62,9 @@ def _principal(request: Request, config: ProxyConfig) -> str:
     """
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
+    # Anthropic's clients send their key as ``x-api-key``.
     token = token.strip() if scheme.lower() == "bearer" else ""
+    token = token or request.headers.get("x-api-key", "").strip()
     keys = config.api_keys
     if keys is None:
         return f"key-{key_digest(token)}" if token else _ANONYMOUS
@@ -166,9 +171,17 @@ class _Proxy:
             secret=config.cache_salt_secret,
             ttl_s=config.session_idle_timeout_s,
         )
+        self.messages = MessagesService(
+            self.chat,
+            cluster,
+            drops=SystemDrops(config.drop_system_blocks),
+            metrics=self.metrics,
+            default_max_tokens=config.default_max_tokens,
+        )
 
-    def endpoint(self, name: str, handler: Handler) -> Handler:
-        """Wrap ``handler``: every exception becomes an OpenAI-style error with its status."""
+    def endpoint(self, name: str, handler: Handler, *, anthropic: bool = False) -> Handler:
+        """Wrap ``handler``: every exception becomes an OpenAI-style error with its status
+        (``anthropic``: Anthropic's error shape and statuses, for the Messages routes)."""
 
         async def wrapped(request: Request) -> Response:
             try:
@@ -176,7 +189,7 @@ class _Proxy:
             except Exception as exc:
                 # Built in a call of its own: nothing in this frame (which the traceback holds)
                 # keeps the exception, so a refused upload's frames and bytes go with ``exc``.
-                response = _error_response(name, exc)
+                response = _error_response(name, exc, anthropic=anthropic)
             self.metrics.requests.labels(name, str(response.status_code)).inc()
             return response
 
@@ -213,6 +226,23 @@ class _Proxy:
             started=started,
             route=route_from(request.headers.get("x-agentkv-route")),
         )
+
+    async def create_message(self, request: Request) -> Response:
+        started = time.perf_counter()
+        principal = _principal(request, self.config)
+        body = await _read_json(request, self.config.max_body_bytes)
+        return await self.messages.create(
+            body,
+            principal=principal,
+            headers=request.headers,
+            started=started,
+            route=route_from(request.headers.get("x-agentkv-route")),
+        )
+
+    async def count_tokens(self, request: Request) -> Response:
+        _principal(request, self.config)
+        body = await _read_json(request, self.config.max_body_bytes)
+        return await self.messages.count_tokens(body)
 
     async def models(self, request: Request) -> Response:
         _principal(request, self.config)
@@ -373,15 +403,20 @@ class _Proxy:
             logger.info("agentkv.proxy.stopped")
 
 
-def _error_response(endpoint: str, exc: Exception) -> Response:
-    """The answer to ``exc``, logged: 5xx as failures, 4xx as refusals, a client gone as 499."""
+def _error_response(endpoint: str, exc: Exception, *, anthropic: bool = False) -> Response:
+    """The answer to ``exc``, logged: 5xx as failures, 4xx as refusals, a client gone as 499
+    (``anthropic``: in Anthropic's error shape)."""
     if isinstance(exc, ClientDisconnect):
         # The client left before its request was read: no one to answer, nothing failed. 499 is
         # nginx's status for it, for the requests metric (uvicorn sends nothing to a closed socket).
         logger.info("agentkv.proxy.client_disconnected", endpoint=endpoint, status=_CLIENT_GONE)
         return Response(status_code=_CLIENT_GONE)
-    error = ProxyError.from_exception(
-        exc, input_param="input" if endpoint == "responses" else "messages"
+    error = (
+        proxy_error(exc)
+        if anthropic
+        else ProxyError.from_exception(
+            exc, input_param="input" if endpoint == "responses" else "messages"
+        )
     )
     if error.status >= 500:
         logger.error(
@@ -400,6 +435,9 @@ def _error_response(endpoint: str, exc: Exception) -> Response:
             code=error.code,
             detail=error.message,
         )
+    if anthropic:
+        status, body = anthropic_error(exc)
+        return json_response(body, status=status, headers=error.headers)
     return json_response(error.body(), status=error.status, headers=error.headers)
 
 
@@ -434,9 +472,13 @@ def create_app(
     proxy = _Proxy(cluster, config, clock=clock, store=store)
     chat = proxy.endpoint("chat", proxy.chat_completions)
     responses = proxy.endpoint("responses", proxy.create_response)
+    messages = proxy.endpoint("messages", proxy.create_message, anthropic=True)
+    count_tokens = proxy.endpoint("count_tokens", proxy.count_tokens, anthropic=True)
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", proxy.endpoint("models", proxy.models), methods=["GET"]),
         Route(
             "/v1/sessions/{session_id:path}",
@@ -467,5 +509,7 @@ def create_app(
     app.state.endpoints = {
         ("POST", "/v1/chat/completions"): chat,
         ("POST", "/v1/responses"): responses,
+        ("POST", "/v1/messages"): messages,
+        ("POST", "/v1/messages/count_tokens"): count_tokens,
     }
     return app

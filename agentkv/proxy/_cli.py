@@ -12,6 +12,7 @@ from pathlib import Path
 
 from agentkv.local._config import default_cluster_file
 from agentkv.proxy._config import ApiKeys, ProxyConfig
+from agentkv.proxy._messages_system import DEFAULT_DROPS
 
 __all__ = ["add_parser", "cmd_proxy", "config_from_args"]
 
@@ -185,6 +186,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="GET /metrics asks for an API key like the API routes (needs --api-keys)",
     )
     parser.add_argument(
+        "--drop-system-block",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="leave out Messages API system blocks this regular expression matches (searched in "
+        "each block; repeatable; added to the default, Claude Code's per-session "
+        "x-anthropic-billing-header line)",
+    )
+    parser.add_argument(
+        "--no-default-system-drops",
+        action="store_true",
+        help="keep the x-anthropic-billing-header system block (drop only --drop-system-block's)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -220,6 +235,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         isolate_prefix_caches=not args.shared_prefix_cache,
         cache_salt_secret=os.environ.get("AGENTKV_PROXY_CACHE_SALT_SECRET") or None,
         metrics_need_key=args.metrics_need_key,
+        drop_system_blocks=(
+            *(() if args.no_default_system_drops else DEFAULT_DROPS),
+            *args.drop_system_block,
+        ),
     )
 
 

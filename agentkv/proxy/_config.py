@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
 from agentkv._core import ConfigError
+from agentkv.proxy._messages_system import DEFAULT_DROPS
 
 __all__ = ["ApiKeys", "ProxyConfig", "key_digest"]
 
@@ -157,6 +159,10 @@ class ProxyConfig:
         allow_client_persist: honour a client's ``X-AgentKV-Persist: disk`` (a tier write on
             decode that every tenant waits behind); off by default: the header is ignored and
             the answer says so (``X-AgentKV-Persist-Ignored``). See ``_persist_gate``.
+        drop_system_blocks: regular expressions; a Messages API system block (or ``role:
+            "system"`` message) one of them matches is left out before rendering: lines that
+            differ per session or request would keep every session's prefix apart. Default:
+            Claude Code's ``x-anthropic-billing-header`` line (``_messages_system``).
         client_persist_per_minute: with ``allow_client_persist``, the persists one principal
             may ask for a minute (a burst of as many, then that rate; per proxy replica).
     """
@@ -189,6 +195,7 @@ class ProxyConfig:
     allow_client_persist: bool = False
     client_persist_per_minute: float = 6.0
     responses_max_bytes: int = 64 * 1024 * 1024
+    drop_system_blocks: tuple[str, ...] = DEFAULT_DROPS
 
     def _check_serving(self) -> None:
         if not (
@@ -241,6 +248,11 @@ class ProxyConfig:
             raise ConfigError("responses_max_bytes must not be negative (0: store none)")
         if self.sweep_interval_s <= 0:
             raise ConfigError("sweep_interval_s must be positive")
+        for pattern in self.drop_system_blocks:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ConfigError(f"drop_system_blocks: bad pattern {pattern!r}: {exc}") from None
 
     def _check_client_limits(self) -> None:
         if self.body_timeout_s is not None and not (

@@ -199,6 +199,13 @@ class ProxyMetrics:
             ("status",),
             registry=registry,
         )
+        self.system_blocks_dropped = Counter(
+            "agentkv_proxy_system_blocks_dropped",
+            "Messages API system blocks left out before rendering, by the rule that matched "
+            "(lines that differ per session or request, such as Claude Code's billing header)",
+            ("rule",),
+            registry=registry,
+        )
         self._live = _LiveGauges()
         registry.register(self._live)
 

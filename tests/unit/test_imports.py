@@ -141,6 +141,7 @@ APPS = (
     "agentkv.connector",
     "agentkv.cli",
     "agentkv._openai",
+    "agentkv._anthropic",
 )
 # What an app may import of the core: the public package and the one internal surface.
 SURFACE = ("agentkv", "agentkv._core")
@@ -198,7 +199,10 @@ def test_the_core_imports_no_app_and_the_package_only_its_drop_in() -> None:
         for target in targets
         if _app(target) is not None
     }
-    assert imported == {("agentkv", "agentkv._openai.client")}
+    assert imported == {
+        ("agentkv", "agentkv._openai.client"),
+        ("agentkv", "agentkv._anthropic.client"),
+    }
 
 
 def test_no_module_imports_a_private_name_of_another_package() -> None:

@@ -1,0 +1,1 @@
+"""``agentkv.Anthropic`` / ``agentkv.AsyncAnthropic``: the anthropic SDK served in-process."""
