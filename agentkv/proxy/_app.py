@@ -177,6 +177,7 @@ class _Proxy:
             drops=SystemDrops(config.drop_system_blocks),
             metrics=self.metrics,
             default_max_tokens=config.default_max_tokens,
+            max_messages=config.max_sessions,
         )
 
     def endpoint(self, name: str, handler: Handler, *, anthropic: bool = False) -> Handler:

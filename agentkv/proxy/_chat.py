@@ -134,9 +134,10 @@ class AnswerShape(Protocol):
         is what to show for it)."""
         ...
 
-    def bind(self, session_id: str | None) -> None:
-        """The request runs on session ``session_id`` (``None``: one-shot); before any of the
-        answer is written."""
+    def bind(self, session_id: str | None, *, plan: HistoryPlan | None = None) -> None:
+        """The request runs on session ``session_id`` (``None``: one-shot), its history mapped
+        onto it as ``plan`` (``None``: a new or one-shot session); before any of the answer is
+        written."""
         ...
 
     async def answered(self, *, entry: SessionEntry | None, tools: ToolPlan) -> None:
@@ -177,8 +178,8 @@ class ChatShape:
         )
         return [*(_sse(chunk) for chunk in chunks), _DONE]
 
-    def bind(self, session_id: str | None) -> None:
-        del session_id
+    def bind(self, session_id: str | None, *, plan: HistoryPlan | None = None) -> None:
+        del session_id, plan
 
     async def answered(self, *, entry: SessionEntry | None, tools: ToolPlan) -> None:
         del entry, tools
@@ -356,7 +357,7 @@ class ChatService:
                 raise
         else:
             lease = await self._map(principal, thread, request, tools)
-        shape.bind(lease.entry.session_id if lease.entry is not None else None)
+        shape.bind(lease.entry.session_id if lease.entry is not None else None, plan=lease.plan)
         overrides: TurnOverrides = {
             "max_tokens": request.max_tokens,
             "temperature": request.temperature,

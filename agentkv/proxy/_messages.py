@@ -25,6 +25,7 @@ from starlette.responses import Response, StreamingResponse
 
 from agentkv._core import AsyncCluster, Message, Route, RoutingError, ServerRenderer
 from agentkv.proxy._chat import ChatService, json_response
+from agentkv.proxy._messages_diagnosis import Diagnosis, MessageThreads, previous_message_id
 from agentkv.proxy._messages_errors import error_event
 from agentkv.proxy._messages_request import chat_body
 from agentkv.proxy._messages_shape import MessagesShape, sse
@@ -74,8 +75,11 @@ class MessagesService:
         drops: SystemDrops,
         metrics: ProxyMetrics,
         default_max_tokens: int,
+        max_messages: int = 10_000,
     ) -> None:
+        """``max_messages``: how many answers' threads are kept for cache diagnostics."""
         self._chat = chat
+        self._threads = MessageThreads(max_entries=max_messages)
         self._cluster = cluster
         self._drops = drops
         self._metrics = metrics
@@ -102,13 +106,23 @@ class MessagesService:
             # The chat request's own session field: the session key's precedence puts it after
             # X-Session-ID and X-Claude-Code-Session-Id, and subagents' agent ids still apply.
             chat["session_id"] = named
+        previous = previous_message_id(headers.get("anthropic-beta"), body)
+        diagnosis = (
+            None
+            if previous is None
+            else Diagnosis(previous_thread=self._threads.thread(principal, previous))
+        )
+
+        def remember(message_id: str, session_id: str) -> None:
+            self._threads.remember(principal, message_id, session_id)
+
         response = await self._chat.complete(
             chat,
             principal=principal,
             session_header=None,
             headers=headers,
             started=started,
-            shape=MessagesShape(model=self._cluster.model),
+            shape=MessagesShape(model=self._cluster.model, diagnosis=diagnosis, remember=remember),
             route=route,
         )
         if isinstance(response, StreamingResponse):

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-from agentkv._core import Message, TurnResult, TurnStats, dumps
+from agentkv._core import HistoryPlan, Message, TurnResult, TurnStats, dumps
 from agentkv.proxy._entry import SessionEntry
+from agentkv.proxy._messages_diagnosis import Diagnosis
 from agentkv.proxy._tools import ToolPlan
 
 __all__ = ["MessagesShape", "sse", "stop_reason"]
@@ -75,11 +77,23 @@ def _content(message: Message) -> list[dict[str, Any]]:
 class MessagesShape:
     """``message`` bodies and Anthropic's stream events (``ChatService``'s ``AnswerShape``)."""
 
-    def __init__(self, *, model: str) -> None:
+    def __init__(
+        self,
+        *,
+        model: str,
+        diagnosis: Diagnosis | None = None,
+        remember: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """``diagnosis``: the request asked for cache diagnostics (``_messages_diagnosis``);
+        ``remember(message id, session id)`` is told which session answered, once committed."""
         self.id = f"msg_{uuid.uuid4().hex}"
         self._model = model
         self._index = 0
         self._text_open = False
+        self._diagnosis = diagnosis
+        self._remember = remember
+        self._session_id: str | None = None
+        self._plan: HistoryPlan | None = None
 
     def _message(
         self,
@@ -87,7 +101,7 @@ class MessagesShape:
         reason: tuple[str | None, str | None],
         stats: TurnStats | None,
     ) -> dict[str, Any]:
-        return {
+        message: dict[str, Any] = {
             "id": self.id,
             "type": "message",
             "role": "assistant",
@@ -97,6 +111,13 @@ class MessagesShape:
             "stop_sequence": reason[1],
             "usage": _usage(stats),
         }
+        if self._diagnosis is not None:
+            message["diagnostics"] = self._diagnosis.answer(
+                self._session_id,
+                self._plan,
+                prompt_tokens=stats.prompt_tokens if stats is not None else None,
+            )
+        return message
 
     def body(self, result: TurnResult, *, message: Message, finish: str) -> dict[str, Any]:
         reason = stop_reason(result, message, finish)
@@ -166,8 +187,11 @@ class MessagesShape:
         ]
         return events
 
-    def bind(self, session_id: str | None) -> None:
-        del session_id
+    def bind(self, session_id: str | None, *, plan: HistoryPlan | None = None) -> None:
+        self._session_id = session_id
+        self._plan = plan
 
     async def answered(self, *, entry: SessionEntry | None, tools: ToolPlan) -> None:
-        del entry, tools
+        del tools
+        if entry is not None and self._remember is not None:
+            self._remember(self.id, entry.session_id)

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from agentkv._core import Message, TurnResult, TurnStats, dumps
+from agentkv._core import HistoryPlan, Message, TurnResult, TurnStats, dumps
 from agentkv.proxy._entry import SessionEntry
 from agentkv.proxy._tools import ToolPlan
 
@@ -260,7 +260,8 @@ class ResponsesShape:
         events.append(self._event("response.completed", response=final))
         return events
 
-    def bind(self, session_id: str | None) -> None:
+    def bind(self, session_id: str | None, *, plan: HistoryPlan | None = None) -> None:
+        del plan
         self.id = self._mint(session_id)
 
     async def answered(self, *, entry: SessionEntry | None, tools: ToolPlan) -> None:

@@ -577,3 +577,41 @@ async def test_a_stop_sequence_is_named_in_the_answer(proxy, stream):
         message = await proxy.sdk.messages.create(**request)
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
     assert message.content[0].text == reference[: reference.index(stop)]
+
+
+@pytest.mark.parametrize("fake", [None], indirect=True)
+async def test_cache_diagnostics_name_what_broke_the_prefix(proxy):
+    """With Anthropic's cache-diagnosis beta, an answer says whether the request extended the
+    message it names (``null``), and if not, what changed and how many input tokens missed."""
+    beta = {"anthropic-beta": "cache-diagnosis-2026-04-07", "X-Claude-Code-Session-Id": "cc-d"}
+
+    async def post(messages, previous=None, headers=beta):
+        body: dict[str, Any] = {"model": proxy.fake.model, "max_tokens": 12, "system": SYSTEM,
+                                "messages": messages}
+        if previous is not None:
+            body["diagnostics"] = {"previous_message_id": previous}
+        response = await proxy.http.post("/v1/messages", json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    first = await post([{"role": "user", "content": "Which rule is 3?"}])
+    assert "diagnostics" not in first  # not asked for
+    history = [
+        {"role": "user", "content": "Which rule is 3?"},
+        {"role": "assistant", "content": first["content"][0]["text"]},
+        {"role": "user", "content": "And rule 4?"},
+    ]
+    second = await post(history, previous=first["id"])
+    assert second["diagnostics"] == {"cache_miss_reason": None}
+    edited = [{"role": "user", "content": "Which rule is 5?"}, *history[1:]]
+    third = await post(edited, previous=second["id"])
+    reason = third["diagnostics"]["cache_miss_reason"]
+    assert reason["type"] == "messages_changed"
+    prompt = third["usage"]["input_tokens"] + third["usage"]["cache_read_input_tokens"]
+    assert 0 < reason["cache_missed_input_tokens"] <= prompt
+    unknown = await post(history, previous="msg_unknown")
+    assert unknown["diagnostics"] == {"cache_miss_reason": {"type": "previous_message_not_found"}}
+    # Another API key cannot learn of this key's messages.
+    other = await post(history, previous=second["id"],
+                       headers={**beta, "Authorization": "Bearer another-key"})
+    assert other["diagnostics"]["cache_miss_reason"] == {"type": "previous_message_not_found"}
