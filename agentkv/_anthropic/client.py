@@ -20,13 +20,9 @@ reads: ``session_id=`` given to the client (sent as ``X-Session-ID``), or per re
 from __future__ import annotations
 
 import anthropic
-import httpx2
 
 from agentkv._core import AsyncCluster, Cluster
 from agentkv._openai.client import InProcess
-from agentkv._openai.transport import AppTransport, AsyncAppTransport
-from agentkv.proxy._app import create_app
-from agentkv.proxy._config import ProxyConfig
 
 __all__ = ["Anthropic", "AsyncAnthropic"]
 
@@ -53,18 +49,6 @@ class AsyncAnthropic(InProcess[AsyncCluster], anthropic.AsyncAnthropic):
     _cluster_type = AsyncCluster
     _app_base_url = BASE_URL
 
-    def _http_client(
-        self, source: AsyncCluster, config: ProxyConfig | None, *, owned: bool
-    ) -> httpx2.AsyncClient:
-        app = create_app(source, config)
-        transport = AsyncAppTransport(
-            app,
-            model=source.model,
-            lifespan=lambda: app.router.lifespan_context(app),
-            on_close=source.aclose if owned else None,
-            direct=app.state.endpoints,
-        )
-        return httpx2.AsyncClient(transport=transport, base_url=BASE_URL)
 
 
 class Anthropic(InProcess[Cluster], anthropic.Anthropic):
@@ -78,16 +62,3 @@ class Anthropic(InProcess[Cluster], anthropic.Anthropic):
     _cluster_type = Cluster
     _app_base_url = BASE_URL
 
-    def _http_client(
-        self, source: Cluster, config: ProxyConfig | None, *, owned: bool
-    ) -> httpx2.Client:
-        app = create_app(source._async, config)
-        transport = AppTransport(
-            app,
-            model=source.model,
-            portal=source._portal,
-            lifespan=lambda: app.router.lifespan_context(app),
-            on_close=source.close if owned else None,
-            direct=app.state.endpoints,
-        )
-        return httpx2.Client(transport=transport, base_url=BASE_URL)

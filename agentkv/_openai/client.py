@@ -72,9 +72,9 @@ def _served_model(http_client: object) -> str:
 
 class InProcess(Generic[ClusterT]):
     """The twins' constructor, written once (the anthropic twins' too): the SDK client's
-    arguments for a cluster (no I/O but opening a cluster file). A twin says which cluster it
-    takes and how its HTTP client serves the proxy's app (``_http_client``); the SDK client
-    next in its MRO takes the rest.
+    arguments for a cluster (no I/O but opening a cluster file), and the HTTP client that serves
+    the proxy's app for it (``_http_client``). A twin says which cluster it takes and where the
+    SDK's paths start (``_app_base_url``); the SDK client next in its MRO takes the rest.
     """
 
     model: str
@@ -116,8 +116,32 @@ class InProcess(Generic[ClusterT]):
         name = self._cluster_type.__name__
         return f"{'an' if name[0] in 'AEIOU' else 'a'} {name} or a cluster file path"
 
-    def _http_client(self, source: ClusterT, config: ProxyConfig | None, *, owned: bool) -> Any:
-        raise NotImplementedError
+    def _http_client(
+        self, source: ClusterT, config: ProxyConfig | None, *, owned: bool
+    ) -> httpx2.Client | httpx2.AsyncClient:
+        """An HTTP client whose transport hands each request to the proxy's app on ``source``
+        (closing ``source`` with it when ``owned``)."""
+        if isinstance(source, AsyncCluster):
+            app = create_app(source, config)
+            transport = AsyncAppTransport(
+                app,
+                model=source.model,
+                lifespan=lambda: app.router.lifespan_context(app),
+                on_close=source.aclose if owned else None,
+                direct=app.state.endpoints,
+            )
+            return httpx2.AsyncClient(transport=transport, base_url=self._app_base_url)
+        assert isinstance(source, Cluster)
+        sync_app = create_app(source._async, config)
+        sync_transport = AppTransport(
+            sync_app,
+            model=source.model,
+            portal=source._portal,
+            lifespan=lambda: sync_app.router.lifespan_context(sync_app),
+            on_close=source.close if owned else None,
+            direct=sync_app.state.endpoints,
+        )
+        return httpx2.Client(transport=sync_transport, base_url=self._app_base_url)
 
 
 class AsyncOpenAI(InProcess[AsyncCluster], openai.AsyncOpenAI):
@@ -138,18 +162,6 @@ class AsyncOpenAI(InProcess[AsyncCluster], openai.AsyncOpenAI):
 
     _cluster_type = AsyncCluster
 
-    def _http_client(
-        self, source: AsyncCluster, config: ProxyConfig | None, *, owned: bool
-    ) -> httpx2.AsyncClient:
-        app = create_app(source, config)
-        transport = AsyncAppTransport(
-            app,
-            model=source.model,
-            lifespan=lambda: app.router.lifespan_context(app),
-            on_close=source.aclose if owned else None,
-            direct=app.state.endpoints,
-        )
-        return httpx2.AsyncClient(transport=transport, base_url=BASE_URL)
 
 
 class OpenAI(InProcess[Cluster], openai.OpenAI):
@@ -168,16 +180,3 @@ class OpenAI(InProcess[Cluster], openai.OpenAI):
 
     _cluster_type = Cluster
 
-    def _http_client(
-        self, source: Cluster, config: ProxyConfig | None, *, owned: bool
-    ) -> httpx2.Client:
-        app = create_app(source._async, config)
-        transport = AppTransport(
-            app,
-            model=source.model,
-            portal=source._portal,
-            lifespan=lambda: app.router.lifespan_context(app),
-            on_close=source.close if owned else None,
-            direct=app.state.endpoints,
-        )
-        return httpx2.Client(transport=transport, base_url=BASE_URL)

@@ -176,7 +176,6 @@ class _Proxy:
             cluster,
             drops=SystemDrops(config.drop_system_blocks),
             metrics=self.metrics,
-            default_max_tokens=config.default_max_tokens,
             max_messages=config.max_sessions,
         )
 

@@ -305,6 +305,26 @@ class ChatService:
             self._salts = CacheSalts(secret)
         return {**extra, "cache_salt": self._salts.salt(principal)}
 
+    async def plan(self, body: object) -> tuple[ChatRequest, ToolPlan]:
+        """The request in ``body`` and how its tools are served (``ProxyError`` if malformed):
+        what a turn would send, before any session is touched."""
+        request = parse_chat_request(
+            body,
+            model=self._cluster.model,
+            default_max_tokens=self._config.default_max_tokens,
+            ignored_fields=self._ignored_fields,
+        )
+        mode = await self.tool_modes.mode() if request.tools else None
+        tools = plan_tools(
+            mode=mode,
+            messages=request.messages,
+            tools=request.tools,
+            tool_choice=request.tool_choice,
+            parallel_tool_calls=request.parallel_tool_calls,
+            extra=request.extra,
+        )
+        return request, tools
+
     async def complete(
         self,
         body: object,
@@ -331,22 +351,8 @@ class ChatService:
         the thread of it the request's history belongs to (``_threads``); ``session_header``
         names the registry's session directly instead (a stored response's, for Responses).
         """
-        request = parse_chat_request(
-            body,
-            model=self._cluster.model,
-            default_max_tokens=self._config.default_max_tokens,
-            ignored_fields=self._ignored_fields,
-        )
+        request, tools = await self.plan(body)
         shape = shape or ChatShape(model=self._cluster.model)
-        mode = await self.tool_modes.mode() if request.tools else None
-        tools = plan_tools(
-            mode=mode,
-            messages=request.messages,
-            tools=request.tools,
-            tool_choice=request.tool_choice,
-            parallel_tool_calls=request.parallel_tool_calls,
-            extra=request.extra,
-        )
         thread = self._thread(principal, session_header, headers or {}, request)
         if thread is None:
             lease = _Lease(self._cluster.session())

@@ -31,9 +31,7 @@ from agentkv.proxy._messages_request import chat_body
 from agentkv.proxy._messages_shape import MessagesShape, sse
 from agentkv.proxy._messages_system import SystemDrops
 from agentkv.proxy._metrics import ProxyMetrics
-from agentkv.proxy._request import parse_chat_request
 from agentkv.proxy._session_key import claude_code_session_id
-from agentkv.proxy._tools import plan_tools
 
 __all__ = ["MessagesService", "body_session_id"]
 
@@ -74,7 +72,6 @@ class MessagesService:
         *,
         drops: SystemDrops,
         metrics: ProxyMetrics,
-        default_max_tokens: int,
         max_messages: int = 10_000,
     ) -> None:
         """``max_messages``: how many answers' threads are kept for cache diagnostics."""
@@ -83,7 +80,6 @@ class MessagesService:
         self._cluster = cluster
         self._drops = drops
         self._metrics = metrics
-        self._default_max_tokens = default_max_tokens
 
     def _translate(self, body: object, *, count_only: bool = False) -> dict[str, Any]:
         translated = chat_body(body, drops=self._drops, count_only=count_only)
@@ -133,19 +129,7 @@ class MessagesService:
         """``{"input_tokens": N}``: the prompt a first turn of this request would send, as the
         turn renders it (tools described in the system message where the backend has no tool
         parser)."""
-        chat = self._translate(body, count_only=True)
-        request = parse_chat_request(
-            chat, model=self._cluster.model, default_max_tokens=self._default_max_tokens
-        )
-        mode = await self._chat.tool_modes.mode() if request.tools else None
-        plan = plan_tools(
-            mode=mode,
-            messages=request.messages,
-            tools=request.tools,
-            tool_choice=request.tool_choice,
-            parallel_tool_calls=request.parallel_tool_calls,
-            extra=request.extra,
-        )
+        _, plan = await self._chat.plan(self._translate(body, count_only=True))
         tokens = await self._render(plan.messages, tools=plan.tools)
         return json_response({"input_tokens": tokens})
 
