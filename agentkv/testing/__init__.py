@@ -39,6 +39,12 @@ Example:
     'http://fake-d0.test:8000'
 """
 
+from agentkv.testing._coding_agents import (
+    CODING_AGENT_PACKAGES,
+    CodingAgents,
+    CodingAgentsUnavailableError,
+    install_coding_agents,
+)
 from agentkv.testing._drift import DriftReport, logprob_drift, teacher_forced_logprobs, tie_gap
 from agentkv.testing._fake_clock import ManualClock
 from agentkv.testing._fake_cluster import FakeCluster
@@ -51,7 +57,10 @@ from agentkv.testing._fake_tokenizer import FakeTokenizer
 from agentkv.testing._fake_transport import FakeTransport
 
 __all__ = [
+    "CODING_AGENT_PACKAGES",
     "ChatTemplate",
+    "CodingAgents",
+    "CodingAgentsUnavailableError",
     "DriftReport",
     "FakeCluster",
     "FakeServer",
@@ -61,6 +70,7 @@ __all__ = [
     "FaultKind",
     "ManualClock",
     "ServedCluster",
+    "install_coding_agents",
     "logprob_drift",
     "render_chat",
     "teacher_forced_logprobs",
