@@ -39,7 +39,7 @@ pytestmark = pytest.mark.e2e
 CLI_TIMEOUT_S = 240.0
 # Codex sends no max_output_tokens: the proxy's default bounds each step so a turn stays short
 # on CPU. At 64 two runs made no tool call at all (likely calls cut off and read as text).
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = 96
 MIN_REUSE = 0.95
 CODEX_MAX_TURNS = 4
 API_KEY = "k"
@@ -88,8 +88,9 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
     }
 
 
-def _run(argv: list[str], *, env: dict[str, str], cwd: Path) -> str:
-    """Run a CLI to its end; its stdout. Its output is shown when it fails or times out."""
+def _run(argv: list[str], *, env: dict[str, str], cwd: Path, ok: tuple[int, ...] = (0,)) -> str:
+    """Run a CLI to its end; its stdout. Its output is shown when it fails (an exit status not
+    in ``ok``) or times out."""
     try:
         done = subprocess.run(
             argv,
@@ -102,7 +103,7 @@ def _run(argv: list[str], *, env: dict[str, str], cwd: Path) -> str:
         )
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"{argv[0]} ran over {CLI_TIMEOUT_S} s:\n{error.stdout!r}\n{error.stderr!r}")
-    assert done.returncode == 0, f"{argv} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    assert done.returncode in ok, f"{argv} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
 
@@ -317,9 +318,6 @@ def test_opencode_run_continues_its_session_at_the_ideal(
 def test_claude_code_resumes_its_session_at_the_ideal(
     agents: CodingAgents, proxy: ProxyServer, model: str, tmp_path: Path
 ) -> None:
-    probe = httpx2.post(f"{proxy.url}/v1/messages", json={}, timeout=30)
-    if probe.status_code == 404:
-        pytest.skip("the proxy answers 404 on POST /v1/messages (Anthropic's Messages API)")
     work = tmp_path / "work"
     work.mkdir()
     env = _env(
@@ -328,7 +326,7 @@ def test_claude_code_resumes_its_session_at_the_ideal(
         ANTHROPIC_API_KEY=API_KEY,
         CLAUDE_CONFIG_DIR=str(tmp_path / ".claude"),
         CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-        CLAUDE_CODE_MAX_OUTPUT_TOKENS="256",
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS="96",
         DISABLE_AUTOUPDATER="1",
         DISABLE_TELEMETRY="1",
     )
@@ -338,13 +336,17 @@ def test_claude_code_resumes_its_session_at_the_ideal(
         "--model", model, "--output-format", "json",
     ]  # fmt: skip
 
-    first = json.loads(_run([*claude, TASK], env=env, cwd=work))
+    # The 135M model may call its tool again and again: Claude Code then stops at --max-turns
+    # (exit 1, "error_max_turns"), a model's loop, not a failed request. Any other error fails.
+    task = "Run the shell command 'echo agentkv' with the Bash tool, then answer with its output."
+    first = json.loads(_run([*claude, task], env=env, cwd=work, ok=(0, 1)))
     session_id = first["session_id"]
-    assert not first["is_error"], first
+    assert first["subtype"] in ("success", "error_max_turns"), first
+    assert first["num_turns"] >= 2, first  # the model called a tool, Claude Code answered it
     second = json.loads(
-        _run([*claude, "--resume", session_id, "Thanks. Say done."], env=env, cwd=work)
+        _run([*claude, "--resume", session_id, "Thanks. Say done."], env=env, cwd=work, ok=(0, 1))
     )
-    assert not second["is_error"], second
+    assert second["subtype"] in ("success", "error_max_turns"), second
     assert second["session_id"] == session_id
     _check_turns(proxy, session_id)
     _check_proxy_view(proxy, "claude")
