@@ -332,7 +332,7 @@ def test_claude_code_resumes_its_session_at_the_ideal(
     )
     claude = [
         str(agents.bin("claude")), "-p", "--bare", "--system-prompt", INSTRUCTIONS,
-        "--tools", "Bash,Read", "--allowedTools", "Bash,Read", "--max-turns", "4",
+        "--tools", "Bash,Read", "--allowedTools", "Bash,Read", "--max-turns", "2",
         "--model", model, "--output-format", "json",
     ]  # fmt: skip
 
