@@ -45,12 +45,10 @@ class ClusterOptions(TypedDict, total=False):
     ``from_file``), all optional; the defaults are ``PairPool``'s.
 
     Attributes:
-        transport: what to send through instead of the default (aiohttp) one: a ``Poster``
-            (``agentkv.testing``'s ``fake.transport``) or any httpx2 async transport.
-        http_client: send through this ``httpx2.AsyncClient`` (its auth, proxies, hooks);
-            the cluster does not close it.
-        timeout: the timeouts of the cluster's own client (``DEFAULT_TIMEOUT``: long reads, a
-            cold prefill on CPU takes minutes).
+        transport: a ``Poster`` (tests pass a fake's) or an httpx2 transport to send through.
+        http_client: send through this ``httpx2.AsyncClient``; the cluster does not close it.
+        timeout: the default client's timeouts (``DEFAULT_TIMEOUT``: long reads, a cold prefill
+            on CPU takes minutes).
         policy: the default ``CachePolicy`` of sessions.
         retry: the ``RetryPolicy`` of turns.
         clock: monotonic seconds, for handle deadlines (tests pass a manual clock).

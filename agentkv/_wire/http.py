@@ -213,10 +213,10 @@ async def post_json(
     ``unread``: a key whose list of integers the answer echoes and nobody reads; it is parsed as
     ``null`` (``loads_without``).
     """
-    answer = await poster.post(url, body, headers=headers)
-    if answer.status >= 300:
-        _raise_status(answer, url, summary, body)
-    return _parse(answer.body, url, summary, unread)
+    status, raw_headers, content = await poster.post(url, body, headers=headers)
+    if status >= 300:
+        _raise_status(Answer(status, raw_headers, content), url, summary, body)
+    return _parse(content, url, summary, unread)
 
 
 async def stream_events(

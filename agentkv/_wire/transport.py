@@ -1,41 +1,28 @@
 """How agentkv talks HTTP: the ``Poster`` interface, and its default on aiohttp's public client.
 
-Every request agentkv sends to its servers is a JSON POST (a turn's tokenize, P leg and D leg,
-decode's lease routes), streamed or not, or a small GET (health, info, metrics). ``Poster`` is
-that, and nothing more; three classes implement it:
+Every request agentkv sends its servers is a JSON POST (a turn's tokenize, P leg and D leg,
+decode's lease routes), answered whole or streamed, or a small GET (health, info, metrics).
+``Poster`` is that and nothing more, raising agentkv's own errors (``TransportError``'s
+subclasses, ``ConfigError`` for a URL it cannot send to), mapped once from its library's:
 
 * ``ServerPools`` (here): the default, one ``aiohttp.ClientSession`` with a limit per server;
-* ``HttpxPoster`` (``_wire.http``): a user's ``httpx2.AsyncClient`` (``http_client=``: auth,
-  proxies, event hooks), through its public API;
-* ``agentkv.testing.FakeTransport``: the fake cluster, so a session on it runs the code it runs
-  on real servers.
+* ``HttpxPoster`` (``_wire.http``): a user's ``httpx2.AsyncClient`` (``http_client=``);
+* ``agentkv.testing.FakeTransport``: the fake cluster, so a session on it runs this code path.
 
-Each one raises agentkv's own errors (``TransportError``'s subclasses, ``ConfigError`` for a URL
-it cannot send to), mapped from its library's once; an answer's status is the caller's to judge.
+Why aiohttp: httpcore's pool (httpx2's default) asks every idle connection whether it was closed
+on each request start and close, under anyio's locks, with the pure-Python h11 parser: ~6 ms of
+CPU per request at 64 concurrent sessions on 2 cores (``docs/proxy.md``). aiohttp's connection is
+an asyncio protocol (the loop reports a close), llhttp parses in C, and idle connections are kept
+per (host, port) (``benchmarks/transport_cpu.py``, ``docs/benchmarks.md``).
 
-Why aiohttp for the default: the SDK's traffic is many small requests to a handful of servers.
-httpcore's pool (httpx2's default) asks every idle connection whether its socket was closed on
-each request start and close; with anyio's locks and the pure-Python h11 parser around each
-exchange, that was ~6 ms of CPU per request at 64 concurrent sessions on the 2-core machine
-(``docs/proxy.md``). aiohttp does it the cheap way: a connection is an asyncio protocol (the loop
-reports a server's close of an idle connection), llhttp parses the answer in C, and each
-(host, port) has its own idle connections (``benchmarks/transport_cpu.py``,
-``docs/benchmarks.md``).
-
-* ``httpx2.Limits``: ``max_connections`` applies per server (a place is taken from the request's
-  start until its body is read or closed; no total limit), idle connections are closed after
-  ``keepalive_expiry`` s (aiohttp's ``keepalive_timeout``);
-* ``httpx2.Timeout``'s phases: ``pool`` bounds the wait for a place under the limit, ``connect``
-  opening a connection (DNS and the connect together: ``connect`` + ``pool``), ``read`` each
-  wait for the server's bytes, ``write`` each piece of a large body;
-* a server that closes the connection before answering in full is a lost connection
-  (``ConnectionLostError``), never a connect error: the cluster must not mark a live server down
-  for it;
-* bodies stream as they arrive (server-sent events are not buffered); a body read to its end
-  hands its connection back at once, and closing one that was not closes the connection;
-* aiohttp re-sends a request once when its connection is lost only if the method is idempotent:
-  a POST is never re-sent. HTTP(S)_PROXY variables are not read (the servers are the cluster's
-  own): pass ``http_client=`` to a cluster for that.
+``httpx2.Limits``' ``max_connections`` applies per server (a place is held from the request's
+start until its body is read or closed), idle connections close after ``keepalive_expiry``.
+``httpx2.Timeout``'s ``pool`` bounds the wait for a place, ``connect`` the connect (with DNS:
+``connect`` + ``pool``), ``read`` each wait for bytes, ``write`` each piece of a large body.
+A server that closes the connection before answering in full is a lost connection, never a
+connect error (a live server must not be marked down for it); a POST is never re-sent. Bodies
+stream as they arrive; closing one before its end closes its connection. HTTP(S)_PROXY is not
+read (the servers are the cluster's own): pass ``http_client=`` for that.
 """
 
 from __future__ import annotations
@@ -114,23 +101,17 @@ class Poster(typing.Protocol):
         *,
         headers: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
-    ) -> Answer:
-        """POST ``body`` and read the whole answer."""
-        ...
+    ) -> Answer: ...
 
     async def post_stream(
         self, url: str, body: bytes, *, headers: Mapping[str, str] | None = None
     ) -> Streamed:
-        """POST ``body``; the answer once its head is in, its body as it arrives."""
+        """The answer once its head is in; its body as it arrives."""
         ...
 
-    async def get(self, url: str, *, timeout_s: float | None = None) -> Answer:
-        """GET ``url`` and read the whole answer."""
-        ...
+    async def get(self, url: str, *, timeout_s: float | None = None) -> Answer: ...
 
-    async def aclose(self) -> None:
-        """Close its connections."""
-        ...
+    async def aclose(self) -> None: ...
 
 
 def json_headers(headers: Mapping[str, str] | None) -> Mapping[str, str]:
