@@ -93,6 +93,33 @@ class HttpxPoster:
         self.client = client
         self._owned = owned
 
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str] | None,
+        timeout_s: float | None,
+    ) -> httpx2.Response:
+        """The answer once its head is in."""
+        timeout = httpx2.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
+        try:
+            request = self.client.build_request(
+                method, url, content=body, headers=headers, timeout=timeout
+            )
+            return await self.client.send(request, stream=True)
+        except _HTTPX_ERRORS as exc:
+            raise_transport_error(exc, url)
+
+    async def _read(self, response: httpx2.Response, url: str) -> Answer:
+        try:
+            content = await response.aread()
+        except _HTTPX_ERRORS as exc:
+            raise_transport_error(exc, url)
+        finally:
+            await response.aclose()
+        return Answer(response.status_code, response.headers.raw, content)
+
     async def post(
         self,
         url: str,
@@ -101,40 +128,17 @@ class HttpxPoster:
         headers: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
     ) -> Answer:
-        try:
-            response = await self.client.post(
-                url,
-                content=body,
-                headers=json_headers(headers),
-                timeout=httpx2.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s,
-            )
-        except _HTTPX_ERRORS as exc:
-            raise_transport_error(exc, url)
-        return Answer(response.status_code, response.headers.raw, response.content)
+        response = await self._send("POST", url, body, json_headers(headers), timeout_s)
+        return await self._read(response, url)
 
     async def post_stream(
         self, url: str, body: bytes, *, headers: Mapping[str, str] | None = None
     ) -> Streamed:
-        try:
-            request = self.client.build_request(
-                "POST",
-                url,
-                content=body,
-                headers=json_headers(headers),
-            )
-            response = await self.client.send(request, stream=True)
-        except _HTTPX_ERRORS as exc:
-            raise_transport_error(exc, url)
+        response = await self._send("POST", url, body, json_headers(headers), None)
         return Streamed(response.status_code, response.headers.raw, _HttpxBody(response, url))
 
     async def get(self, url: str, *, timeout_s: float | None = None) -> Answer:
-        try:
-            response = await self.client.get(
-                url, timeout=httpx2.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
-            )
-        except _HTTPX_ERRORS as exc:
-            raise_transport_error(exc, url)
-        return Answer(response.status_code, response.headers.raw, response.content)
+        return await self._read(await self._send("GET", url, None, None, timeout_s), url)
 
     async def aclose(self) -> None:
         if self._owned:

@@ -31,7 +31,7 @@ import asyncio
 import functools
 import typing
 from collections.abc import AsyncIterator, Mapping
-from typing import NamedTuple, NoReturn
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -348,7 +348,9 @@ class ServerPools:
             content = await response.read()
         except BaseException as exc:
             response.close()  # the rest of the body is still on the wire (or cancelled)
-            _reraise(exc, url)
+            if isinstance(exc, _AIOHTTP_ERRORS):
+                raise _error(exc, url) from exc
+            raise
         finally:
             place.release()
         response.release()
@@ -378,9 +380,3 @@ class ServerPools:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
-
-
-def _reraise(exc: BaseException, url: str) -> NoReturn:
-    if isinstance(exc, _AIOHTTP_ERRORS):
-        raise _error(exc, url) from exc
-    raise exc
