@@ -119,3 +119,16 @@ def test_the_summary_table_prints_what_the_limit_computed_and_agentkv_over_the_l
     assert lines[3].split()[0] == "limit"
     assert "limit computed per turn >= 2: 301.5 tokens (mean), at most 127 of them" in lines[4]
     assert lines[5] == "agentkv / limit TTFT: p50 1.20; by turn -, 1.10, 1.30"
+
+
+def test_every_mode_has_a_colour_and_a_marker_of_its_own():
+    from agentkv.bench._plot import STYLES, style_of
+
+    styles = [style_of(mode.value) for mode in Mode]
+    assert len({color for color, _ in styles}) == len(Mode)
+    assert len({marker for _, marker in styles}) == len(Mode)
+    assert set(STYLES) >= {mode.value for mode in Mode}
+    taken = set(styles)
+    spare = style_of("a-mode-added-later", taken=taken)
+    assert spare not in taken
+    assert style_of("another-new-one", taken=taken | {spare}) != spare
