@@ -113,10 +113,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len,
                    help="the served context: trace turns beyond it end their session "
                    "(default %(default)s)")
-    p.add_argument("--json", metavar="OUT", help="write the report here (required for a run)")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--json", metavar="OUT", help="write the report here")
+    out.add_argument("--from-report", metavar="JSON",
+                     help="run nothing: draw --plot and print the summary of this saved report")
     p.add_argument("--plot", metavar="PNG", help="also write the TTFT-by-turn plot here")
-    p.add_argument("--from-report", metavar="JSON",
-                   help="run nothing: draw --plot and print the summary of this saved report")
     p.add_argument("--no-stream", action="store_true",
                    help="time whole non-streamed turns (not true TTFT); for servers without "
                    "agentkv's streamed-handle plugin")
@@ -345,8 +346,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 when every turn succeeded, 1 when some failed (report written)."""
     if args.from_report:
         return _redraw(args)
-    if not args.json:
-        raise ConfigError("agentkv bench needs --json OUT (where the report goes)")
     replay = _replay(args)
     config = _config(args, replay)
     cluster_file = _cluster_file(args)
