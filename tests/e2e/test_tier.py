@@ -15,7 +15,7 @@ from typing import Any
 import httpx2
 import pytest
 
-from agentkv._wire.hints import INFO_PATH, RELEASE_PATH, LeaseRef, PersistHint
+from agentkv._wire.hints import INFO_PATH, RELEASE_PATH, LeaseRef, PinHint
 from agentkv._wire.tier import (
     PERSIST_PATH,
     TIER_DELETE_PATH,
@@ -39,7 +39,7 @@ def pair(local_cluster: ClusterRecord) -> Any:
         yield Pair(client=client, p_url=first.prefill.url, d_url=first.decode.url,
                    model=local_cluster.model)
 
-HOLD = PersistHint(ttl_s=300)
+HOLD = PinHint(ttl_s=300)
 
 
 def _persist(pair: Pair, handle: dict[str, Any]) -> httpx2.Response:
@@ -92,7 +92,7 @@ def _reference_answer(pair: Pair, topic: str) -> list[int]:
     conv = Conversation(pair, topic)
     handle = conv.turn(None, HOLD)
     conv.add_user("And which shelf holds parcel 5?")
-    conv.turn(handle, PersistHint(persist=False))
+    conv.turn(handle, PinHint(pin=False))
     return list(conv.generated)
 
 
@@ -109,7 +109,7 @@ def test_a_persisted_turn_frees_decode_and_resumes_from_the_tier_at_the_ideal(
     conv.add_user("And which shelf holds parcel 5?")
     p_params, cached = _resume(conv, ref)
     assert cached == ref.n_tokens, (cached, ref.n_tokens, len(conv.prompt))
-    conv.decode(p_params, PersistHint(persist=False))
+    conv.decode(p_params, PinHint(pin=False))
     assert conv.generated == _reference_answer(pair, "tier-resume")
 
     files = _files(pair, ref)
@@ -156,7 +156,7 @@ def test_a_damaged_tier_file_is_recomputed_never_served(pair: Pair, damage: str)
     assert report.tokens <= (n_blocks - 1) * BLOCK
     if damage == "truncate":
         assert cached <= (n_blocks - 1) * BLOCK
-    conv.decode(p_params, PersistHint(persist=False))
+    conv.decode(p_params, PinHint(pin=False))
     assert conv.generated == _reference_answer(pair, topic)
     assert pair.post(pair.d_url, TIER_DELETE_PATH, _delete(ref)).json() == {"deleted": True}
 
@@ -181,12 +181,12 @@ def test_a_prefill_that_never_saw_the_session_loads_all_of_it_from_the_tier(pair
     conv.add_user("And which shelf holds parcel 5?")
     p_params, cached = _resume(conv, ref)
     assert cached == ref.n_tokens
-    conv.decode(p_params, PersistHint(persist=False))
+    conv.decode(p_params, PinHint(pin=False))
 
     reference = Conversation(pair, "tier-cold")
     old = reference.turn(None, HOLD)
     assert reference.generated == first
     reference.add_user("And which shelf holds parcel 5?")
-    reference.turn(old, PersistHint(persist=False))
+    reference.turn(old, PinHint(pin=False))
     assert conv.generated == reference.generated
     assert pair.post(pair.d_url, TIER_DELETE_PATH, _delete(ref)).json() == {"deleted": True}
