@@ -17,9 +17,9 @@ import pytest
 
 from agentkv._wire.hints import INFO_PATH, RELEASE_PATH, LeaseRef, PinHint
 from agentkv._wire.tier import (
-    PERSIST_PATH,
+    LEGACY_OFFLOAD_PATH,
     TIER_DELETE_PATH,
-    PersistResult,
+    OffloadResult,
     TierDelete,
     TierLoadReport,
     TierRef,
@@ -43,7 +43,7 @@ HOLD = PinHint(ttl_s=300)
 
 
 def _persist(pair: Pair, handle: dict[str, Any]) -> httpx2.Response:
-    return pair.post(pair.d_url, PERSIST_PATH, LeaseRef.from_handle(handle).to_wire())
+    return pair.post(pair.d_url, LEGACY_OFFLOAD_PATH, LeaseRef.from_handle(handle).to_wire())
 
 
 def _resume(conv: Conversation, ref: TierRef) -> tuple[dict[str, Any], int]:
@@ -78,7 +78,7 @@ def _persisted_turn(pair: Pair, topic: str) -> tuple[Conversation, TierRef, floa
     handle = conv.turn(None, HOLD)
     response = _persist(pair, handle)
     assert response.status_code == 200, response.text
-    result = PersistResult.from_wire(response.json())
+    result = OffloadResult.from_wire(response.json())
     assert result.ref.n_tokens == conv.turn_tokens - 1  # the last token's KV is never made
     assert result.bytes > 0
     # The pin is gone: the old handle is unknown to decode.
@@ -176,7 +176,7 @@ def test_a_prefill_that_never_saw_the_session_loads_all_of_it_from_the_tier(pair
     first = list(conv.generated)
     response = _persist(pair, handle)
     assert response.status_code == 200, response.text
-    ref = PersistResult.from_wire(response.json()).ref
+    ref = OffloadResult.from_wire(response.json()).ref
     assert ref.n_tokens == conv.turn_tokens - 1
     conv.add_user("And which shelf holds parcel 5?")
     p_params, cached = _resume(conv, ref)

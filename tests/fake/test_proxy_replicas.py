@@ -18,7 +18,7 @@ from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
 from agentkv import AsyncCluster, Message
-from agentkv._wire.tier import PERSIST_PATH
+from agentkv._wire.tier import LEGACY_OFFLOAD_PATH
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._redis_store import RedisSessions
 from agentkv.proxy._shared import DIRTY_HANDOVER
@@ -56,7 +56,7 @@ class SlowPersists(httpx2.AsyncBaseTransport):
         self._delay_s = delay_s
 
     async def handle_async_request(self, request):
-        if request.url.path == PERSIST_PATH:
+        if request.url.path == LEGACY_OFFLOAD_PATH:
             await asyncio.sleep(self._delay_s)
         return await self._inner.handle_async_request(request)
 

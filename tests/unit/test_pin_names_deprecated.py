@@ -43,3 +43,19 @@ def test_decide_persist_warns_and_decides_as_decide_pin() -> None:
 def test_the_wire_key_is_unchanged_so_old_connectors_understand_new_sdks() -> None:
     assert PinHint(pin=False).to_wire() == {"v": 1, "persist": False}
     assert PinHint.from_wire({"v": 1, "persist": True, "ttl_s": 5}) == PinHint(ttl_s=5.0)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("PERSIST_PATH", "LEGACY_OFFLOAD_PATH"),
+        ("PersistRequest", "OffloadRequest"),
+        ("PersistResult", "OffloadResult"),
+    ],
+)
+def test_the_tier_write_s_old_names_warn_and_are_the_offload_names(old: str, new: str) -> None:
+    from agentkv._wire import tier
+
+    with pytest.warns(DeprecationWarning, match=new):
+        value = getattr(tier, old)
+    assert value is getattr(tier, new)
