@@ -303,7 +303,7 @@ class LeaseCalls:
         which every connector serves (``tier.LEGACY_OFFLOAD_PATH``)."""
         request = OffloadRequest(ref=lease_ref(handle), ttl_s=ttl_s)
         answer = await self._call(decode + LEGACY_OFFLOAD_PATH, request.to_wire(),
-                                  timeout_s=defaults.PERSIST_CALL_TIMEOUT_S)
+                                  timeout_s=defaults.OFFLOAD_CALL_TIMEOUT_S)
         if isinstance(answer, CallResult):
             return answer
         status, data = answer
