@@ -20,9 +20,7 @@ SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sente
 LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
 
 
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(pairs=1, clock=clock)
+pytestmark = pytest.mark.fake(pairs=1)
 
 
 def open_cluster(fake, clock, attempts=1):
