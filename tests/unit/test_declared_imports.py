@@ -13,6 +13,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Imported but installed outside pyproject's lists, each for a reason.
@@ -72,6 +74,7 @@ def distributions(module: str) -> set[str]:
     return {_normal(d) for d in installed} | DISTRIBUTIONS.get(module, {_normal(module)})
 
 
+@pytest.mark.slow
 def test_every_third_party_import_of_agentkv_is_declared() -> None:
     names = declared()
     missing = {

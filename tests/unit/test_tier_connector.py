@@ -250,6 +250,7 @@ def test_a_offloaded_entry_loads_back_byte_for_byte_into_another_servers_blocks(
     assert pair.p.finished("p-1") == TierLoadReport(tokens=len(TOKENS), reason="ok")
 
 
+@pytest.mark.slow  # imports vLLM for its CPU kernel (~8 s)
 def test_the_last_block_is_written_with_zeros_past_the_tokens_and_its_valid_slots_load_exactly(
     tmp_path: Path, kernel: Kernel,
 ) -> None:
@@ -292,6 +293,7 @@ def test_the_last_block_is_written_with_zeros_past_the_tokens_and_its_valid_slot
                                                    strict=True)] == [True, True]
 
 
+@pytest.mark.slow  # imports vLLM for its CPU kernel (~8 s)
 def test_the_kernel_keeps_keys_transposed_which_is_why_the_tier_asks_it_where_slots_are(
     kernel: Kernel,
 ) -> None:
