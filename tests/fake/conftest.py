@@ -7,8 +7,8 @@ One definition of each, shaped per module or test by markers (registered in ``py
   over its module's, and an indirect parameter (``@pytest.mark.parametrize("fake", [{...}],
   indirect=True)``) over both. ``@pytest.mark.fake_variants(pytest.param({...}, id=...), ...)``
   runs each test that takes ``fake`` once per variant (unless it parametrizes ``fake`` itself).
-  ``own_clock=True`` gives the fake a clock of its own, for modules
-  whose ``clock`` drives something that must not expire handles (a proxy's idle sweep).
+  ``own_clock=True`` gives the fake a clock of its own, for modules whose ``clock`` drives
+  something that must not expire handles (a proxy's idle sweep).
 * ``module_fake``: the same, once per module, on a clock of its own: for module-scoped servers
   and hypothesis tests (which may not take function-scoped fixtures).
 * ``transport``: how the SDK reaches ``fake`` (its transport); a module that injects faults or
