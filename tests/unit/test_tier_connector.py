@@ -119,7 +119,13 @@ def kernel() -> Kernel:
     spec = importlib.util.find_spec("vllm")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("vLLM is not installed")
-    library = Path(next(iter(spec.submodule_search_locations))) / "_C.abi3.so"
+    # The build vLLM itself loads on this CPU (``CpuPlatform.import_kernels``): ``_C`` needs
+    # AVX512-BF16, and on an AVX2 CPU loading it kills the process (SIGILL), no exception.
+    if torch.cpu._is_avx512_supported():
+        build = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    else:
+        build = "_C_AVX2"
+    library = Path(next(iter(spec.submodule_search_locations))) / f"{build}.abi3.so"
     try:
         if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
             torch.ops.load_library(str(library))
