@@ -30,12 +30,18 @@ from dataclasses import dataclass, field
 
 import httpx2
 
-from agentkv._client.cluster import AsyncCluster
-from agentkv._client.session import AsyncSession
-from agentkv._exceptions import ConfigError
-from agentkv._route import RouteCostModel, TakenRoute
-from agentkv._types import Message, TextDelta, TurnResult, TurnStats
-from agentkv._wire.metrics import sample_values
+from agentkv import (
+    AsyncCluster,
+    AsyncSession,
+    ConfigError,
+    Message,
+    Route,
+    RouteCostModel,
+    TextDelta,
+    TurnResult,
+    TurnStats,
+)
+from agentkv._core import sample_values
 from agentkv.bench._calibrate_fit import Measurements, fit_model
 from agentkv.bench._text import generate
 
@@ -83,7 +89,7 @@ class LengthRow:
     pulled_tokens: int
     pull_ttft_s: float
     decode_append_s: float
-    decode_append_route: TakenRoute
+    decode_append_route: Route
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,7 +190,7 @@ class _Meter:
             self.seconds += after[1] - before[1]  # type: ignore[operator]
 
 
-async def _turn(session: AsyncSession, text: str, *, route: TakenRoute) -> TurnStats:
+async def _turn(session: AsyncSession, text: str, *, route: Route) -> TurnStats:
     result = await session.send(text, route=route, max_tokens=1, extra_body=_ANSWER)
     return result.stats
 

@@ -18,10 +18,8 @@ from typing import Any
 
 import httpx2
 
-from agentkv._client.cluster import AsyncCluster
-from agentkv._exceptions import ConfigError
-from agentkv._route import RouteCostModel
-from agentkv._wire.json import JSONDecodeError, loads
+from agentkv import AsyncCluster, ConfigError, RouteCostModel
+from agentkv._core import JSONDecodeError, loads
 from agentkv.bench._calibrate import CalibrateConfig, Calibration, calibrate
 
 __all__ = ["add_parser", "cmd_calibrate", "crossovers", "render", "write_route_cost"]

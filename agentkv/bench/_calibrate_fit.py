@@ -25,8 +25,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from agentkv._exceptions import ConfigError
-from agentkv._route import RouteCostModel
+from agentkv import ConfigError, RouteCostModel
 
 __all__ = ["Measurements", "Quadratic", "fit_line", "fit_model", "fit_quadratic"]
 
