@@ -67,7 +67,7 @@ class RouteCostModel:
     Each piece has a fixed cost and a cost per token apart, because on GPUs the fixed costs
     decide (``docs/benchmarks.md``, "Calibration")::
 
-        prefill_s(held, new)  = new / prefill_tokens_per_s
+        prefill_s(held, new)  = prefill_fixed_s + new / prefill_tokens_per_s
                                 + prefill_s_per_token2 * ((held + new)**2 - held**2)
         transfer_s(tokens)    = transfer_fixed_s + tokens * bytes_per_token / transfer_bytes_per_s
                                 (0 for no tokens)
@@ -81,7 +81,8 @@ class RouteCostModel:
         decode_s(held, new, queued)
                               = leg_s + queued / decode_tokens_per_s + decode_local_s(held, new)
 
-    ``leg_s`` is one request's fixed cost (HTTP, scheduling, the answer's head); a pull moves the
+    ``leg_s`` is one request's fixed cost (HTTP, scheduling, the answer's head), and
+    ``prefill_fixed_s`` what a P leg costs beyond it (prefill's own step); a pull moves the
     history to prefill and the new blocks back, each a handover with its own fixed cost
     (``transfer_fixed_s``: vLLM's P->D handover takes ~197 ms p50 of which the bytes ~29 ms,
     vllm#51919); a recompute computes the whole prompt (attention makes it superlinear:
@@ -113,6 +114,7 @@ class RouteCostModel:
     prefill_s_per_token2: float = 0.0
     decode_fixed_s: float = 0.0
     decode_s_per_token2: float = 0.0
+    prefill_fixed_s: float = 0.0
 
     def __post_init__(self) -> None:
         rates = (self.prefill_tokens_per_s, self.decode_tokens_per_s, self.transfer_bytes_per_s)
@@ -120,7 +122,7 @@ class RouteCostModel:
         if not all(math.isfinite(r) and r > 0 for r in rates) or min(sizes) <= 0:
             raise ConfigError("the route cost model's rates and sizes must be positive")
         for name in ("leg_s", "transfer_fixed_s", "prefill_s_per_token2", "decode_fixed_s",
-                     "decode_s_per_token2"):
+                     "decode_s_per_token2", "prefill_fixed_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name} must not be negative, got {value!r}")
@@ -147,7 +149,7 @@ class RouteCostModel:
     def prefill_s(self, *, held: int, new: int) -> float:
         """Prefill's compute of ``new`` tokens after ``held`` cached ones."""
         quad = self.prefill_s_per_token2 * ((held + new) ** 2 - held**2)
-        return new / self.prefill_tokens_per_s + quad
+        return self.prefill_fixed_s + new / self.prefill_tokens_per_s + quad
 
     def transfer_s(self, tokens: int) -> float:
         """One handover of ``tokens`` tokens' KV (none: free)."""

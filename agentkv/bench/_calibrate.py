@@ -79,17 +79,34 @@ class CalibrateConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LengthRow:
-    """One context length's turns: each leg's seconds, as ``TurnStats`` timed them."""
+    """One context length's turns: each leg's seconds, as ``TurnStats`` timed them, and the
+    tokens each computed after how many cached (``reused_tokens``, ``computed_tokens``)."""
 
     tokens: int
     recompute_prefill_s: float
     recompute_handover_s: float
+    recompute_cached: int
     decode_cold_s: float
+    decode_cold_cached: int
+    decode_cold_computed: int
     pull_prefill_s: float
     pulled_tokens: int
     pull_ttft_s: float
     decode_append_s: float
+    decode_append_cached: int
+    decode_append_computed: int
     decode_append_route: Route
+
+    def decode_samples(self) -> list[tuple[int, int, float]]:
+        """``(held, new, seconds)`` of this length's turns on the decode route."""
+        samples = []
+        if not math.isnan(self.decode_cold_s):
+            samples.append((self.decode_cold_cached, self.decode_cold_computed,
+                            self.decode_cold_s))
+        if self.decode_append_route == "decode":
+            samples.append((self.decode_append_cached, self.decode_append_computed,
+                            self.decode_append_s))
+        return samples
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -216,11 +233,16 @@ async def _one_length(
         tokens=recomputed.prompt_tokens,
         recompute_prefill_s=recomputed.prefill_s,
         recompute_handover_s=recomputed.decode_s,
+        recompute_cached=recomputed.reused_tokens,
         decode_cold_s=local.decode_s if local.route == "decode" else float("nan"),
+        decode_cold_cached=local.reused_tokens,
+        decode_cold_computed=local.computed_tokens,
         pull_prefill_s=pulled.prefill_s,
         pulled_tokens=pulled.pulled_tokens,
         pull_ttft_s=pulled.server_ttft_s,
         decode_append_s=appended.decode_s,
+        decode_append_cached=appended.reused_tokens,
+        decode_append_computed=appended.computed_tokens,
         decode_append_route=appended.route,
     )
 
@@ -319,11 +341,12 @@ async def calibrate(
         if owned:
             await client.aclose()
     notes = []
-    local = tuple((r.tokens, r.decode_cold_s) for r in rows if not math.isnan(r.decode_cold_s))
+    local = tuple(sample for r in rows for sample in r.decode_samples())
     if not local:
         notes.append("decode lacks agentkv's connector: the decode route was not measured")
     measured = Measurements(
-        prefill=tuple((r.tokens, r.recompute_prefill_s) for r in rows),
+        prefill=tuple((r.recompute_cached, r.tokens - r.recompute_cached, r.recompute_prefill_s)
+                      for r in rows),
         handover=tuple((r.tokens, r.recompute_handover_s) for r in rows),
         decode_local=local,
         transfer_bytes=handover.bytes if handover.seen else 0.0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -76,7 +77,8 @@ def render(cal: Calibration) -> str:
                          f"+{_ms(t.tax_s)} ms "
                          f"(model: {_ms(m.decode_local_s(held=256, new=t.new))})")
     lines.append(
-        f"model: leg {m.leg_s * 1e3:.1f} ms; prefill {m.prefill_tokens_per_s:,.0f} tokens/s "
+        f"model: leg {m.leg_s * 1e3:.1f} ms; prefill {m.prefill_fixed_s * 1e3:.1f} ms + "
+        f"{m.prefill_tokens_per_s:,.0f} tokens/s "
         f"+ {m.prefill_s_per_token2 * 1e9:.3f} ns/token^2; handover "
         f"{m.transfer_fixed_s * 1e3:.1f} ms + {m.transfer_bytes_per_s / 1e9:.2f} GB/s at "
         f"{m.bytes_per_token:,} B/token; decode-local {m.decode_fixed_s * 1e3:.1f} ms + "
@@ -140,6 +142,10 @@ def cmd_calibrate(args: argparse.Namespace, *, cluster_file: Path,
 
     cal = asyncio.run(run())
     print(render(cal))
+    if args.json:
+        raw = {**dataclasses.asdict(cal),
+               "crossovers": crossovers(cal.model, max_model_len=cal.max_model_len)}
+        Path(args.json).write_text(json.dumps(raw, indent=2) + "\n")
     if not args.dry_run:
         write_route_cost(cluster_file, cal.model)
         _progress(f"calibrate: route_cost written to {cluster_file}")
@@ -158,4 +164,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, help="the longest context measured "
                    "(default: the served context, 32768 at most)")
     p.add_argument("--dry-run", action="store_true", help="print, leave the cluster file alone")
+    p.add_argument("--json", help="also write the measurements, the model and the crossovers "
+                   "here")
     return p

@@ -60,6 +60,13 @@ async def test_each_length_runs_a_cold_decode_turn_then_pulls_what_it_pinned(clu
 def test_dry_run_leaves_the_cluster_file_alone(cluster_file):
     fake, path = cluster_file
     before = path.read_text()
-    args = build_parser().parse_args(["calibrate", "--lengths", "128", "256", "--dry-run"])
+    report = path.parent / "calibration.json"
+    args = build_parser().parse_args(["calibrate", "--lengths", "128", "256", "--dry-run",
+                                      "--json", str(report)])
     assert cmd_calibrate(args, cluster_file=path, transport=fake.transport) == 0
     assert path.read_text() == before
+    raw = json.loads(report.read_text())
+    assert len(raw["rows"]) == 2
+    assert RouteCostModel.from_wire(raw["model"]) != RouteCostModel()
+    assert set(raw["crossovers"]) >= {"pull_beats_local_above_new_tokens",
+                                      "pull_beats_recompute_above_context"}

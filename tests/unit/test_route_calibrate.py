@@ -44,15 +44,20 @@ def test_a_quadratic_is_recovered_and_never_bends_down():
 
 
 def test_fit_model_recovers_the_model_that_made_the_times():
-    truth = RouteCostModel(leg_s=0.004, prefill_tokens_per_s=20_000, prefill_s_per_token2=3e-10,
-                           transfer_fixed_s=0.15, transfer_bytes_per_s=5e9,
-                           bytes_per_token=131_072, decode_fixed_s=0.006,
-                           decode_tokens_per_s=30_000, block_size=16)
+    """Each request kind's fixed cost apart: the smallest intercept is the leg."""
+    truth = RouteCostModel(leg_s=0.004, prefill_fixed_s=0.01, prefill_tokens_per_s=20_000,
+                           prefill_s_per_token2=3e-10, transfer_fixed_s=0.15,
+                           transfer_bytes_per_s=5e9, bytes_per_token=131_072,
+                           decode_tokens_per_s=30_000, decode_s_per_token2=5e-10, block_size=16)
     lengths = (1024, 4096, 8192, 16384)
+    # Decode's turns: cold ones, and appends of 64 tokens after n + 5 held (a partial block of
+    # 5, which decode computes again: n cached, 69 computed).
+    cold = [(0, n, truth.decode_s(held=0, new=n)) for n in lengths]
+    appends = [(n, 69, truth.decode_s(held=n + 5, new=64)) for n in lengths]
     measured = Measurements(
-        prefill=tuple((n, truth.leg_s + truth.prefill_s(held=0, new=n)) for n in lengths),
+        prefill=tuple((0, n, truth.leg_s + truth.prefill_s(held=0, new=n)) for n in lengths),
         handover=tuple((n, truth.leg_s + truth.transfer_s(n)) for n in lengths),
-        decode_local=tuple((n, truth.decode_s(held=0, new=n)) for n in lengths),
+        decode_local=tuple(cold + appends),
     )
     fitted = fit_model(measured, base=RouteCostModel(bytes_per_token=131_072), block_size=16)
     for name, value in truth.to_wire().items():
@@ -60,7 +65,7 @@ def test_fit_model_recovers_the_model_that_made_the_times():
 
 
 def test_nixl_metrics_set_the_bytes_per_token_and_the_rate():
-    measured = Measurements(prefill=((100, 0.5), (200, 0.75), (400, 1.25)),
+    measured = Measurements(prefill=((0, 100, 0.5), (0, 200, 0.75), (0, 400, 1.25)),
                             handover=((100, 0.2), (200, 0.2), (400, 0.21)),
                             transfer_bytes=7e6 * 700, transfer_seconds=0.7, transfer_tokens=700)
     fitted = fit_model(measured)

@@ -36,7 +36,7 @@ def _seconds(points):
 @pytest.fixture(scope="module")
 def llm_d() -> RouteCostModel:
     # llm-d's pull is one request that pulls a prefix: the "handover" of our fit.
-    measured = Measurements(prefill=_seconds(LLM_D_RECOMPUTE), handover=_seconds(LLM_D_PULL))
+    measured = Measurements.cold(_seconds(LLM_D_RECOMPUTE), handover=_seconds(LLM_D_PULL))
     return fit_model(measured, base=RouteCostModel(bytes_per_token=GPT_OSS_BYTES), block_size=16)
 
 
