@@ -12,10 +12,12 @@ What each measurement is, in the model's terms (``agentkv._route.RouteCostModel`
   (vLLM's NIXL metrics, where they exist, give the bytes per token and the rate instead);
 - a cold turn on the ``decode`` route (D leg only, decode computes all ``n`` tokens):
   ``leg_s + decode_local_s(0, n)``, a quadratic whose intercept less the leg is decode's fixed
-  cost of a local prefill.
+  cost of a local prefill; appends on that route, after ``held`` cached tokens, fit its quadratic
+  term (attention over the context) too.
 
->>> fit_quadratic([(1, 3.0), (2, 5.0), (3, 7.0)])
-Quadratic(fixed=1.0, per_token=2.0, per_token2=0.0)
+>>> fit = fit_quadratic([(1000, 0.041), (2000, 0.074), (4000, 0.146)])
+>>> round(fit.fixed, 3), round(fit.per_token * 1e6, 1), round(fit.per_token2 * 1e9, 3)
+(0.01, 30.0, 1.0)
 """
 
 from __future__ import annotations
