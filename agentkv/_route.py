@@ -234,7 +234,8 @@ class RoutePolicy:
             measured within the 10% they may pay. A GPU decode computes hundreds of tokens in a
             few milliseconds: the same measurement there (``benchmarks/route_itl.py``) sets a
             higher one.
-        cost: the cost model ``auto`` compares the routes by.
+        cost: the cost model ``auto`` compares the routes by: the local pair's defaults, or
+            what ``agentkv calibrate`` measured (a cluster file's ``route_cost``).
     """
 
     decode_max_tokens: int = 512
