@@ -28,8 +28,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-import httpx2
-
 from agentkv import (
     AsyncCluster,
     AsyncSession,
@@ -41,7 +39,7 @@ from agentkv import (
     TurnResult,
     TurnStats,
 )
-from agentkv._core import sample_values
+from agentkv._core import Poster, TransportError, sample_values
 from agentkv.bench._calibrate_fit import Measurements, fit_model
 from agentkv.bench._text import generate
 
@@ -169,17 +167,17 @@ class _Text:
             self.chars_per_token = len(text) / tokens
 
 
-async def _metric_sum(client: httpx2.AsyncClient, urls: Sequence[str], name: str) -> float | None:
+async def _metric_sum(poster: Poster, urls: Sequence[str], name: str) -> float | None:
     """The sum of series ``name`` over ``urls``' ``/metrics``; ``None`` where none exposes it."""
     total, seen = 0.0, False
     for url in urls:
         try:
-            response = await client.get(url + "/metrics", timeout=_METRICS_TIMEOUT_S)
-        except httpx2.HTTPError:
+            answer = await poster.get(url + "/metrics", timeout_s=_METRICS_TIMEOUT_S)
+        except TransportError:
             continue
-        if response.status_code != 200:
+        if answer.status != 200:
             continue
-        values = sample_values(response.text, name)
+        values = sample_values(answer.body.decode("utf-8", "replace"), name)
         seen = seen or bool(values)
         total += sum(values)
     return total if seen else None
@@ -188,14 +186,14 @@ async def _metric_sum(client: httpx2.AsyncClient, urls: Sequence[str], name: str
 class _Meter:
     """NIXL's transfer bytes and seconds on some servers, read before and after a step."""
 
-    def __init__(self, client: httpx2.AsyncClient, urls: Sequence[str]) -> None:
-        self._client, self._urls = client, urls
+    def __init__(self, poster: Poster, urls: Sequence[str]) -> None:
+        self._poster, self._urls = poster, urls
         self.bytes = self.seconds = 0.0
         self.seen = False
 
     async def _read(self) -> tuple[float | None, float | None]:
-        return (await _metric_sum(self._client, self._urls, _XFER_BYTES),
-                await _metric_sum(self._client, self._urls, _XFER_TIME))
+        return (await _metric_sum(self._poster, self._urls, _XFER_BYTES),
+                await _metric_sum(self._poster, self._urls, _XFER_TIME))
 
     async def around(self, step: Callable[[], Awaitable[None]]) -> None:
         before = await self._read()
@@ -314,11 +312,9 @@ async def calibrate(
     config: CalibrateConfig | None = None,
     *,
     progress: Callable[[str], None] = lambda _: None,
-    metrics_client: httpx2.AsyncClient | None = None,
 ) -> Calibration:
     """Measure ``cluster`` and fit its ``RouteCostModel`` (``docs/benchmarks.md``,
-    "Calibration"). ``metrics_client`` reads the servers' ``/metrics`` (default: a plain
-    client; tests pass the fake's transport)."""
+    "Calibration"). vLLM's NIXL metrics are read through the cluster's own ``poster``."""
     config = config or CalibrateConfig()
     probe_prompt = _Text()
     async with cluster.session(route="recompute", max_tokens=1) as probe:
@@ -327,19 +323,12 @@ async def calibrate(
         probe_prompt.learn(text, first.prompt_tokens)
     max_len = cluster.max_model_len
     lengths = choose_lengths(config, max_model_len=max_len)
-    owned = metrics_client is None
-    client = metrics_client or httpx2.AsyncClient()
-    try:
-        decodes = [pair.decode for pair in cluster.pairs]
-        handover = _Meter(client, decodes)
-        rows = []
-        for index, n in enumerate(lengths, 1):
-            progress(f"calibrate: context {n} tokens ({index}/{len(lengths)})")
-            rows.append(await _one_length(cluster, n, config, probe_prompt, handover))
-        tax = await _measure_tax(cluster, config, probe_prompt, progress)
-    finally:
-        if owned:
-            await client.aclose()
+    handover = _Meter(cluster.poster, [pair.decode for pair in cluster.pairs])
+    rows = []
+    for index, n in enumerate(lengths, 1):
+        progress(f"calibrate: context {n} tokens ({index}/{len(lengths)})")
+        rows.append(await _one_length(cluster, n, config, probe_prompt, handover))
+    tax = await _measure_tax(cluster, config, probe_prompt, progress)
     notes = []
     local = tuple(sample for r in rows for sample in r.decode_samples())
     if not local:

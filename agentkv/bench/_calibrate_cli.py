@@ -20,7 +20,7 @@ from typing import Any
 import httpx2
 
 from agentkv import AsyncCluster, ConfigError, RouteCostModel
-from agentkv._core import JSONDecodeError, loads
+from agentkv._core import JSONDecodeError, Poster, loads
 from agentkv.bench._calibrate import CalibrateConfig, Calibration, calibrate
 
 __all__ = ["add_parser", "cmd_calibrate", "crossovers", "render", "write_route_cost"]
@@ -121,8 +121,9 @@ def _progress(message: str) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace, *, cluster_file: Path,
-                  transport: httpx2.AsyncBaseTransport | None = None) -> int:
-    """Run the calibration, print it, write the model into ``cluster_file``."""
+                  transport: httpx2.AsyncBaseTransport | Poster | None = None) -> int:
+    """Run the calibration, print it, write the model into ``cluster_file`` (``transport``:
+    what the cluster sends through; tests pass the fake's)."""
     config = CalibrateConfig(
         lengths=tuple(args.lengths) if args.lengths else None,
         max_length=args.max_length,
@@ -131,14 +132,8 @@ def cmd_calibrate(args: argparse.Namespace, *, cluster_file: Path,
 
     async def run() -> Calibration:
         options: dict[str, Any] = {} if transport is None else {"transport": transport}
-        metrics = None if transport is None else httpx2.AsyncClient(transport=transport)
-        try:
-            async with AsyncCluster.from_file(cluster_file, **options) as cluster:
-                return await calibrate(cluster, config, progress=_progress,
-                                       metrics_client=metrics)
-        finally:
-            if metrics is not None:
-                await metrics.aclose()
+        async with AsyncCluster.from_file(cluster_file, **options) as cluster:
+            return await calibrate(cluster, config, progress=_progress)
 
     cal = asyncio.run(run())
     print(render(cal))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 
-import httpx2
 import pytest
 
 from agentkv import AsyncCluster, Cluster, RouteCostModel
@@ -45,9 +44,8 @@ def test_calibrate_measures_each_route_and_writes_the_model_the_cluster_reads(
 
 async def test_each_length_runs_a_cold_decode_turn_then_pulls_what_it_pinned(cluster_file):
     fake, path = cluster_file
-    async with AsyncCluster.from_file(path, transport=fake.transport) as cluster, \
-            httpx2.AsyncClient(transport=fake.transport) as metrics:
-        cal = await calibrate(cluster, CalibrateConfig(quick=True), metrics_client=metrics)
+    async with AsyncCluster.from_file(path, transport=fake.transport) as cluster:
+        cal = await calibrate(cluster, CalibrateConfig(quick=True))
     assert [r.tokens for r in cal.rows] == sorted(r.tokens for r in cal.rows)
     for row in cal.rows:
         assert not math.isnan(row.decode_cold_s)  # the fake runs agentkv's connector
