@@ -12,7 +12,7 @@ that no prefix cache answers for the compute being timed. At each context length
 
 Then, while another session streams, appends of a few sizes on the ``decode`` route: the gap they
 open in the stream, less its usual inter-token time, is what a local prefill costs decode's other
-sessions. ``_calibrate_fit.fit_model`` turns steps 1 and 2 into a ``RouteCostModel``; steps 3, 4
+sessions. ``_calibrate_fit.fit_model`` turns steps 1, 2 and 4 into a ``RouteCostModel``; step 3
 and the stream are reported beside the model's prices for them.
 """
 
