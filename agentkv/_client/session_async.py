@@ -9,18 +9,10 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from typing import Any, Literal, Protocol, Unpack
 
-from agentkv._client.leasing import (
-    ToolWait,
-    begin_wait,
-    delete_tier,
-    end_wait,
-    extend_handle,
-    persist_handle,
-    release_handle,
-    release_pinned,
-)
-from agentkv._client.persist import load_state, restore, restore_bytes
+from agentkv._client import kv, leasing
+from agentkv._client.leasing import ToolWait
 from agentkv._client.pool import PairPool
+from agentkv._client.save_file import load_state, restore, restore_bytes
 from agentkv._client.session_base import SessionBase, as_message, merge_options
 from agentkv._client.state import SessionState
 from agentkv._client.turn import TurnRunner
@@ -234,7 +226,7 @@ class AsyncSession(SessionBase):
         self._check_open()
         if not (math.isfinite(ttl_s) and ttl_s > 0):
             raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s}")
-        return await extend_handle(self._pool, self._state, ttl_s, reason="explicit")
+        return await leasing.extend(self._pool, self._state, ttl_s, reason="explicit")
 
     async def persist(self) -> TierRef | None:
         """Persist the stored handle to decode's file tier now, and free decode's pin.
@@ -248,7 +240,7 @@ class AsyncSession(SessionBase):
         """
         self._check_open()
         with self._state.holding("persist"):
-            return await persist_handle(self._pool, self._state, reason="explicit")
+            return await leasing.offload(self._pool, self._state, reason="explicit")
 
     async def unpin(self) -> Literal["persisted", "released"] | None:
         """Free the decode memory this session's next turn would reuse, now.
@@ -261,9 +253,9 @@ class AsyncSession(SessionBase):
         """
         self._check_open()
         with self._state.holding("unpin"):
-            if await persist_handle(self._pool, self._state, reason="unpin") is not None:
+            if await leasing.offload(self._pool, self._state, reason="unpin") is not None:
                 return "persisted"
-            return "released" if await release_pinned(self._pool, self._state) else None
+            return "released" if await leasing.unpin(self._pool, self._state) else None
 
     @contextlib.asynccontextmanager
     async def tool_wait(
@@ -287,11 +279,13 @@ class AsyncSession(SessionBase):
         """
         self._check_open()
         check_persist_mode(persist)
-        wait = await begin_wait(self._pool, self._state, expected_s=expected_s, persist=persist)
+        wait = await leasing.begin_wait(
+            self._pool, self._state, expected_s=expected_s, offload_mode=persist
+        )
         try:
             yield wait
         finally:
-            end_wait(self._pool, self._state, wait)
+            leasing.end_wait(self._pool, self._state, wait)
 
     def fork(
         self,
@@ -336,17 +330,8 @@ class AsyncSession(SessionBase):
         # Releases of this session's lost D legs, still in flight: done before close returns.
         pool = self._pool
         await pool.leases.settle()
-        handle, state.handle = state.handle, None
-        tier = state.take_tier()
         pool.release(state.pair)
-        if (
-            handle is not None
-            and not pool.closed
-            and state.policy.decide_release(handle, now=pool.clock())
-        ):
-            await release_handle(pool, state, handle, reason="close")
-        if tier is not None and not pool.closed:
-            await delete_tier(pool, state, tier[0], pair=tier[1], reason="close")
+        await leasing.close(pool, state)
 
     def detach(self) -> None:
         """Close this copy of the session without releasing its handle on decode.
@@ -358,8 +343,7 @@ class AsyncSession(SessionBase):
         state = self._state
         if not state.closed:
             state.close()
-            state.handle = None
-            state.take_tier()
+            state.apply(kv.detached(state.kv))
             self._pool.release(state.pair)
 
     async def __aenter__(self) -> AsyncSession:

@@ -39,16 +39,9 @@ import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_exponential, wait_random
 
-from agentkv._client.leasing import (
-    delete_tier_soon,
-    persist_handle,
-    release_handle,
-    release_lost,
-    release_soon,
-)
+from agentkv._client import kv, leasing
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState, TurnOutcome
-from agentkv._client.turn_handle import confirm_loaded, release_unsent, take_handle
 from agentkv._exceptions import (
     BadRequestError,
     ConnectError,
@@ -180,12 +173,8 @@ class TurnRunner:
         self._attempts += 1
         pair = await pool.pair_for(state.session_id, state.pair)
         if pair is not state.pair:
-            handle, tier, tier_pair = state.handle, state.tier, state.tier_pair
-            state.move_to(pair)
             # The old pair's decode may be alive (its prefill was the one that failed).
-            await release_unsent(self._pool, self._state, handle, reason="moved")
-            if tier is not None and tier_pair is not None and state.tier is None:
-                delete_tier_soon(pool, state, tier, pair=tier_pair, reason="moved")
+            await leasing.run(pool, state, state.move_to(pair, now=pool.clock()))
         try:
             async with contextlib.aclosing(self._legs(pair)) as events:
                 async for event in events:
@@ -200,25 +189,33 @@ class TurnRunner:
             pool.mark_down(pair, reason=str(exc))
             # A server that refused a connection may come back restarted, its block ids reused
             # by other requests: a handle into it is never safe again.
-            handle = state.handle
-            state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} was unreachable")
-            # Never sent (prefill refused before the P leg carried it): decode may still pin it.
-            await release_unsent(self._pool, self._state, handle, reason="pair_unreachable")
+            await self._pair_failed(f"pair {pair.name} was unreachable", "pair_unreachable")
             raise
         except (TransportError, ServerError):
             # Lost, timed out or 5xx mid-turn (a vLLM API server whose engine died answers 500
             # before it exits): a server that died under the turn is found now (the probe marks
             # the pair down), so the retry moves instead of running into it again.
             if not await pool.probe(pair):
-                handle = state.handle
-                state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} stopped answering")
                 # Unsent; the one that stopped answering may be the pair's prefill.
-                await release_unsent(self._pool, self._state, handle, reason="pair_down")
+                await self._pair_failed(f"pair {pair.name} stopped answering", "pair_down")
             if pool.pooled and self._prefill_name is not None:
                 await pool.probe_prefill(self._prefill_name)
             raise
         finally:
             self._prefill_name = None  # a retry chooses again, by the load it then sees
+
+    async def _pair_failed(self, detail: str, reason: str) -> None:
+        state, pool = self._state, self._pool
+        step = kv.pair_failed(
+            state.kv, detail=detail, reason=reason, policy=state.policy, now=pool.clock()
+        )
+        await leasing.run(pool, state, state.apply(step))
+
+    async def _release_sent(self, sent: KVHandle | None, reason: str) -> None:
+        """Release a handle the turn took that no prefill read, while decode may hold it."""
+        state, pool = self._state, self._pool
+        effects = kv.release_sent(sent, reason=reason, policy=state.policy, now=pool.clock())
+        await leasing.run(pool, state, effects)
 
     def _context_error(self, exc: BadRequestError) -> Exception | None:
         if self._prompt is None:
@@ -273,13 +270,13 @@ class TurnRunner:
             )
         except ConnectError:
             # No prefill got the P leg, so none read the handle: free it on decode.
-            await release_unsent(self._pool, self._state, sent, reason="prefill_unreachable")
+            await self._release_sent(sent, "prefill_unreachable")
             raise
         except (UpstreamStatusError, MalformedResponseError):
             # Prefill answered, so it is done with the handle: it pulled the blocks (decode then
             # freed them, and the release finds nothing) or never will. A lost P leg (timeout,
             # reset) may still be reading: its handle is left to decode's TTL.
-            await release_unsent(self._pool, self._state, sent, reason="prefill_failed")
+            await self._release_sent(sent, "prefill_failed")
             raise
         assert self._prefill_name is not None
         return prefill, self._prefill_name
@@ -307,9 +304,7 @@ class TurnRunner:
                     raise
                 pool.mark_prefill_down(name, reason=str(exc))
                 tried.add(name)
-                logger.warning(
-                    "agentkv.prefill_refused", session_id=state.session_id, prefill=name
-                )
+                logger.warning("agentkv.prefill_refused", session_id=state.session_id, prefill=name)
             finally:
                 pool.prefill_end(name, cost)
 
@@ -338,16 +333,21 @@ class TurnRunner:
         self._request = request
         # Asked once per decode server, then cached: whether to send hints at all.
         supported = await pool.leases.supported(pair.decode)
-        await confirm_loaded(pool, state, supported, len(prompt))
-        taken = take_handle(
-            pool, state, prompt, pair=pair, route=self._options.route,
-            agentkv_decode=supported is True,
+        await leasing.confirm(pool, state, supported, len(prompt))
+        facts = kv.RouteFacts(
+            route=self._options.route,
+            decode_queued=pool.decode_queued(pair),
+            decode_running=pool.decode_running(pair),
+            block_size=pool.block_size,
+            local_ok=supported is True,  # no turn is computed on a decode without agentkv
         )
+        step, taken = kv.take(
+            state.kv, prompt=prompt.token_ids, facts=facts, policy=state.policy, now=pool.clock()
+        )
+        await leasing.run(pool, state, state.apply(step))
         sent, handle_state, reason, tier = taken.sent, taken.state, taken.reason, taken.tier
         route = taken.route
         self._handle_state = handle_state
-        if taken.unsent is not None:
-            await release_handle(pool, state, taken.unsent, reason=handle_state.value)
         ids = json_fragment(prompt.json_ids())
 
         t_prefill = self._t_prefill = time.perf_counter()
@@ -364,7 +364,7 @@ class TurnRunner:
 
         issued_at = pool.clock()
         # A stock decode ignores the hint; one known to be stock gets the request it expects.
-        hint = None if supported is False else state.policy.decide_persist(final=self._final)
+        hint = None if supported is False else kv.pin_hint(state.policy, final=self._final)
         body = decode_body(request, prompt_ids=ids, prefill=prefill, stream=self._stream, hint=hint)
         releasable = supported is True and hint is not None and hint.persist
         # Tokens decode computes itself (the decode route), counted as its load meanwhile.
@@ -384,22 +384,37 @@ class TurnRunner:
             # Prefill answered (above), so the handle it carried is done with: free it if the
             # pull did not (cancelled or a stream left early too, hence in the background). On
             # the decode route nobody reads it: it is freed the same way.
-            if sent is not None and state.policy.decide_release(sent, now=pool.clock()):
-                release_soon(pool, state, sent, reason="decode_failed")
+            leasing.start(
+                pool,
+                state,
+                kv.release_sent(
+                    sent,
+                    reason="decode_failed",
+                    policy=state.policy,
+                    now=pool.clock(),
+                    background=True,
+                ),
+            )
             raise
         finally:
             pool.decode_end(pair, local)
         if result is None:  # pragma: no cover - _decode ends with the result or raises
             raise RuntimeError("decode leg ended without a result")
         t_end = time.perf_counter()
-        if (
-            prefill is None
-            and sent is not None
-            and state.policy.decide_release(sent, now=pool.clock())
-        ):
+        if prefill is None:
             # The decode route read the old handle's blocks from decode's cache; the new turn's
             # pin holds them now, so the old pin is only in the way.
-            release_soon(pool, state, sent, reason="decode_route")
+            leasing.start(
+                pool,
+                state,
+                kv.release_sent(
+                    sent,
+                    reason="decode_route",
+                    policy=state.policy,
+                    now=pool.clock(),
+                    background=True,
+                ),
+            )
         # The first token's time, from the first leg's start: all of it on the servers
         # (non-streamed, the whole answer arrives at once).
         server_ttft = self._ttft if self._ttft is not None else t_end - t_prefill
@@ -434,18 +449,19 @@ class TurnRunner:
         """Hand the state what the turn changed; then what the result asks of the new handle."""
         state, pool, result = self._state, self._pool, outcome.result
         stats = state.commit(outcome, block_size=pool.block_size)
-        # The turn's own KV supersedes a persisted one: its entry is obsolete.
-        obsolete = state.take_tier()
-        if obsolete is not None:
-            delete_tier_soon(pool, state, obsolete[0], pair=obsolete[1], reason="used")
-        if state.closed and state.handle is not None:
-            # Closed while this turn ran: nobody will send the new handle.
-            handle, state.handle = state.handle, None
-            if state.policy.decide_release(handle, now=pool.clock()):
-                await release_handle(pool, state, handle, reason="closed_during_turn")
-        elif self._persist == "disk" and state.handle is not None:
+        step = kv.committed(
+            state.kv,
+            handle=result.handle,
+            final=self._final,
+            finish_reason=result.finish_reason,
+            stop_reason=result.stop_reason,
+            closed=state.closed,
             # Asked for: the next turn is far off. The pin stays if the write fails.
-            await persist_handle(pool, state, reason="turn")
+            offload=self._persist == "disk",
+            policy=state.policy,
+            now=pool.clock(),
+        )
+        await leasing.run(pool, state, state.apply(step))
         return TurnResult(
             message=result.message,
             token_ids=result.token_ids,
@@ -467,10 +483,10 @@ class TurnRunner:
         """The D leg: text deltas (streaming), then the parsed answer."""
         state = self._state
         decode_url = pair.decode + _CHAT_PATH
-        dates = {"issued_at": issued_at, "deadline": state.policy.deadline(issued_at)}
+        dates = {"issued_at": issued_at, "deadline": kv.handle_deadline(state.policy, issued_at)}
 
         def lease_deadline(ttl_s: float) -> float:  # from the TTL decode granted
-            return state.policy.lease_deadline(sent_at=issued_at, ttl_s=ttl_s)
+            return kv.lease_deadline(state.policy, sent_at=issued_at, ttl_s=ttl_s)
 
         summary = request.summary("decode")
         client = self._pool.http_client
@@ -511,13 +527,12 @@ class TurnRunner:
             # Lost (timeout, reset), unreadable, cancelled, or a stream left early: decode may
             # have finished and pinned the turn's KV for a handle nobody will ever send.
             if releasable and not refused and (result is None or unexplained(result)):
-                release_lost(
-                    self._pool,
-                    state,
-                    pair.decode,
-                    secret,
+                lost = kv.ReleaseRequest(
+                    decode=pair.decode,
+                    secret=secret,
                     reason="no_handle" if result is not None else "answer_lost",
                 )
+                leasing.start(self._pool, state, (lost,))
         yield result
 
     def _delta(self, text: str, *, first: bool) -> TextDelta:

@@ -151,7 +151,7 @@ def _cold_answer(
     prefills in other chunks, and bf16 rounding then flips close greedy choices.)
     """
     data = json.loads(saved.read_text())
-    data["handle"] = None
+    data["kv"] = {"kind": "none", "reason": "none", "detail": "no stored handle", "note": None}
     saved.write_text(json.dumps(data))
     extra = {**options.get("extra_body", {}), **_salt("cold")}
     with (
@@ -254,8 +254,8 @@ def test_a_pull_from_an_unreachable_side_channel_recomputes_and_the_stats_say_so
         answers = [first.send(QUESTIONS[0]).token_ids]
         first.save(path)
         data = json.loads(path.read_text())
-        handle = data["handle"]
-        # Save files hold the handle's typed fields (format 3): the P leg is rendered from them.
+        handle = data["kv"]["handle"]
+        # Save files hold the handle's typed fields (format 3 on): the P leg is rendered from them.
         handle["engine_id"] = "agentkv-e2e-unreachable"
         handle["port"] = dead_port
         path.write_text(json.dumps(data))

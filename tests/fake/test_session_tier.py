@@ -8,6 +8,7 @@ at most prompt - 1 tokens, a checksum per block, a byte budget with LRU eviction
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx2
@@ -24,9 +25,11 @@ from agentkv import (
     RetryPolicy,
     TierRef,
 )
+from agentkv._client import kv
 from agentkv._wire.handoff import lease_ref
 from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH
 from agentkv.testing import FakeCluster
+from tests.fake.old_saves import as_version_3
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 QUESTIONS = [
@@ -365,7 +368,8 @@ def test_a_diverged_history_never_sends_the_tier_ref(cluster, fake):
         first = s.send(QUESTIONS[0])
         assert s.persist() is not None
         # An edited history: another session's state with this one's tier entry.
-        s._state.tier_digest = "0" * 32
+        state = s._state
+        state.apply(kv.Step(dataclasses.replace(state.kv, digest="0" * 32)))
         result = s.send(QUESTIONS[1])
         assert result.stats.handle_state is HandleState.DIVERGED
         assert tier_refs(prefill)[-1] is None
@@ -471,8 +475,9 @@ def test_save_and_load_resume_from_the_tier(fake, clock, tmp_path):
         s.detach()  # the process "exits": the entry is the file's
     assert fake.tier.ids == [ref.id]
     saved = json.loads(path.read_text())
-    assert saved["tier"]["id"] == ref.id
-    assert saved["tier"]["secret"] == ref.secret
+    assert saved["kv"]["kind"] == "tier"
+    assert saved["kv"]["id"] == ref.id
+    assert saved["kv"]["secret"] == ref.secret
     prefill_cache_cold(fake)
     with open_cluster(fake, clock) as cluster, cluster.load_session(path) as s:
         assert s.tier == ref
@@ -489,6 +494,7 @@ def test_a_snapshot_without_a_tier_key_still_loads(fake, clock, tmp_path):
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
         data = s.snapshot()
+    data = as_version_3(data)
     del data["tier"]
     path.write_text(json.dumps(data))
     with open_cluster(fake, clock) as cluster, cluster.load_session(path) as s:
@@ -509,7 +515,7 @@ def test_a_session_saved_before_tier_secrets_resumes_but_cannot_delete_its_entry
         ref = s.persist()
         data = s.snapshot()
         s.detach()
-    del data["tier"]["secret"]
+    del data["kv"]["secret"]
     path.write_text(json.dumps(data))
     with (
         capture_logs() as logs,
