@@ -39,6 +39,7 @@ from agentkv._agent.events import (
 from agentkv._agent.tool_calling import AUTO, FINAL, REQUIRED, JsonToolCalling, ToolCalling
 from agentkv._agent.tools import Tool
 from agentkv._agent.toolset import ToolResult, ToolSet
+from agentkv._client import kv
 from agentkv._client.cluster import AsyncCluster, Cluster
 from agentkv._client.portal import Portal
 from agentkv._client.session import AsyncSession, Session, TurnOverrides
@@ -206,7 +207,7 @@ class _AgentCore:
         done = tuple(r for r in results if r is not None)
         session.append(*(self.tool_calling.result_message(r) for r in done))
         tools_s = time.perf_counter() - started
-        overdue = session.policy.overdue_s(session.handle, now=_clock(session)())
+        overdue = kv.overdue_s(session._kv, policy=session.policy, now=_clock(session)())
         if overdue is not None:
             logger.warning(
                 "agentkv.handle_expired_during_tools",

@@ -181,6 +181,11 @@ def tier_of(kv: KV) -> TierRef | None:
     return kv.ref if isinstance(kv, OnTier) else None
 
 
+def leased_pin(kv: KV) -> KVHandle | None:
+    """The handle of a pin decode leased to the session (one it can release, extend, offload)."""
+    return kv.handle if isinstance(kv, Pinned) and kv.handle.leased else None
+
+
 def tier_matches(kv: KV, prompt: Sequence[int]) -> bool:
     """Whether ``prompt`` starts with exactly the tokens ``kv``'s tier entry holds."""
     return (

@@ -101,6 +101,11 @@ class SessionBase:
         return self._state.tier
 
     @property
+    def _kv(self) -> kv.KV:
+        """What the next turn may reuse (``kv``), for agentkv's own loops (agent, proxy)."""
+        return self._state.kv
+
+    @property
     def policy(self) -> CachePolicy:
         return self._state.policy
 
