@@ -3,7 +3,9 @@
 Each sequence is the shrunk example hypothesis printed, written against the machine's rules
 (``SessionMachine`` of ``fuzz_sessions.py``, ``ReplicaMachine`` of ``fuzz_replicas.py``); the
 machine's invariants run after every step as in the fuzzer. The fix each needed is named in its
-docstring (docs/reliability.md has the list).
+docstring (docs/reliability.md has the list). The same six, as transition tables on the pure
+value (``agentkv._client.kv``), are in ``tests/unit/test_kv_corpus.py``; these replays stay as
+integration tests through the real turn, pool and HTTP stack.
 """
 
 from __future__ import annotations
