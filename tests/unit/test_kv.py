@@ -351,7 +351,7 @@ class KVMachine(RuleBasedStateMachine):
             return
         for effect in kv.unpin_effects(holder.value):
             assert isinstance(effect, kv.Release)
-            freed = self._held(effect.handle) is not None and not self.failing
+            freed = not self.failing  # decode freed it, or no longer held it (gone)
             self.perform(holder, (effect,))
             self.apply(holder, kv.unpinned(holder.value, effect, freed=freed))
 
