@@ -19,18 +19,23 @@ from agentkv._types import HandleState, KVHandle
 from agentkv._wire.handoff import split_params
 from agentkv._wire.tier import TierRef
 
-__all__ = ["kv_from_json", "kv_to_json"]
+__all__ = ["kv_from_json", "kv_to_json", "saved_field", "saved_optional"]
 
 
-def _field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+def saved_field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    """``data[key]`` if it is a ``kind``, else ``SessionLoadError``."""
     value = data.get(key)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise SessionLoadError(f"saved session: {key!r} is missing or of the wrong type")
     return value
 
 
-def _optional(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    return None if data.get(key) is None else _field(data, key, kind)
+def saved_optional(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    """``data[key]`` if it is a ``kind``, ``None`` if absent or null, else ``SessionLoadError``."""
+    return None if data.get(key) is None else saved_field(data, key, kind)
+
+
+_field, _optional = saved_field, saved_optional
 
 
 def _handle_json(handle: KVHandle, *, now: float, wall: float) -> dict[str, Any]:

@@ -1,34 +1,23 @@
 """Saving a session to a JSON file and loading it back, so that an agent process can restart.
 
-The file (``"format": "agentkv.session"``, ``"version": 3``) holds everything the next turn needs
+The file (``"format": "agentkv.session"``, ``"version": 4``) holds everything the next turn needs
 to stay token-exact: the transcript's messages, token ids and spans, the pending messages, the
 session id, pair, policy, options and turn stats, the model and a fingerprint of the tokenizer
-and chat template the token ids come from, and the stored decode handle (its fields, lease
-secret and the engine's params agentkv does not read; older files hold the params decode sent),
-or the reference of the session's turn-end KV persisted to the file tier (``"tier"``: its id,
-token count, secret, the pair whose decode persisted it and a digest of its tokens; files
-written before the tier have none and load as without one, and files written before tier
-secrets load a reference without one, which resumes but cannot delete its entry: that entry
-lives until its TTL on decode). A loaded tier reference is not trusted on its word either:
-prefill checks the entry token by token and block by block, and an entry deleted, expired or
-evicted since is recomputed.
+and chat template the token ids come from, and the session's reusable KV as one tagged object
+(``"kv"``: a pin's handle, a tier entry's reference, or why there is none; ``kv_json``, which
+also reads the fields of versions 1-3).
 
-A handle from a file is never trusted on its word: the pin may have been released (the session
-was closed after the save), consumed (a later turn ran, or the file was loaded before) or have
-expired, and decode may have given its blocks to other requests. The first turn after a load asks
-decode to confirm the lease (an extend call) and attaches the handle only then; on stock vLLM,
-which cannot confirm anything, a loaded handle is never attached. Loading into a cluster that
-serves another model is a ``SessionLoadError``; so is the first turn on a cluster whose tokenizer
-or template differs from the saved fingerprint.
+Nothing in the file is trusted on its word. A handle's pin may have been released, consumed or
+have expired since, and decode may have given its blocks to other requests: the first turn after
+a load claims the lease from decode (``kv.confirm``) and attaches the handle only then; on stock
+vLLM, which cannot confirm anything, a loaded handle is never attached. Prefill checks a tier
+entry token by token, and one deleted, expired or evicted since is recomputed. Loading into a
+cluster that serves another model is a ``SessionLoadError``; so is the first turn on a cluster
+whose tokenizer or template differs from the saved fingerprint.
 
-Handle deadlines live on the session's monotonic clock, which means nothing to another process:
-the file stores them as wall-clock times and ``load`` converts them back, so a handle that ran out
-while the agent was down is not attached (the turn recomputes).
-
-The handle may hold a lease secret, and the tier reference its entry's secret: the
-file is created readable by its owner only.
-A save writes a temporary file in the same folder and renames it over the target, so a crash in
-the middle of a save leaves the previous file (or none), never a half-written one.
+The file may hold a lease secret and a tier entry's secret: it is created readable by its owner
+only. A save writes a temporary file in the same folder and renames it over the target, so a
+crash in the middle of a save leaves the previous file (or none), never a half-written one.
 
 >>> session.save("run.json")  # doctest: +SKIP
 >>> session = Session.load("run.json", cluster)  # doctest: +SKIP
@@ -53,6 +42,8 @@ from typing import Any
 
 from agentkv._client import kv
 from agentkv._client.kv_json import kv_from_json, kv_to_json
+from agentkv._client.kv_json import saved_field as _field
+from agentkv._client.kv_json import saved_optional as _optional
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
 from agentkv._client.turn_log import TurnLog
@@ -221,17 +212,6 @@ def save_state(
 
 
 # --- loading -------------------------------------------------------------------------------------
-
-
-def _field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    value = data.get(key)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise SessionLoadError(f"saved session: {key!r} is missing or of the wrong type")
-    return value
-
-
-def _optional(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    return None if data.get(key) is None else _field(data, key, kind)
 
 
 def _read(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -10,11 +10,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from typing import Any, Literal, Protocol, Unpack
 
 from agentkv._client import kv, leasing
-from agentkv._client.leasing import ToolWait
+from agentkv._client import tool_wait as waits
 from agentkv._client.pool import PairPool
 from agentkv._client.save_file import load_state, restore, restore_bytes
 from agentkv._client.session_base import SessionBase, as_message, merge_options
 from agentkv._client.state import SessionState
+from agentkv._client.tool_wait import ToolWait
 from agentkv._client.turn import TurnRunner
 from agentkv._policy import CachePolicy, PersistMode, check_persist_mode
 from agentkv._prompt.transcript import Transcript
@@ -279,13 +280,13 @@ class AsyncSession(SessionBase):
         """
         self._check_open()
         check_persist_mode(persist)
-        wait = await leasing.begin_wait(
+        wait = await waits.begin_wait(
             self._pool, self._state, expected_s=expected_s, offload_mode=persist
         )
         try:
             yield wait
         finally:
-            leasing.end_wait(self._pool, self._state, wait)
+            waits.end_wait(self._pool, self._state, wait)
 
     def fork(
         self,

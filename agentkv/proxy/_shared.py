@@ -34,8 +34,7 @@ from collections.abc import Callable
 
 import structlog
 
-from agentkv._client import kv
-from agentkv._core import AsyncCluster, AsyncSession
+from agentkv._core import AsyncCluster, AsyncSession, kv
 from agentkv.proxy._bounds import StoreBounds
 from agentkv.proxy._entry import Key, SessionEntry, split_key, store_key
 from agentkv.proxy._errors import ProxyError
