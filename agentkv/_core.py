@@ -40,6 +40,7 @@ from agentkv._agent.tool_calling import JsonToolCalling
 from agentkv._agent.tools import ToolDefinitionError, ToolSpec
 from agentkv._client import kv
 from agentkv._client.cluster import AsyncCluster, Cluster
+from agentkv._client.offload import OffloadMode, as_offload
 from agentkv._client.portal import Portal
 from agentkv._client.session import AsyncSession
 from agentkv._exceptions import (
@@ -140,6 +141,7 @@ __all__ = [
     "LeaseRef",
     "MalformedResponseError",
     "Message",
+    "OffloadMode",
     "Pair",
     "PersistHint",
     "PersistMode",
@@ -172,6 +174,7 @@ __all__ = [
     "TurnResult",
     "TurnStats",
     "UpstreamStatusError",
+    "as_offload",
     "dumps",
     "kv",
     "lease_error",

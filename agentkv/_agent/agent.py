@@ -41,9 +41,9 @@ from agentkv._agent.tools import Tool
 from agentkv._agent.toolset import ToolResult, ToolSet
 from agentkv._client import kv
 from agentkv._client.cluster import AsyncCluster, Cluster
+from agentkv._client.offload import OffloadMode
 from agentkv._client.portal import Portal
 from agentkv._client.session import AsyncSession, Session, TurnOverrides
-from agentkv._policy import PersistMode
 from agentkv._types import Message, MessageLike, TextDelta, TurnResult
 from agentkv._wire.fields import check_extra_body
 
@@ -109,7 +109,7 @@ class _AgentCore:
         self.expected_tool_s = expected_tool_s if expected_tool_s is not None else tool_timeout_s
         # A timeout bounds a tool call, it does not predict it: only an expected duration the
         # caller gave may send the pin to the file tier (CachePolicy.decide_tier).
-        self._persist: PersistMode = "auto" if expected_tool_s is not None else "pin"
+        self._offload: OffloadMode = "auto" if expected_tool_s is not None else "never"
         self.force_final_answer = force_final_answer
         self._extra_body = dict(extra_body or {})
         check_extra_body(self._extra_body)  # fail at construction, not on the first turn
@@ -197,7 +197,7 @@ class _AgentCore:
         async with AsyncExitStack() as waiting:
             if self.expected_tool_s is not None:
                 await waiting.enter_async_context(
-                    session.tool_wait(expected_s=self.expected_tool_s, persist=self._persist)
+                    session.tool_wait(expected_s=self.expected_tool_s, offload=self._offload)
                 )
             async for position, tool_result in self.tools.run_many(
                 reply.calls, parallel=self.parallel_tool_calls, timeout_s=self.tool_timeout_s

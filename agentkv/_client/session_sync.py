@@ -129,6 +129,7 @@ class Session(SessionBase):
     send = _blocking(AsyncSession.send)
     stream = _iterating(AsyncSession.stream)
     extend_handle = _blocking(AsyncSession.extend_handle)
+    offload = _blocking(AsyncSession.offload)
     persist = _blocking(AsyncSession.persist)
     unpin = _blocking(AsyncSession.unpin)
     tool_wait = _holding(AsyncSession.tool_wait)

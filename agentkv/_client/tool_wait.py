@@ -13,9 +13,10 @@ import structlog
 
 from agentkv._client import kv
 from agentkv._client.leasing import extend, offload
+from agentkv._client.offload import OffloadMode
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
-from agentkv._policy import ExtendDecision, PersistMode, TierDecision
+from agentkv._policy import ExtendDecision, TierDecision
 
 __all__ = ["ToolWait", "begin_wait", "decide_tier", "end_wait"]
 
@@ -54,7 +55,7 @@ async def decide_tier(
     pool: PairPool,
     state: SessionState,
     *,
-    hint: PersistMode,
+    hint: OffloadMode,
     expected_wait_s: float | None = None,
     idle_s: float | None = None,
 ) -> TierDecision:
@@ -90,7 +91,7 @@ async def decide_tier(
 
 
 async def begin_wait(
-    pool: PairPool, state: SessionState, *, expected_s: float, offload_mode: PersistMode = "auto"
+    pool: PairPool, state: SessionState, *, expected_s: float, mode: OffloadMode = "auto"
 ) -> ToolWait:
     """Start a tool wait: offload the pin to the file tier if the policy says the wait is worth
     it, else extend it if the wait would outlast it. The session is held meanwhile
@@ -98,7 +99,7 @@ async def begin_wait(
     with state.holding("tool wait"):
         now = pool.clock()
         had_handle = state.handle is not None
-        tier = await decide_tier(pool, state, hint=offload_mode, expected_wait_s=expected_s)
+        tier = await decide_tier(pool, state, hint=mode, expected_wait_s=expected_s)
         persisted = tier.persist and await offload(pool, state, reason="tool_wait") is not None
         decision = kv.wait_extend(
             state.kv, expected_s=expected_s, offloaded=persisted, policy=state.policy, now=now

@@ -38,6 +38,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from tenacity.wait import wait_exponential, wait_random
 
 from agentkv._client import kv, leasing
+from agentkv._client.offload import OffloadMode
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState, TurnOutcome
 from agentkv._client.turn_legs import TurnLegs
@@ -48,7 +49,6 @@ from agentkv._exceptions import (
     ServerError,
     TransportError,
 )
-from agentkv._policy import PersistMode
 from agentkv._prompt.transcript import TurnPrompt
 from agentkv._types import HandleState, Pair, SessionOptions, TextDelta, TurnResult
 from agentkv._window import context_error, fit_max_tokens
@@ -85,7 +85,7 @@ class TurnRunner(TurnLegs):
         *,
         stream: bool,
         final: bool = False,
-        persist: PersistMode = "auto",
+        offload: OffloadMode = "auto",
         request_secret: str | None = None,
     ) -> None:
         self._pool = pool
@@ -94,7 +94,7 @@ class TurnRunner(TurnLegs):
         self._options = options
         self._stream = stream
         self._final = final
-        self._persist = persist
+        self._offload = offload
         self._started = time.perf_counter()
         self._attempts = 0
         self._yielded = False
@@ -382,7 +382,7 @@ class TurnRunner(TurnLegs):
             stop_reason=result.stop_reason,
             closed=state.closed,
             # Asked for: the next turn is far off. The pin stays if the write fails.
-            offload=self._persist == "disk",
+            offload=self._offload == "always",
             policy=state.policy,
             now=pool.clock(),
         )

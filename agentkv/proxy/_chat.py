@@ -33,6 +33,7 @@ from agentkv._core import (
     TextDelta,
     TurnOverrides,
     TurnResult,
+    as_offload,
     dumps,
 )
 from agentkv.proxy._affinity import HistoryIndex
@@ -392,7 +393,7 @@ class ChatService:
             # A one-shot request (no session id) has no next turn: decode pins nothing.
             result = await lease.session.turn(
                 final=lease.entry is None,
-                persist=persist,
+                offload=as_offload(persist),
                 request_secret=lease.request_secret,
                 **overrides,
             )
@@ -571,7 +572,7 @@ class ChatService:
         try:
             events = session.stream(
                 final=lease.entry is None,
-                persist=persist,
+                offload=as_offload(persist),
                 request_secret=lease.request_secret,
                 **overrides,
             )

@@ -400,7 +400,7 @@ class SharedSessions(StoreBounds):
                 if not session.closed and handle is not None:
                     if pairs is not None:
                         done = await session.unpin()
-                    elif await session.persist() is not None:
+                    elif await session.offload() is not None:
                         done = "persisted"
             except BaseException:
                 renewer.cancel()  # the claim's lease runs out on its own, as before

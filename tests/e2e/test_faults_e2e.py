@@ -323,7 +323,7 @@ def test_a_restarted_prefill_pulls_the_kv_decode_kept_for_the_session(
         answers = [s.send(QUESTIONS[0]).token_ids]
         home = _pair_of(record, s)
         # The restart outlasts the handle (decode's TTL is 40 s): hold it as a tool call would.
-        with s.tool_wait(expected_s=120, persist="pin") as wait:  # the pin, not the tier
+        with s.tool_wait(expected_s=120, offload="never") as wait:  # the pin, not the tier
             stop_group(home.prefill.pid)
             healed = start_cluster(own_config, progress=_progress)
         assert wait.survived

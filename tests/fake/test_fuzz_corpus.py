@@ -121,7 +121,7 @@ def test_holders_of_one_save_file_sending_at_once_both_attached_its_handle(varia
 
 
 def test_a_turn_started_while_a_persist_is_answered_attached_the_persisted_handle() -> None:
-    """``session.persist()`` and ``session.send()`` on one session through ``asyncio.gather``,
+    """``session.offload()`` and ``session.send()`` on one session through ``asyncio.gather``,
     the persist first, decode's answer to it one scheduling point late (decode has written the
     KV to its tier and freed the pin; the SDK does not know yet). ``persist()`` checked that no
     turn ran, but marked nothing: the turn started, took the handle and its P leg pulled the freed

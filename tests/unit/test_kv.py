@@ -31,7 +31,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from agentkv._client import kv
 from agentkv._client.kv_json import kv_from_json, kv_to_json
-from agentkv._policy import CachePolicy, PersistMode
+from agentkv._client.offload import OffloadMode
+from agentkv._policy import CachePolicy
 from agentkv._route import Route
 from agentkv._types import HandleState, KVHandle
 from agentkv._wire.hints import ExtendResult
@@ -358,7 +359,7 @@ class KVMachine(RuleBasedStateMachine):
     @rule(
         name=holder_names,
         expected=st.sampled_from([1.0, 30.0, 120.0]),
-        hint=st.sampled_from(["auto", "pin", "disk"]),
+        hint=st.sampled_from(["auto", "never", "always"]),
         tier=st.booleans(),
         usage=st.sampled_from([None, 0.5, 0.95]),
         waited=st.sampled_from([0.5, 30.0, 200.0]),
@@ -367,7 +368,7 @@ class KVMachine(RuleBasedStateMachine):
         self,
         name: str,
         expected: float,
-        hint: PersistMode,
+        hint: OffloadMode,
         tier: bool,
         usage: float | None,
         waited: float,

@@ -22,7 +22,8 @@ from agentkv._client.kv._value import (
     handle_of,
     tokens_digest,
 )
-from agentkv._policy import CachePolicy, ExtendDecision, PersistMode, TierDecision
+from agentkv._client.offload import OffloadMode, policy_hint
+from agentkv._policy import CachePolicy, ExtendDecision, TierDecision
 from agentkv._types import HandleState
 from agentkv._wire.handoff import extended_handle
 from agentkv._wire.hints import ExtendResult
@@ -147,7 +148,7 @@ def unpinned(kv: KV, effect: Release, *, freed: bool) -> Step:
 def wait_tier(
     kv: KV,
     *,
-    hint: PersistMode,
+    hint: OffloadMode,
     expected_wait_s: float | None,
     idle_s: float | None,
     decode_kv_usage: float | None,
@@ -161,14 +162,14 @@ def wait_tier(
         now=now,
         expected_wait_s=expected_wait_s,
         idle_s=idle_s,
-        hint=hint,
+        hint=policy_hint(hint),
         decode_kv_usage=decode_kv_usage,
         tier_available=tier_available,
     )
 
 
 def wants_kv_usage(
-    decision: TierDecision, *, tier_available: bool, hint: PersistMode, usage: float | None
+    decision: TierDecision, *, tier_available: bool, hint: OffloadMode, usage: float | None
 ) -> bool:
     """Only decode's memory pressure could still move a kept pin to the tier: ask how full."""
     return decision.action == "pin" and tier_available and hint == "auto" and usage is None
