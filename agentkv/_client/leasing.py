@@ -232,7 +232,8 @@ async def confirm(
     step = kv.confirm(
         state.kv, prompt_len=prompt_len, supported=supported, policy=state.policy, now=pool.clock()
     )
-    await run(pool, state, state.apply(step))
+    if effects := state.apply(step):
+        await run(pool, state, effects)
 
 
 async def extend(pool: PairPool, state: SessionState, ttl_s: float, *, reason: str) -> float | None:

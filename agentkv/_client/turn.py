@@ -269,7 +269,8 @@ class TurnRunner(TurnLegs):
         step, taken = kv.take(
             state.kv, prompt=prompt.token_ids, facts=facts, policy=state.policy, now=pool.clock()
         )
-        await leasing.run(pool, state, state.apply(step))
+        if effects := state.apply(step):
+            await leasing.run(pool, state, effects)
         sent, handle_state, reason, tier = taken.sent, taken.state, taken.reason, taken.tier
         route = taken.route
         self._handle_state = handle_state
@@ -386,7 +387,8 @@ class TurnRunner(TurnLegs):
             policy=state.policy,
             now=pool.clock(),
         )
-        await leasing.run(pool, state, state.apply(step))
+        if effects := state.apply(step):
+            await leasing.run(pool, state, effects)
         return TurnResult(
             message=result.message,
             token_ids=result.token_ids,

@@ -150,7 +150,8 @@ def take(
         tier = None  # stays on the session: no prefill runs (decode), or none is to load it
     if kv.note:
         reason = f"{reason}; {kv.note}" if reason else kv.note
-    new = dataclasses.replace(new, note=None)
+    if new.note is not None:
+        new = dataclasses.replace(new, note=None)
     effects: Effects = ()
     if unsent is not None:
         effects = (Release(handle=unsent, reason=state.value),)
