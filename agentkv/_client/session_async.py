@@ -8,14 +8,14 @@ import os
 import uuid
 import warnings
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
-from typing import Any, Literal, Unpack
+from typing import Any, Literal, Protocol, Unpack
 
 from agentkv._client import kv, leasing
 from agentkv._client import tool_wait as waits
 from agentkv._client.offload import OffloadMode, check_offload
 from agentkv._client.pool import PairPool
 from agentkv._client.save_file import load_state, restore, restore_bytes
-from agentkv._client.session_base import AsyncSessionHost, SessionBase, as_message, merge_options
+from agentkv._client.session_base import SessionBase, as_message, merge_options
 from agentkv._client.state import SessionState
 from agentkv._client.tool_wait import ToolWait
 from agentkv._client.turn import TurnRunner
@@ -33,6 +33,20 @@ from agentkv._types import (
 from agentkv._wire.tier import TierRef
 
 __all__ = ["AsyncSession", "AsyncSessionHost", "load_session", "open_session", "restore_session"]
+
+
+class AsyncSessionHost(Protocol):
+    """What ``AsyncSession.load`` needs of a cluster (``AsyncCluster`` is one)."""
+
+    def load_session(self, path: str | os.PathLike[str]) -> AsyncSession: ...
+
+    def restore_session(
+        self,
+        data: Mapping[str, Any] | bytes,
+        *,
+        confirmed: bool = False,
+        drop_handle: str | None = None,
+    ) -> AsyncSession: ...
 
 
 class AsyncSession(SessionBase):
@@ -80,8 +94,9 @@ class AsyncSession(SessionBase):
         ``final=True`` says no turn follows: decode (with agentkv's extension) pins nothing for a
         next one. The session stays open; a further turn just recomputes.
 
-        ``offload="always"``: the next turn is far off, so the turn-end KV goes to decode's file
-        tier right after this one (``offload()``); ``"auto"`` and ``"never"`` keep the pin.
+        ``offload="always"`` says the next turn is far off: right after this one, the turn-end
+        KV is offloaded to decode's file tier and decode's pin freed (``offload()``); ``"auto"``
+        and ``"never"`` keep the pin. (``persist="disk"``/``"pin"``: the old words, deprecated.)
 
         ``request_secret`` tags the turn's D leg (``X-Request-Id``) for a caller that records it
         elsewhere before the turn, as a proxy replica does in its session store: should the
@@ -235,7 +250,9 @@ class AsyncSession(SessionBase):
 
     async def persist(self) -> TierRef | None:
         """Deprecated name of ``offload()``."""
-        warnings.warn("session.persist() is deprecated: use offload()", DeprecationWarning, 2)
+        warnings.warn(
+            "session.persist() is deprecated: use session.offload()", DeprecationWarning, 2
+        )
         return await self.offload()
 
     async def unpin(self) -> Literal["persisted", "released"] | None:

@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from agentkv._client import kv
 from agentkv._client.pool import PairPool
@@ -39,24 +39,7 @@ from agentkv._window import check_oversized
 from agentkv._wire.fields import check_extra_body
 from agentkv._wire.tier import TierRef
 
-if TYPE_CHECKING:
-    from agentkv._client.session_async import AsyncSession
-
-__all__ = ["AsyncSessionHost", "SessionBase", "as_message", "merge_options"]
-
-
-class AsyncSessionHost(Protocol):
-    """What ``AsyncSession.load`` needs of a cluster (``AsyncCluster`` is one)."""
-
-    def load_session(self, path: str | os.PathLike[str]) -> AsyncSession: ...
-
-    def restore_session(
-        self,
-        data: Mapping[str, Any] | bytes,
-        *,
-        confirmed: bool = False,
-        drop_handle: str | None = None,
-    ) -> AsyncSession: ...
+__all__ = ["SessionBase", "as_message", "merge_options"]
 
 
 def as_message(message: MessageLike) -> Message:
