@@ -94,9 +94,8 @@ class AsyncSession(SessionBase):
         ``final=True`` says no turn follows: decode (with agentkv's extension) pins nothing for a
         next one. The session stays open; a further turn just recomputes.
 
-        ``offload="always"`` says the next turn is far off: right after this one, the turn-end
-        KV is offloaded to decode's file tier and decode's pin freed (``offload()``); ``"auto"``
-        and ``"never"`` keep the pin. (``persist="disk"``/``"pin"``: the old words, deprecated.)
+        ``offload="always"``: the next turn is far off, so the turn-end KV goes to decode's file
+        tier right after this one (``offload()``); ``"auto"`` and ``"never"`` keep the pin.
 
         ``request_secret`` tags the turn's D leg (``X-Request-Id``) for a caller that records it
         elsewhere before the turn, as a proxy replica does in its session store: should the
@@ -222,12 +221,9 @@ class AsyncSession(SessionBase):
                 state.stream = None
 
     async def extend_handle(self, ttl_s: float) -> float | None:
-        """Ask decode to keep the stored handle at least ``ttl_s`` more seconds.
-
-        Returns the handle's new deadline (session clock), or ``None`` when nothing was extended:
-        no handle, a decode without agentkv's extension, a failed call, or a handle decode no
-        longer holds (it is then dropped, and the next turn says why). Never raises for the
-        server's sake. ``tool_wait()`` decides the TTL for you.
+        """Ask decode to keep the pin at least ``ttl_s`` more seconds: the handle's new deadline
+        (session clock), or ``None``: no pin, a stock decode, a failed call, or a pin decode no
+        longer holds (then dropped; the next turn says why). Never raises for the server's sake.
         """
         self._check_open()
         if not (math.isfinite(ttl_s) and ttl_s > 0):
@@ -235,12 +231,9 @@ class AsyncSession(SessionBase):
         return await leasing.extend(self._pool, self._state, ttl_s, reason="explicit")
 
     async def offload(self) -> TierRef | None:
-        """Offload the pin to decode's file tier now, and free decode's memory.
-
-        Returns the tier reference (also ``session.tier``), or ``None`` when nothing was
-        offloaded: no pin, a decode without agentkv's extension or without a tier, a failed
-        write or call (the pin then stays as it was). Never raises for the server's sake. The
-        next turn's prefill loads the offloaded KV from the tier.
+        """Offload the pin to decode's file tier now, and free decode's memory; the tier
+        reference (also ``session.tier``), which the next turn's prefill loads, or ``None``: no
+        pin, no extension or tier on decode, a failed write or call (the pin then stays).
 
         >>> ref = await session.offload()  # the user went for lunch  # doctest: +SKIP
         """
@@ -250,19 +243,15 @@ class AsyncSession(SessionBase):
 
     async def persist(self) -> TierRef | None:
         """Deprecated name of ``offload()``."""
-        warnings.warn(
-            "session.persist() is deprecated: use session.offload()", DeprecationWarning, 2
-        )
+        warnings.warn("session.persist() is deprecated: use offload()", DeprecationWarning, 2)
         return await self.offload()
 
     async def unpin(self) -> Literal["persisted", "released"] | None:
         """Free the decode memory this session's next turn would reuse, now.
 
-        Persisted to decode's file tier where it has one (the next turn loads it back), else
-        released (the next turn recomputes its history, from prefill's prefix cache where it
-        still holds it). ``None`` when nothing was pinned or the release failed. For an idle
-        session while decode's memory is nearly full (the proxy's pressure relief). Never
-        raises for the server's sake.
+        Offloaded to decode's file tier where it has one, else released (the next turn
+        recomputes). ``None`` when nothing was pinned or the release failed. For an idle session
+        while decode's memory is nearly full (the proxy's pressure relief).
         """
         self._check_open()
         with self._state.holding("unpin"):
@@ -333,29 +322,20 @@ class AsyncSession(SessionBase):
         return child
 
     async def aclose(self) -> None:
-        """Close the session: release its handle on decode and free its place on the pair.
-
-        The release (agentkv's extension only) is best effort: a decode that cannot be reached
-        keeps the pin until its TTL, and the close still succeeds.
-        """
-        state = self._state
+        """Close the session: release its pin (or delete its tier entry) and free its place on
+        the pair. Best effort: an unreachable decode keeps the pin until its TTL."""
+        state, pool = self._state, self._pool
         if state.closed:
             return
         await self._close_abandoned()
         state.close()
-        # Releases of this session's lost D legs, still in flight: done before close returns.
-        pool = self._pool
-        await pool.leases.settle()
+        await pool.leases.settle()  # releases of lost D legs still in flight: done first
         pool.release(state.pair)
         await leasing.close(pool, state)
 
     def detach(self) -> None:
-        """Close this copy of the session without releasing its handle on decode.
-
-        For a session that lives on elsewhere: another process (a proxy replica sharing
-        sessions) holds its snapshot and will send or release the handle (or delete its tier
-        entry). Frees this copy's place on its pair; idempotent.
-        """
+        """Close this copy without releasing its KV, for a session that lives on elsewhere (a
+        proxy replica's snapshot will send or release it). Frees its place; idempotent."""
         state = self._state
         if not state.closed:
             state.close()
