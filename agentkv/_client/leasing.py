@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -40,12 +41,12 @@ from agentkv._wire.tier import TierRef
 
 __all__ = [
     "close",
-    "confirm",
     "decode_kv_usage",
     "extend",
     "offload",
     "release_request",
     "run",
+    "take",
     "unpin",
 ]
 
@@ -225,15 +226,26 @@ def _log_call(
 # --- a session's calls ---------------------------------------------------------------------------
 
 
-async def confirm(
-    pool: PairPool, state: SessionState, supported: bool | None, prompt_len: int
-) -> None:
-    """Claim an unconfirmed handle before a turn takes it (``kv.confirm``)."""
+async def take(
+    pool: PairPool,
+    state: SessionState,
+    prompt: Sequence[int],
+    facts: kv.RouteFacts,
+    *,
+    supported: bool | None,
+) -> kv.Taken:
+    """Take the session's KV for a turn of ``prompt`` (``kv.take``), a handle a copy also holds
+    claimed first (``kv.confirm``); a handle not attached is released."""
+    policy = state.policy
     step = kv.confirm(
-        state.kv, prompt_len=prompt_len, supported=supported, policy=state.policy, now=pool.clock()
+        state.kv, prompt_len=len(prompt), supported=supported, policy=policy, now=pool.clock()
     )
     if effects := state.apply(step):
         await run(pool, state, effects)
+    step, taken = kv.take(state.kv, prompt=prompt, facts=facts, policy=policy, now=pool.clock())
+    if effects := state.apply(step):
+        await run(pool, state, effects)
+    return taken
 
 
 async def extend(pool: PairPool, state: SessionState, ttl_s: float, *, reason: str) -> float | None:

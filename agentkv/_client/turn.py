@@ -258,7 +258,6 @@ class TurnRunner(TurnLegs):
         self._request = request
         # Asked once per decode server, then cached: whether to send hints at all.
         supported = await pool.leases.supported(pair.decode)
-        await leasing.confirm(pool, state, supported, len(prompt))
         facts = kv.RouteFacts(
             route=self._options.route,
             decode_queued=pool.decode_queued(pair),
@@ -266,11 +265,7 @@ class TurnRunner(TurnLegs):
             block_size=pool.block_size,
             local_ok=supported is True,  # no turn is computed on a decode without agentkv
         )
-        step, taken = kv.take(
-            state.kv, prompt=prompt.token_ids, facts=facts, policy=state.policy, now=pool.clock()
-        )
-        if effects := state.apply(step):
-            await leasing.run(pool, state, effects)
+        taken = await leasing.take(pool, state, prompt.token_ids, facts, supported=supported)
         sent, handle_state, reason, tier = taken.sent, taken.state, taken.reason, taken.tier
         route = taken.route
         self._handle_state = handle_state

@@ -63,6 +63,9 @@ class Taken:
     route: RouteDecision
 
 
+_CONSUMED = NoKV(reason=HandleState.CONSUMED, detail="a failed turn may have read the handle")
+
+
 def confirm(
     kv: KV, *, prompt_len: int, supported: bool | None, policy: CachePolicy, now: float
 ) -> Step:
@@ -125,7 +128,7 @@ def take(
     elif isinstance(kv, NoKV):
         state, reason = kv.reason, kv.detail
     elif decision.attach:
-        new = _lost(kv, HandleState.CONSUMED, "a failed turn may have read the handle")
+        new = _CONSUMED if kv.note is None else _lost(kv, _CONSUMED.reason, _CONSUMED.detail)
     else:
         new = _lost(kv, decision.state, decision.reason)
         if policy.decide_release(handle, now=now):
@@ -199,6 +202,8 @@ def committed(
     while the turn ran releases the new pin at once; ``offload``: the caller asked for the tier
     right after the turn (the pin stays if the write fails).
     """
+    if handle is not None and not (closed or offload or isinstance(kv, OnTier)):
+        return Step(Pinned(handle=handle))  # the common case, first: a turn's CPU counts
     effects: list[Effect] = []
     if isinstance(kv, OnTier):
         effects.append(DeleteTierEntry(ref=kv.ref, pair=kv.pair, reason="used", background=True))
