@@ -237,11 +237,12 @@ async def take(
     """Take the session's KV for a turn of ``prompt`` (``kv.take``), a handle a copy also holds
     claimed first (``kv.confirm``); a handle not attached is released."""
     policy = state.policy
-    step = kv.confirm(
-        state.kv, prompt_len=len(prompt), supported=supported, policy=policy, now=pool.clock()
-    )
-    if effects := state.apply(step):
-        await run(pool, state, effects)
+    if kv.unconfirmed(state.kv):
+        step = kv.confirm(
+            state.kv, prompt_len=len(prompt), supported=supported, policy=policy, now=pool.clock()
+        )
+        if effects := state.apply(step):
+            await run(pool, state, effects)
     step, taken = kv.take(state.kv, prompt=prompt, facts=facts, policy=policy, now=pool.clock())
     if effects := state.apply(step):
         await run(pool, state, effects)

@@ -72,6 +72,7 @@ from agentkv._client.kv._value import (
     tier_matches,
     tier_of,
     tokens_digest,
+    unconfirmed,
 )
 
 __all__ = [
@@ -114,6 +115,7 @@ __all__ = [
     "tier_matches",
     "tier_of",
     "tokens_digest",
+    "unconfirmed",
     "unpin_effects",
     "unpinned",
     "wait_ended",

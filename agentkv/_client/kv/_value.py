@@ -137,6 +137,11 @@ def tier_of(kv: KV) -> TierRef | None:
     return kv.ref if isinstance(kv, OnTier) else None
 
 
+def unconfirmed(kv: KV) -> bool:
+    """A pin a copy of the session also holds: ``confirm`` claims it before a turn takes it."""
+    return isinstance(kv, Pinned) and not kv.confirmed
+
+
 def leased_pin(kv: KV) -> KVHandle | None:
     """The handle of a pin decode leased to the session (one it can release, extend, offload)."""
     return kv.handle if isinstance(kv, Pinned) and kv.handle.leased else None
