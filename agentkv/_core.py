@@ -30,6 +30,8 @@ The rest is not public, and is here for a reason each:
   client's are, so a session on the fake cluster runs its real-server path.
 - ``sample_values``: a few series out of a server's ``/metrics`` (the benchmark samples decode's
   KV usage as the SDK reads it before a tool wait).
+- ``kv``: a session's reusable KV as one value (``agentkv._client.kv``): the proxy's shared store
+  reads it (is it pinned, on which pair) where it hands sessions between replicas.
 - the hint and file-tier wire values and routes: the benchmark's legs, ``agentkv status`` and the
   protocol-faithful fakes in ``agentkv.testing`` speak them. (The vLLM side, ``agentkv.connector``,
   is the protocol's other end and imports ``agentkv._wire`` itself.)
@@ -37,7 +39,9 @@ The rest is not public, and is here for a reason each:
 
 from agentkv._agent.tool_calling import JsonToolCalling
 from agentkv._agent.tools import ToolDefinitionError, ToolSpec
+from agentkv._client import kv
 from agentkv._client.cluster import AsyncCluster, Cluster
+from agentkv._client.offload import OffloadMode, as_offload
 from agentkv._client.portal import Portal
 from agentkv._client.session import AsyncSession
 from agentkv._exceptions import (
@@ -141,6 +145,7 @@ __all__ = [
     "LeaseRef",
     "MalformedResponseError",
     "Message",
+    "OffloadMode",
     "OffloadRequest",
     "OffloadResult",
     "Pair",
@@ -174,7 +179,9 @@ __all__ = [
     "TurnResult",
     "TurnStats",
     "UpstreamStatusError",
+    "as_offload",
     "dumps",
+    "kv",
     "lease_error",
     "listening_socket",
     "loads",
