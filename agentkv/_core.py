@@ -29,6 +29,9 @@ The rest is not public, and is here for a reason each:
   real-server path.
 - ``sample_values``: a few series out of a server's ``/metrics`` (the benchmark samples decode's
   KV usage as the SDK reads it before a tool wait).
+- ``get_logger``/``configure_logging``: the quiet loggers every module logs through (events go
+  to the stdlib logger ``agentkv`` and its children), and what the CLIs and the vLLM plugin call
+  to print them.
 - the hint and file-tier wire values and routes: the benchmark's legs, ``agentkv status`` and the
   protocol-faithful fakes in ``agentkv.testing`` speak them. (The vLLM side, ``agentkv.connector``,
   is the protocol's other end and imports ``agentkv._wire`` itself.)
@@ -55,6 +58,7 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
+from agentkv._log import configure_logging, get_logger
 from agentkv._policy import PersistMode
 from agentkv._prompt.history import HistoryPlan
 from agentkv._prompt.template import ChatTemplate, ServerRenderer
@@ -169,7 +173,9 @@ __all__ = [
     "TurnResult",
     "TurnStats",
     "UpstreamStatusError",
+    "configure_logging",
     "dumps",
+    "get_logger",
     "lease_error",
     "listening_socket",
     "loads",

@@ -26,10 +26,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
+from agentkv._log import get_logger
 from agentkv._policy import ExtendDecision, PersistMode, TierDecision
 from agentkv._types import HandleState, KVHandle
 from agentkv._wire.handoff import extended_handle
@@ -53,7 +52,7 @@ __all__ = [
     "release_soon",
 ]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 
 def _ms(since: float) -> float:

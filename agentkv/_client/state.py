@@ -11,16 +11,14 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
-import logging
 from array import array
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from agentkv._client.turn_log import TurnLog
 from agentkv._exceptions import PrefixDivergedError, SessionBusyError, SessionLoadError
+from agentkv._log import turn_logger
 from agentkv._policy import CachePolicy
 from agentkv._prompt.template import tools_key
 from agentkv._prompt.transcript import Transcript, TurnPrompt
@@ -37,37 +35,6 @@ __all__ = ["SessionState", "TurnOutcome", "pulled_estimate", "tokens_digest"]
 def tokens_digest(tokens: Iterable[int]) -> str:
     """A digest of exact token ids: what a tier entry holds, checked against the next prompt."""
     return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest()
-
-
-logger = structlog.get_logger("agentkv")
-_turn_logger: tuple[tuple[object, ...], Any] | None = None
-_CONFIG_KEYS = ("processors", "wrapper_class", "context_class", "logger_factory")
-
-
-def turn_logger() -> Any:
-    """``logger`` bound once per structlog configuration, for the event of every turn; ``None``
-    when that configuration drops info events (a filtering wrapper above ``INFO``), so the turn
-    builds no event for nothing.
-
-    The module's lazy proxy binds a new logger on every call (~4 us) unless structlog caches on
-    first use; rebinding when the configuration changes (``configure``, ``capture_logs``) logs
-    the same events through the same processors.
-    """
-    global _turn_logger  # noqa: PLW0603 - one cache for the process, as structlog's own
-    config = structlog.get_config()
-    cached = _turn_logger
-    if cached is None or not (
-        (key := cached[0])[0] is config["processors"]
-        and key[1] is config["wrapper_class"]
-        and key[2] is config["context_class"]
-        and key[3] is config["logger_factory"]
-    ):
-        bound = logger.bind()
-        # structlog's filtering wrappers say their level; any other wrapper gets the event.
-        enabled = getattr(bound, "is_enabled_for", None)
-        use = bound if enabled is None or enabled(logging.INFO) else None
-        cached = _turn_logger = (tuple(config[k] for k in _CONFIG_KEYS), use)
-    return cached[1]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

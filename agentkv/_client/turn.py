@@ -35,7 +35,6 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
-import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_exponential, wait_random
 
@@ -58,6 +57,7 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
+from agentkv._log import get_logger
 from agentkv._policy import PersistMode
 from agentkv._prompt.transcript import TurnPrompt
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TextDelta, TurnResult
@@ -81,7 +81,7 @@ __all__ = ["TurnRunner"]
 
 T = TypeVar("T")
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 _CHAT_PATH = "/v1/chat/completions"
 

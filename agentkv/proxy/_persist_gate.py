@@ -26,13 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-import structlog
-
-from agentkv._core import PersistMode
+from agentkv._core import PersistMode, get_logger
 
 __all__ = ["IGNORED_HEADER", "Admission", "PersistGate"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 IGNORED_HEADER = "X-AgentKV-Persist-Ignored"
 # Buckets beyond this many are pruned of the full ones (a full bucket is the same as none).
