@@ -31,7 +31,12 @@ def uv_flags(pip_config_list: str) -> list[str]:
         section, _, key = name.rpartition(".")
         if section in _SECTIONS and key in _FLAGS:
             found[section, key] = " ".join(shlex.split(raw))
-    values = {key: found[s, key] for s in _SECTIONS for key in _FLAGS if (s, key) in found}
+    values: dict[str, str] = {}
+    for key in _FLAGS:
+        for section in reversed(_SECTIONS):
+            if (section, key) in found:
+                values[key] = found[section, key]
+                break
     flags = []
     for key, value in values.items():
         for item in value.split():
