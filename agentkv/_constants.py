@@ -23,10 +23,10 @@ HEALTH_RECHECK_S = 5.0
 # Lease calls answer in milliseconds; a decode that takes longer is in trouble, and a close must
 # not hang on it.
 LEASE_CALL_TIMEOUT_S = 5.0
-# A persist waits for decode to write the handle's KV to the tier and fsync it: GiBs at GPU
+# An offload waits for decode to write the handle's KV to the tier and fsync it: GiBs at GPU
 # sizes, seconds on a CPU (decode keeps serving others meanwhile, connector/_tier_writer.py). A
 # client that gave up sooner would keep a handle whose pin the commit then frees.
-PERSIST_CALL_TIMEOUT_S = 120.0
+OFFLOAD_CALL_TIMEOUT_S = 120.0
 # How long closing a cluster waits for its lease calls still in flight (releases, tier deletes:
 # each bounded by the timeout above) before it cancels them and closes the client under them.
 CLOSE_SETTLE_S = LEASE_CALL_TIMEOUT_S

@@ -9,11 +9,11 @@ The clock is always passed in (``now``), so every rule is a plain function to te
 <HandleState.NONE: 'none'>
 
 With agentkv's vLLM extension on decode (``agentkv.connector``), the policy also says what decode
-should do with a turn's KV: pin it for the next turn or not at all (``decide_persist``), keep it
+should do with a turn's KV: pin it for the next turn or not at all (``decide_pin``), keep it
 longer while a tool runs (``decide_extend``), or free it now (``decide_release``):
 
->>> policy.decide_persist(final=True)
-PersistHint(persist=False, ttl_s=None)
+>>> policy.decide_pin(final=True)
+PinHint(pin=False, ttl_s=None)
 
 Where a session lives and where each turn prefills are decided the same way in ``_placement``.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias, cast
@@ -30,7 +31,7 @@ from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError
 from agentkv._route import RoutePolicy
 from agentkv._types import HandleState, KVHandle
-from agentkv._wire.hints import PersistHint
+from agentkv._wire.hints import PinHint
 from agentkv._wire.tier import TierRef
 
 __all__ = [
@@ -150,13 +151,13 @@ class TierDecision:
         return self.action == "persist"
 
 
-_NO_PIN = PersistHint(persist=False)
+_NO_PIN = PinHint(pin=False)
 
 
 @functools.lru_cache(maxsize=32)
-def _pin_hint(ttl_s: float | None) -> PersistHint:
+def _pin_hint(ttl_s: float | None) -> PinHint:
     # A policy's TTL is fixed: its (frozen) hint is built and checked once, not every turn.
-    return PersistHint(ttl_s=ttl_s)
+    return PinHint(ttl_s=ttl_s)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -269,9 +270,18 @@ class CachePolicy:
             return None
         return now - handle.deadline
 
-    def decide_persist(self, *, final: bool) -> PersistHint:
+    def decide_pin(self, *, final: bool) -> PinHint:
         """The hint for a D leg: pin for the next turn, or nothing on a turn no other follows."""
         return _NO_PIN if final else _pin_hint(self.pin_ttl_s)
+
+    def decide_persist(self, *, final: bool) -> PinHint:
+        """Deprecated: the old name of :meth:`decide_pin` (it decides a pin, not a tier write)."""
+        warnings.warn(
+            "CachePolicy.decide_persist is deprecated; use decide_pin",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.decide_pin(final=final)
 
     def decide_extend(
         self, handle: KVHandle | None, *, now: float, expected_wait_s: float

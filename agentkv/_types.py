@@ -268,7 +268,7 @@ class HandleState(enum.StrEnum):
     UNUSED = "unused"
     """The handle was live, but the turn's route (``recompute``) did not use it: released."""
     TIER = "tier"
-    """No live handle: the P leg carried the session's file-tier reference (a persisted turn),
+    """No live handle: the P leg carried the session's file-tier reference (an offloaded turn),
     and prefill loaded the matching prefix from the tier."""
 
 

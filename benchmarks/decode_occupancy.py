@@ -44,7 +44,7 @@ import httpx2
 
 import agentkv
 from agentkv import CachePolicy
-from agentkv._wire.hints import PersistHint
+from agentkv._wire.hints import PinHint
 
 USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", re.MULTILINE)
 RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", re.MULTILINE)
@@ -112,8 +112,11 @@ class StockPolicy(CachePolicy):
 
     __slots__ = ()
 
-    def decide_persist(self, *, final: bool) -> PersistHint:
-        return PersistHint(ttl_s=None)  # decoder_kv_blocks_ttl, as for a request without a hint
+    def decide_pin(self, *, final: bool) -> PinHint:
+        return PinHint(ttl_s=None)  # decoder_kv_blocks_ttl, as for a request without a hint
+
+    # The SDK's turn called this older name until issue 41's rewrite; both decide the same.
+    decide_persist = decide_pin
 
     def decide_release(self, handle: Any, *, now: float) -> bool:
         return False

@@ -12,7 +12,7 @@ same pair, each with fresh Redis state:
   turn through the other replica (streamed, greedy, through the openai SDK; a 503 is retried
   after its ``Retry-After``, as clients do).
 * ``chaos``: the same sessions, while the ``noisy`` tenant floods new sessions (each asking
-  ``X-AgentKV-Persist: disk``), holds ``--slow-bodies`` uploads stalled mid-body, and
+  ``X-AgentKV-Offload: always``), holds ``--slow-bodies`` uploads stalled mid-body, and
   ``redis-server`` is killed (SIGKILL, by its pid) once half the good tenant's turns are done,
   for ``--redis-down-s`` (10 s), and restarted on the same port.
 
@@ -211,7 +211,7 @@ async def flood(replicas: list[Replica], stop: asyncio.Event, out: dict[str, Any
                     replicas[n % len(replicas)].url + "/v1/chat/completions",
                     json={"messages": [{"role": "user", "content": f"Spam {n}?"}], "max_tokens": 2},
                     headers={"Authorization": f"Bearer {KEYS['noisy']}",
-                             "X-Session-ID": session_id, "X-AgentKV-Persist": "disk"},
+                             "X-Session-ID": session_id, "X-AgentKV-Offload": "always"},
                 )
                 statuses[response.status_code] += 1
             except httpx2.HTTPError:

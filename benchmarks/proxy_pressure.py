@@ -123,7 +123,7 @@ async def run_mode(
         port=0,
         relieve_kv_usage=0.9 if name == "on" else None,
         relieve_interval_s=1.0,
-        persist_idle_s=None,  # the relief alone frees pins (no 120 s persist in a 3 min run)
+        offload_idle_s=None,  # the relief alone frees pins (no 120 s offload in a 3 min run)
     )
     server = ProxyServer(lambda: agentkv.AsyncCluster.from_file(cluster_file), config)
     ttfts: list[tuple[int, float]] = []

@@ -11,7 +11,7 @@ and its OpenAI server (``chat_completion/protocol.py``, ``renderers/online_rende
 * D leg: prefill's returned params plus ``prompt_token_ids``, and ``return_token_ids: true`` so the
   answer carries the generated ids (vLLM has no way to ask for them without the prompt's echo).
   The messages go along: decode's tool parser counts the history's tool calls in them.
-* agentkv's extension (``_hints``): the D leg may carry a persist hint; decode's answer then holds a
+* agentkv's extension (``_hints``): the D leg may carry a pin hint; decode's answer then holds a
   lease acknowledgement, whose secret stays here and in the lease calls (the P leg never sees it).
 
 Raw parameter dicts are built and read here only (decode's answer in ``decode_answer``, with
@@ -37,7 +37,7 @@ from agentkv._wire.hints import (
     HintError,
     LeaseAck,
     LeaseRef,
-    PersistHint,
+    PinHint,
     for_prefill,
     with_hint,
 )
@@ -157,7 +157,7 @@ def prefill_body(
     """The P leg: prefill only (one discarded token), and pull ``handle``'s KV if given.
 
     ``prompt_ids`` is the prompt's token list, or a pre-serialized fragment of it. Without a
-    handle, ``tier`` (a persisted turn's reference) lets prefill load the prompt's prefix from
+    handle, ``tier`` (an offloaded turn's tier entry) lets prefill load the prompt's prefix from
     the file tier instead.
     """
     params = handle_params(handle) if handle is not None else dict(_NO_HANDLE)
@@ -185,7 +185,7 @@ def decode_body(
     prompt_ids: Any,
     prefill: PrefillResult | None,
     stream: bool,
-    hint: PersistHint | None = None,
+    hint: PinHint | None = None,
 ) -> bytes:
     """The D leg: the real request, carrying prefill's params so decode pulls its blocks.
 

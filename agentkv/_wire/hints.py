@@ -5,12 +5,15 @@ long its tool call will run. It says so in two ways, both understood only by age
 extension (``agentkv.connector``); a stock server ignores them (``kv_transfer_params`` is an open
 dict and vLLM reads only its own keys), so they are always safe to send.
 
-1. **Persist hint**, on the D leg, inside ``kv_transfer_params`` under the namespaced key
+1. **Pin hint**, on the D leg, inside ``kv_transfer_params`` under the namespaced key
    ``"agentkv"``: pin this request's turn-end KV for ``ttl_s`` seconds, or do not pin it at all
    (the session's last turn, a one-shot request)::
 
        {"agentkv": {"v": 1, "persist": true, "ttl_s": 120.0}}
        {"agentkv": {"v": 1, "persist": false}}
+
+   The wire key stays ``"persist"`` (SDK and connector of different versions must understand each
+   other); in code the hint is a :class:`PinHint` and its flag ``pin``.
 
    Decode answers with an acknowledgement under the same key in its returned
    ``kv_transfer_params`` (:class:`LeaseAck`): ``{"v": 1, "pinned": true, "lease": "<secret>",
@@ -27,11 +30,11 @@ dict and vLLM reads only its own keys), so they are always safe to send.
 
 Everything here is pure: no I/O, no clock, no vLLM import.
 
->>> hint = PersistHint(ttl_s=90)
+>>> hint = PinHint(ttl_s=90)
 >>> with_hint({"do_remote_prefill": True}, hint)["agentkv"]
 {'v': 1, 'persist': True, 'ttl_s': 90.0}
->>> PersistHint.from_wire({"v": 1, "persist": False})
-PersistHint(persist=False, ttl_s=None)
+>>> PinHint.from_wire({"v": 1, "persist": False})
+PinHint(pin=False, ttl_s=None)
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import hashlib
 import math
 import re
 import secrets
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +63,7 @@ __all__ = [
     "HintError",
     "LeaseAck",
     "LeaseRef",
-    "PersistHint",
+    "PinHint",
     "RequestRelease",
     "ServerInfo",
     "for_prefill",
@@ -205,43 +209,81 @@ def _text(value: object, what: str, *, limit: int = 512) -> str:
     return value
 
 
+# The wire key of the pin flag: "persist" since wire version 1, kept so that SDKs and connectors of
+# different versions understand each other (the word in code is "pin").
+_PIN_KEY = "persist"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PersistHint:
+class PinHint:
     """What decode does with a D leg's turn-end KV: pin it for ``ttl_s`` seconds, or not at all.
 
     ``ttl_s=None`` keeps the server's default (``decoder_kv_blocks_ttl``); the server caps it at its
-    ``agentkv_max_ttl_s``. Send ``PersistHint(persist=False)`` on a session's last turn.
+    ``agentkv_max_ttl_s``. Send ``PinHint(pin=False)`` on a session's last turn.
     """
 
-    persist: bool = True
+    pin: bool = True
     ttl_s: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.persist, bool):
-            raise HintError("persist must be a bool")
+        if not isinstance(self.pin, bool):
+            raise HintError("pin must be a bool")
         if self.ttl_s is not None:
-            if not self.persist:
-                raise HintError("ttl_s has no meaning when persist is false")
+            if not self.pin:
+                raise HintError("ttl_s has no meaning when pin is false")
             object.__setattr__(self, "ttl_s", positive_seconds(self.ttl_s, "ttl_s"))
 
+    @property
+    def persist(self) -> bool:
+        """Deprecated: the old name of :attr:`pin`."""
+        warnings.warn(
+            "PinHint.persist is deprecated; read PinHint.pin", DeprecationWarning, stacklevel=2
+        )
+        return self.pin
+
     def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {"v": WIRE_VERSION, "persist": self.persist}
+        wire: dict[str, Any] = {"v": WIRE_VERSION, _PIN_KEY: self.pin}
         if self.ttl_s is not None:
             wire["ttl_s"] = self.ttl_s
         return wire
 
     @classmethod
-    def from_wire(cls, value: object) -> PersistHint:
+    def from_wire(cls, value: object) -> PinHint:
         data = _object(value, f"kv_transfer_params.{HINTS_KEY}")
-        _version(data, "the persist hint")
-        persist = data.get("persist", True)
-        if not isinstance(persist, bool):
-            raise HintError("persist must be a bool")
+        _version(data, "the pin hint")
+        pin = data.get(_PIN_KEY, True)
+        if not isinstance(pin, bool):
+            raise HintError(f"{_PIN_KEY} must be a bool")
         ttl = data.get("ttl_s")
-        return cls(persist=persist, ttl_s=None if ttl is None else positive_seconds(ttl, "ttl_s"))
+        return cls(pin=pin, ttl_s=None if ttl is None else positive_seconds(ttl, "ttl_s"))
 
 
-def with_hint(params: Mapping[str, Any], hint: PersistHint) -> dict[str, Any]:
+class _PersistHint:
+    """Deprecated: :class:`PinHint` under its old name, which took ``persist=`` for ``pin=``.
+
+    Calling it builds a :class:`PinHint` (so equality with new hints holds); ``isinstance``
+    checks must use :class:`PinHint`.
+    """
+
+    def __new__(cls, *, persist: bool = True, ttl_s: float | None = None) -> PinHint:  # type: ignore[misc]
+        return PinHint(pin=persist, ttl_s=ttl_s)
+
+    from_wire = PinHint.from_wire
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the old class name still imports, with a DeprecationWarning, for one release.
+    if name == "PersistHint":
+        warnings.warn(
+            "agentkv PersistHint is deprecated; use PinHint (pin= for persist=)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _PersistHint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def with_hint(params: Mapping[str, Any], hint: PinHint) -> dict[str, Any]:
     """A copy of a D leg's ``kv_transfer_params`` carrying ``hint``."""
     return {**params, HINTS_KEY: hint.to_wire()}
 
@@ -265,7 +307,7 @@ def with_expiry(params: Mapping[str, Any], result: ExtendResult) -> dict[str, An
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LeaseAck:
-    """Decode's answer to a persist hint, read from the D leg's returned ``kv_transfer_params``.
+    """Decode's answer to a pin hint, read from the D leg's returned ``kv_transfer_params``.
 
     ``lease`` is the secret that, with the handle's request id and block ids, authorizes release and
     extend. ``error`` says why a malformed hint was ignored (decode then pinned as stock vLLM does).

@@ -1,5 +1,5 @@
 """The lease routes of the decode servers, as calls: info, release, release-request, extend,
-claim, persist (to the file tier) and tier delete.
+claim, offload (to the file tier) and tier delete.
 
 The HTTP side of a session's pinned KV (``_leasing`` decides when to call; ``_hints`` is the wire
 form). No session state here: a call takes a decode URL and a handle, and answers a
@@ -37,10 +37,10 @@ from agentkv._wire.http import exchange
 from agentkv._wire.json import dumps
 from agentkv._wire.metrics import sample_values
 from agentkv._wire.tier import (
-    PERSIST_PATH,
+    LEGACY_OFFLOAD_PATH,
     TIER_DELETE_PATH,
-    PersistRequest,
-    PersistResult,
+    OffloadRequest,
+    OffloadResult,
     TierDelete,
     TierRef,
 )
@@ -77,7 +77,13 @@ class CallResult:
     status: int | None
     detail: str = ""
     extended: ExtendResult | None = None
-    persisted: PersistResult | None = None
+    offloaded: OffloadResult | None = None
+
+    @property
+    def persisted(self) -> OffloadResult | None:
+        """The old name of :attr:`offloaded` (the session's executor reads it until issue 41's
+        rename reaches it)."""
+        return self.offloaded
 
 
 def _error_code(data: Any) -> str:
@@ -288,15 +294,16 @@ class LeaseCalls:
             return CallResult(outcome=FAILED, status=status, detail=str(exc))
         return CallResult(outcome=OK, status=status, extended=result)
 
-    async def persist(
+    async def offload(
         self, decode: str, handle: KVHandle, *, ttl_s: float | None = None
     ) -> CallResult:
-        """Persist a leased handle to decode's file tier (decode frees the pin on success), for
+        """Offload a leased handle to decode's file tier (decode frees the pin on success), for
         ``ttl_s`` seconds (decode caps it; ``None``: decode's default). The answer's reference
-        carries the entry's secret, which the delete needs."""
-        request = PersistRequest(ref=lease_ref(handle), ttl_s=ttl_s)
-        answer = await self._call(decode + PERSIST_PATH, request.to_wire(),
-                                  timeout_s=defaults.PERSIST_CALL_TIMEOUT_S)
+        carries the entry's secret, which the delete needs. Sent to the route's first name,
+        which every connector serves (``tier.LEGACY_OFFLOAD_PATH``)."""
+        request = OffloadRequest(ref=lease_ref(handle), ttl_s=ttl_s)
+        answer = await self._call(decode + LEGACY_OFFLOAD_PATH, request.to_wire(),
+                                  timeout_s=defaults.OFFLOAD_CALL_TIMEOUT_S)
         if isinstance(answer, CallResult):
             return answer
         status, data = answer
@@ -306,10 +313,13 @@ class LeaseCalls:
                 self._tier[decode] = False
             return CallResult(outcome=_outcome(status), status=status, detail=code)
         try:
-            result = PersistResult.from_wire(data)
+            result = OffloadResult.from_wire(data)
         except HintError as exc:
             return CallResult(outcome=FAILED, status=status, detail=str(exc))
-        return CallResult(outcome=OK, status=status, persisted=result)
+        return CallResult(outcome=OK, status=status, offloaded=result)
+
+    # The old name (the session's executor calls it until issue 41's rename reaches it).
+    persist = offload
 
     async def delete_tier(self, decode: str, ref: TierRef) -> CallResult:
         """Delete a tier entry (its session moved on) with its secret; 404 (``gone``) for a

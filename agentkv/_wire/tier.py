@@ -1,15 +1,20 @@
 """agentkv's file tier for turn-end KV: wire values shared by the SDK and the vLLM connector.
 
-A pinned decode handle can be **persisted**: decode writes the handle's KV blocks (prompt and
+A pinned decode handle can be **offloaded**: decode writes the handle's KV blocks (prompt and
 generated tokens it computed) to a file tier on the host and frees its pin. The answer is a
-:class:`TierRef`: an opaque 128-bit id, the number of tokens the tier holds, and the entry's
-secret (only the persisting client learns it; the delete needs it). ``ttl_s`` in the request asks
-for a time to live other than the server's default (capped by the server); the answer says what
-was granted::
+:class:`TierRef` (the **tier entry**): an opaque 128-bit id, the number of tokens the tier holds,
+and the entry's secret (only the offloading client learns it; the delete needs it). ``ttl_s`` in
+the request asks for a time to live other than the server's default (capped by the server); the
+answer says what was granted::
 
     POST /v1/agentkv/leases/persist  {"remote_request_id", "remote_block_ids", "lease", "ttl_s"?}
     200 {"tier": {"v": 1, "id": "<32 hex>", "n_tokens": 1101, "secret": "...", "bytes": 25367040,
                   "ttl_s": 86400.0}}
+
+The route keeps its first name, ``.../leases/persist`` (:data:`LEGACY_OFFLOAD_PATH`), which every
+connector serves and the SDK sends to: SDK and connector may be of different versions. Connectors
+from issue 41 on also serve :data:`OFFLOAD_PATH` (``.../leases/offload``), the same call; the SDK
+moves to it once no supported connector lacks it.
 
 The next turn's P leg carries the reference inside ``kv_transfer_params`` (and no live decode
 handle); prefill then loads the longest prefix of its prompt that the tier holds, verified
@@ -44,6 +49,7 @@ True
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,15 +57,16 @@ from typing import Any
 from agentkv._wire.hints import HINTS_KEY, WIRE_VERSION, HintError, LeaseRef, positive_seconds
 
 __all__ = [
-    "PERSIST_PATH",
+    "LEGACY_OFFLOAD_PATH",
+    "OFFLOAD_PATH",
     "TIER_DELETE_PATH",
     "TIER_FAILED",
     "TIER_ID_PATTERN",
     "TIER_KEY",
     "TIER_LOAD_KEY",
     "TIER_UNAVAILABLE",
-    "PersistRequest",
-    "PersistResult",
+    "OffloadRequest",
+    "OffloadResult",
     "TierDelete",
     "TierLoadReport",
     "TierRef",
@@ -69,9 +76,12 @@ __all__ = [
     "with_tier_load",
 ]
 
-PERSIST_PATH = "/v1/agentkv/leases/persist"
+# The offload route: its wire name since wire version 1 (every connector serves it; the SDK sends
+# to it), and its name from issue 41 on (served beside it by newer connectors). See the docstring.
+LEGACY_OFFLOAD_PATH = "/v1/agentkv/leases/persist"
+OFFLOAD_PATH = "/v1/agentkv/leases/offload"
 TIER_DELETE_PATH = "/v1/agentkv/tier/delete"
-# The key of the tier reference inside ``kv_transfer_params["agentkv"]`` and of the persist answer.
+# The key of the tier reference inside ``kv_transfer_params["agentkv"]`` and of the offload answer.
 TIER_KEY = "tier"
 # The key of prefill's report on a tier reference, in its answer's params (``TierLoadReport``).
 TIER_LOAD_KEY = "tier_load"
@@ -125,11 +135,12 @@ def _agentkv_field(params: Mapping[str, Any] | None, key: str, what: str) -> obj
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TierRef:
-    """Where a persisted handle's KV lives: an opaque id on the servers' shared tier, and how
-    many tokens (the handle's prompt + generated tokens that decode computed) it holds.
+    """Where an offloaded handle's KV lives (a tier entry): an opaque id on the servers' shared
+    tier, and how many tokens (the handle's prompt + generated tokens that decode computed) it
+    holds.
 
-    ``secret`` is the entry's delete capability, as the persist answer gave it to the client
-    that persisted it (``None``: a reference from a P leg, or from a session saved before tier
+    ``secret`` is the entry's delete capability, as the offload answer gave it to the client
+    that offloaded it (``None``: a reference from a P leg, or from a session saved before tier
     secrets, which cannot delete its entry; the entry then expires with its TTL). It is no part
     of the reference's identity and is never shown (``repr``) nor sent to prefill (``to_wire``).
     """
@@ -146,7 +157,7 @@ class TierRef:
 
     def to_wire(self, *, with_secret: bool = False) -> dict[str, Any]:
         """The reference as a P leg carries it; ``with_secret``: as its owner keeps it (the
-        persist answer, a saved session)."""
+        offload answer, a saved session)."""
         wire: dict[str, Any] = {"id": self.id, "n_tokens": self.n_tokens}
         if with_secret and self.secret is not None:
             wire["secret"] = self.secret
@@ -254,14 +265,15 @@ def with_tier_load(params: Mapping[str, Any], report: TierLoadReport) -> dict[st
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PersistRequest:
-    """``POST`` :data:`PERSIST_PATH`: write a leased handle to the tier and free its pin.
+class OffloadRequest:
+    """``POST`` :data:`LEGACY_OFFLOAD_PATH` (or :data:`OFFLOAD_PATH`): write a leased handle to the
+    tier and free its pin.
 
     ``ttl_s`` asks for the entry's time to live (``None``: the server's default); the server
     caps it at its maximum.
 
     >>> ref = LeaseRef(request_id="r", block_ids=((1,),), lease="s3cret")
-    >>> PersistRequest(ref=ref, ttl_s=600).to_wire()["ttl_s"]
+    >>> OffloadRequest(ref=ref, ttl_s=600).to_wire()["ttl_s"]
     600.0
     """
 
@@ -279,16 +291,16 @@ class PersistRequest:
         return wire
 
     @classmethod
-    def from_wire(cls, value: object) -> PersistRequest:
-        data = _object(value, "a persist request")
+    def from_wire(cls, value: object) -> OffloadRequest:
+        data = _object(value, "an offload request")
         ttl = data.get("ttl_s")
         return cls(ref=LeaseRef.from_wire(data),
                    ttl_s=None if ttl is None else positive_seconds(ttl, "ttl_s"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PersistResult:
-    """The persist route's 200 answer: the reference (with the entry's secret), the bytes
+class OffloadResult:
+    """The offload route's 200 answer: the reference (with the entry's secret), the bytes
     written (all ranks) and the time to live the server granted (``None``: an older server)."""
 
     ref: TierRef
@@ -302,10 +314,11 @@ class PersistResult:
         return {TIER_KEY: tier}
 
     @classmethod
-    def from_wire(cls, value: object) -> PersistResult:
-        data = _object(_object(value, "a persist answer").get(TIER_KEY), "a persist answer's tier")
+    def from_wire(cls, value: object) -> OffloadResult:
+        answer = _object(value, "an offload answer")
+        data = _object(answer.get(TIER_KEY), "an offload answer's tier")
         if data.get("v") != WIRE_VERSION:
-            raise HintError(f"the persist answer has wire version {data.get('v')!r}")
+            raise HintError(f"the offload answer has wire version {data.get('v')!r}")
         ttl = data.get("ttl_s")
         return cls(ref=TierRef.from_wire(data), bytes=_count(data.get("bytes"), "bytes"),
                    ttl_s=None if ttl is None else positive_seconds(ttl, "ttl_s"))
@@ -313,8 +326,8 @@ class PersistResult:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TierDelete:
-    """``POST`` :data:`TIER_DELETE_PATH`: remove a persisted entry (a session closed), with the
-    entry's secret from the persist answer: a wrong one is answered as a missing entry."""
+    """``POST`` :data:`TIER_DELETE_PATH`: remove a tier entry (a session closed), with the
+    entry's secret from the offload answer: a wrong one is answered as a missing entry."""
 
     id: str
     secret: str = field(repr=False)
@@ -354,3 +367,22 @@ class TierUsage:
         return cls(bytes=_count(data.get("bytes"), "bytes"),
                    entries=_count(data.get("entries"), "entries"),
                    budget_bytes=_count(data.get("budget_bytes"), "budget_bytes"), dir=directory)
+
+
+# The names before issue 41 ("persist" meant three things; this call is the tier's offload).
+_RENAMED = {
+    "PERSIST_PATH": ("LEGACY_OFFLOAD_PATH", LEGACY_OFFLOAD_PATH),
+    "PersistRequest": ("OffloadRequest", OffloadRequest),
+    "PersistResult": ("OffloadResult", OffloadResult),
+}
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the old names still import, with a DeprecationWarning, for one release.
+    if name in _RENAMED:
+        new, value = _RENAMED[name]
+        warnings.warn(
+            f"agentkv {name} is deprecated; use {new}", DeprecationWarning, stacklevel=2
+        )
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

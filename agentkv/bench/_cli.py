@@ -112,7 +112,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len,
                    help="the served context: trace turns beyond it end their session "
                    "(default %(default)s)")
-    p.add_argument("--json", required=True, metavar="OUT", help="write the report here")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--json", metavar="OUT", help="write the report here")
+    out.add_argument("--from-report", metavar="JSON",
+                     help="run nothing: draw --plot and print the summary of this saved report")
     p.add_argument("--plot", metavar="PNG", help="also write the TTFT-by-turn plot here")
     p.add_argument("--no-stream", action="store_true",
                    help="time whole non-streamed turns (not true TTFT); for servers without "
@@ -320,8 +323,24 @@ def summary_table(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _redraw(args: argparse.Namespace) -> int:
+    """A saved report's plot and summary, drawn again (after a change of the plot's styles)."""
+    try:
+        report = json.loads(Path(args.from_report).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the report {args.from_report}: {exc}") from exc
+    if args.plot:
+        from agentkv.bench._plot import plot_ttft
+
+        plot_ttft(report, args.plot)
+    print(summary_table(report))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 when every turn succeeded, 1 when some failed (report written)."""
+    if args.from_report:
+        return _redraw(args)
     replay = _replay(args)
     config = _config(args, replay)
     cluster_file = _cluster_file(args)

@@ -12,7 +12,7 @@ the leg that needs it:
   under production cache pressure. ``affinity`` and ``agentkv`` get one salt per session: prefill
   keeps the session's own blocks and nothing else's.
 * **No pin on decode for the baselines.** Standard disaggregated serving does not keep turn-end KV
-  on decode; ``disagg`` and ``affinity`` never use it, so their D legs carry agentkv's persist hint
+  on decode; ``disagg`` and ``affinity`` never use it, so their D legs carry agentkv's pin hint
   ``{"persist": false}`` (decode frees the blocks at once, as without ``bidirectional_kv_xfer``)
   instead of pinning memory the agentkv sessions need.
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx2
 
-from agentkv._core import PersistHint, dumps, loads, with_hint
+from agentkv._core import PinHint, dumps, loads, with_hint
 
 __all__ = ["LegRewriter", "SaltSource"]
 
@@ -43,7 +43,7 @@ def _netloc(url: str) -> str:
 
 
 class LegRewriter(httpx2.AsyncBaseTransport):
-    """Wraps a transport; sets ``cache_salt`` on P legs and the persist hint on D legs.
+    """Wraps a transport; sets ``cache_salt`` on P legs and the pin hint on D legs.
 
     ``prefill_salt`` is called once per P leg (a fresh salt per turn, or the same one each time).
     The wrapped transport is shared and owned by the caller: ``aclose`` leaves it open.
@@ -75,7 +75,7 @@ class LegRewriter(httpx2.AsyncBaseTransport):
             params = body.get("kv_transfer_params")
             if self._pin or not isinstance(params, dict):
                 return body
-            return {**body, "kv_transfer_params": with_hint(params, PersistHint(persist=False))}
+            return {**body, "kv_transfer_params": with_hint(params, PinHint(pin=False))}
         return None
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:

@@ -184,7 +184,7 @@ class SdkRunner:
             await session.persist()
         elif self._mode in SDK_ROUTES and self._pause == "tool-wait":
             # As an agent waits on its tool: the SDK's policy keeps the pin (extended if the
-            # pause outlasts it) or persists it to decode's tier, when the pause is long or
+            # pause outlasts it) or offloads it to decode's tier, when the pause is long or
             # decode's memory is full. The wait spans the pause, so it stays open until the
             # next turn.
             await self._waits.enter_async_context(

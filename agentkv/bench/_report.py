@@ -57,7 +57,7 @@ __all__ = [
 _TURN_FIELDS = ("ttft_ms", "prompt_tokens", "reused_tokens", "ideal_reused_tokens")
 
 # A turn's handle could not be used: decode freed it (its deadline passed, or decode said it no
-# longer held it at an extend or persist), a failed attempt may have read it, the session moved
+# longer held it at an extend or offload), a failed attempt may have read it, the session moved
 # pair, or the prompt no longer starts with its tokens. Not counted: ``none`` (there was none
 # to use), ``below_threshold`` and ``unused`` (the policy chose to recompute), ``tier``.
 EVICTED_STATES = frozenset({

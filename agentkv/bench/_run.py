@@ -34,12 +34,12 @@ METHOD = {
     "reused_tokens": "prefill server's usage.prompt_tokens_details.cached_tokens",
     "ideal_reused_tokens": "previous turn's prompt + generated tokens - 1",
     "disagg": "no handle; a fresh vLLM cache_salt on every P leg (prefill's cache cold for the "
-    "session); decode does not pin turn-end KV (agentkv persist hint false)",
+    "session); decode does not pin turn-end KV (agentkv pin hint false)",
     "affinity": "no handle; one cache_salt per session on both legs (prefill keeps the "
     "session's own prefix cache); decode does not pin turn-end KV",
     "agentkv": "agentkv SDK with the default CachePolicy; one cache_salt per session on both "
     "legs; the pin extended to cover each pause",
-    "tier": "as agentkv, but at each pause the turn-end KV is persisted to decode's file tier "
+    "tier": "as agentkv, but at each pause the turn-end KV is offloaded to decode's file tier "
     "(session.persist(): decode's pin freed) and the next turn's prefill loads it from there",
     "pauses": "think time after every turn but the last, times time_scale in real time; the SDK "
     "is told the full length",
@@ -66,7 +66,7 @@ METHOD = {
 TOOL_WAIT_METHOD = {
     "agentkv": "agentkv SDK with the default CachePolicy; one cache_salt per session on both "
     "legs; each pause is session.tool_wait(expected_s=pause, persist='auto'), open until the "
-    "next turn: the policy keeps the pin (extended if the pause outlasts it) or persists it to "
+    "next turn: the policy keeps the pin (extended if the pause outlasts it) or offloads it to "
     "decode's file tier (a pause >= persist_after_s, or decode's KV usage >= persist_kv_usage)",
 }
 SERIAL_METHOD = {

@@ -1,7 +1,7 @@
 """``AgentKVConnector``: vLLM's NIXL pull connector (transfer code unchanged) + agentkv pin policy.
 
 vLLM pins every finished D-leg request's blocks for a fixed ``decoder_kv_blocks_ttl``. Here, on
-the scheduler side (the EngineCore process), the request's persist hint decides instead: pin for
+the scheduler side (the EngineCore process), the request's pin hint decides instead: pin for
 the SDK's TTL, or free the blocks at once; and the lease routes (``_endpoint``) reach
 :meth:`AgentKVConnector.agentkv_lease_op` through an EngineCore utility call to release or extend
 a pin early.
@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPull
 
 from agentkv._core import get_logger
 from agentkv._wire.hints import HintError
-from agentkv._wire.tier import PersistRequest, TierRef, with_tier_load
+from agentkv._wire.tier import OffloadRequest, TierRef, with_tier_load
 from agentkv.connector import _engine_rpc, _quiet
 from agentkv.connector._leases import (
     LeaseBook,
@@ -48,7 +48,7 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
 
     Extra config (``kv_connector_extra_config``) besides vLLM's: ``agentkv_max_ttl_s`` caps hinted
     and extended leases (default 3600 s). ``decoder_kv_blocks_ttl`` stays the TTL of requests
-    without a hint. ``agentkv_tier_dir`` turns on the file tier (``_tier``: persist on decode,
+    without a hint. ``agentkv_tier_dir`` turns on the file tier (``_tier``: offload on decode,
     resume into prefill), ``agentkv_tier_budget_bytes`` bounds it (default 4 GiB), and
     ``agentkv_tier_ttl_s`` / ``agentkv_tier_max_ttl_s`` are its entries' default and longest
     time to live (24 h, 7 days).
@@ -299,12 +299,12 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
 
     def agentkv_tier_op(self, op: str, payload: object,  # noqa: PLR0911 - one answer per case
                         run_on_workers: RunOnWorkers) -> dict[str, object]:
-        """Serve a tier call (``persist``, ``persist_poll``, ``tier_delete``); runs on the
+        """Serve a tier call (``offload``, ``offload_poll``, ``tier_delete``); runs on the
         EngineCore thread.
 
         ``run_on_workers`` is the executor's ``collective_rpc``: the write runs in the workers,
-        where the KV tensors are, on threads of their own (``_tier_writer``): ``persist`` starts
-        it and ``persist_poll`` commits it once every worker is done, then frees the pin.
+        where the KV tensors are, on threads of their own (``_tier_writer``): ``offload`` starts
+        it and ``offload_poll`` commits it once every worker is done, then frees the pin.
         """
         if self._service is None or self._book is None:
             return {"status": "unavailable"}
@@ -312,27 +312,27 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
             return {"status": "tier_unavailable"}
         if op == "tier_delete":
             return self._tier.delete(payload)
-        if op == "persist_poll":
+        if op == "offload_poll":
             entry = payload.get("entry") if isinstance(payload, dict) else None
             if not isinstance(entry, str):
-                return {"status": "invalid", "message": "persist_poll needs the entry's id"}
-            ref = self._tier.persist_ref(entry)
-            answer = self._tier.persist_poll(entry, run_on_workers)
+                return {"status": "invalid", "message": "offload_poll needs the entry's id"}
+            ref = self._tier.offload_ref(entry)
+            answer = self._tier.offload_poll(entry, run_on_workers)
             if answer.get("status") == "ok" and ref is not None:
                 # Written and committed: now, and only now, free decode's blocks.
                 self._service.handle("release", ref.to_wire())
             return answer
-        if op != "persist":
+        if op != "offload":
             return {"status": "invalid", "message": f"unknown tier operation {op!r}"}
         try:
-            request = PersistRequest.from_wire(payload)
+            request = OffloadRequest.from_wire(payload)
         except HintError as exc:
             return {"status": "invalid", "message": str(exc)}
         ref = request.ref
         outcome, lease = self._book.check(ref)
         if outcome is not Outcome.OK or lease is None:
             return {"status": outcome.value}
-        return self._tier.persist(ref, lease.block_ids, run_on_workers, ttl_s=request.ttl_s)
+        return self._tier.offload(ref, lease.block_ids, run_on_workers, ttl_s=request.ttl_s)
 
 
 def _tier_ref(params: dict[str, Any]) -> TierRef | None:

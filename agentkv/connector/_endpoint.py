@@ -6,7 +6,8 @@ Loaded by vLLM (entry point ``vllm.endpoint_plugins:agentkv``) only when ``VLLM_
 * Routes (under ``/v1`` so ``--api-key`` guards them): ``GET /v1/agentkv/info``,
   ``POST /v1/agentkv/leases/release``, ``POST /v1/agentkv/leases/extend``,
   ``POST /v1/agentkv/leases/claim`` (an extend that rotates the lease secret),
-  ``POST /v1/agentkv/requests/release``, ``POST /v1/agentkv/leases/persist`` and
+  ``POST /v1/agentkv/requests/release``, ``POST /v1/agentkv/leases/persist`` (the offload,
+  also at ``/v1/agentkv/leases/offload``) and
   ``POST /v1/agentkv/tier/delete`` (the file tier, ``_tier``). Each forwards to
   the EngineCore's ``agentkv_leases`` utility (``_engine_rpc``), which asks the connector. One
   decode server serves any number of sessions: a call names its handle by the handle's own
@@ -39,11 +40,17 @@ from agentkv._wire.hints import (
     ServerInfo,
     lease_error,
 )
-from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH, PersistRequest, TierDelete
+from agentkv._wire.tier import (
+    LEGACY_OFFLOAD_PATH,
+    OFFLOAD_PATH,
+    TIER_DELETE_PATH,
+    OffloadRequest,
+    TierDelete,
+)
 from agentkv.connector import _stream
 from agentkv.connector._engine_rpc import METHOD
 
-# How often the persist route asks whether the workers' tier write has ended: first after 2 ms
+# How often the offload route asks whether the workers' tier write has ended: first after 2 ms
 # (a small write), then backing off to every 50 ms (a long one costs the engine ~20 calls a s).
 _POLL_FIRST_S = 0.002
 _POLL_MAX_S = 0.05
@@ -186,14 +193,18 @@ async def claim(request: Request) -> JSONResponse:
     return await _extend(request, "claim")
 
 
-@router.post(PERSIST_PATH)
-async def persist(request: Request) -> JSONResponse:
-    """Start the write, then poll the engine until it is committed (or failed).
+# Both names of the route: its first (``.../leases/persist``, what every SDK sends: SDK and
+# connector may be of different versions, so it stays) and its name from issue 41 on.
+@router.post(LEGACY_OFFLOAD_PATH)
+@router.post(OFFLOAD_PATH)
+async def offload(request: Request) -> JSONResponse:
+    """Offload a pinned handle: start the write, then poll the engine until it is committed (or
+    failed).
 
     Each call is a short engine utility call between steps: the workers write on threads of
     their own, so the engine keeps serving every other session while this route waits.
     """
-    answer = await _forward(request, PersistRequest.from_wire, "persist", pending_ok=True)
+    answer = await _forward(request, OffloadRequest.from_wire, "offload", pending_ok=True)
     if isinstance(answer, JSONResponse):
         return answer
     link = _link(request)
@@ -201,7 +212,7 @@ async def persist(request: Request) -> JSONResponse:
     while answer.get("status") == "pending" and link is not None:
         await asyncio.sleep(delay)
         delay = min(delay * 2, _POLL_MAX_S)
-        answer = await link.call("persist_poll", {"entry": answer.get("entry")})
+        answer = await link.call("offload_poll", {"entry": answer.get("entry")})
     if answer.get("status") != "ok":
         return _error(str(answer.get("status")), answer.get("message"))
     return JSONResponse({"tier": answer.get("tier")})

@@ -15,7 +15,7 @@ from typing import Any
 
 METHOD = "agentkv_leases"
 # Operations that run on the workers too (the tier's writes), through the executor.
-TIER_OPS = ("persist", "persist_poll", "tier_delete")
+TIER_OPS = ("offload", "offload_poll", "tier_delete")
 
 
 def agentkv_leases(engine: Any, op: str, payload: dict[str, Any]) -> dict[str, Any]:

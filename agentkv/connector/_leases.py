@@ -38,7 +38,7 @@ from agentkv._wire.hints import (
     HintError,
     LeaseAck,
     LeaseRef,
-    PersistHint,
+    PinHint,
     RequestRelease,
     tag_of_request_id,
 )
@@ -75,15 +75,15 @@ class PinDecision:
 
 def decide_pin(params: Mapping[str, object] | None, *, default_ttl_s: float,
                max_ttl_s: float) -> PinDecision:
-    """The persist policy for one finished request, from its ``kv_transfer_params``."""
+    """The pin policy for one finished request, from its ``kv_transfer_params``."""
     raw = params.get(HINTS_KEY) if params else None
     if raw is None:
         return PinDecision(pin=True, ttl_s=min(default_ttl_s, max_ttl_s))
     try:
-        hint = PersistHint.from_wire(raw)
+        hint = PinHint.from_wire(raw)
     except HintError as exc:
         return PinDecision(pin=True, ttl_s=min(default_ttl_s, max_ttl_s), error=str(exc))
-    if not hint.persist:
+    if not hint.pin:
         return PinDecision(pin=False, ttl_s=0.0)
     ttl = default_ttl_s if hint.ttl_s is None else hint.ttl_s
     return PinDecision(pin=True, ttl_s=min(ttl, max_ttl_s))
@@ -284,7 +284,7 @@ def apply_pin_policy(
     """``request_finished`` with agentkv's pin policy, from stock vLLM's answer ``result``.
 
     Only decode's turn-end pins are agentkv's; prefill's blocks wait for decode as in vLLM. The
-    request's persist hint decides (pin for its TTL, or free the blocks now), unless its client
+    request's pin hint decides (pin for its TTL, or free the blocks now), unless its client
     released the request by id before it finished (then nothing is pinned).
     """
     delay, out = result

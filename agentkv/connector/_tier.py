@@ -1,16 +1,16 @@
-"""The file tier inside ``AgentKVConnector``: persist on decode, resume straight into prefill.
+"""The file tier inside ``AgentKVConnector``: offload on decode, resume straight into prefill.
 
 Scheduler side (EngineCore process, :class:`TierScheduler`):
 
 * At ``request_finished`` of a pinned D leg it records the request's computed token ids (prompt
-  + generated whose KV decode holds), ``cache_salt`` and LoRA name: what a persist must write.
-* ``persist`` (a lease operation, through the EngineCore utility ``agentkv_leases``) checks the
+  + generated whose KV decode holds), ``cache_salt`` and LoRA name: what an offload must write.
+* ``offload`` (a lease operation, through the EngineCore utility ``agentkv_leases``) checks the
   lease, asks every worker to write its shard of the pinned blocks (``collective_rpc``, the
   executor's call to all workers: the worker is a separate process on the CPU build, which forces
   vLLM's multiprocessing executor), commits the manifest, and only then releases the pin. A write
   that fails removes its files and keeps the pin. The entry lives until its TTL (the server's
   ``agentkv_tier_ttl_s``, or what the call asked for up to ``agentkv_tier_max_ttl_s``); its
-  secret, minted here and kept only as a digest, goes to the persisting client alone and is what
+  secret, minted here and kept only as a digest, goes to the offloading client alone and is what
   ``delete`` asks for.
 * A P leg whose ``kv_transfer_params`` carry a tier reference and no decode handle: the store
   checks the prefix against the manifest (expiry, tokens, salt, LoRA, fingerprint) and the data
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentkv._core import get_logger
 from agentkv._wire.hints import HintError, LeaseRef
-from agentkv._wire.tier import PersistResult, TierDelete, TierLoadReport, TierRef, valid_tier_id
+from agentkv._wire.tier import OffloadResult, TierDelete, TierLoadReport, TierRef, valid_tier_id
 from agentkv.connector._tier_store import (
     Manifest,
     TierError,
@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # torch stays out of the scheduler's process
 logger = get_logger("agentkv.connector.tier")
 
 DEFAULT_TIER_BUDGET_BYTES = 4 << 30
-# An entry's time to live when the persist call asks for none, and the most it may ask for: a
+# An entry's time to live when the offload call asks for none, and the most it may ask for: a
 # session idle for a day has most likely ended without closing (the budget evicts sooner).
 DEFAULT_TIER_TTL_S = 24 * 3600.0
 DEFAULT_TIER_MAX_TTL_S = 7 * 24 * 3600.0
@@ -100,7 +100,7 @@ class TierConfig:
             raise ValueError("agentkv_tier_max_ttl_s must be a finite number of seconds")
 
     def ttl(self, requested: float | None) -> float:
-        """The TTL a persist gets when it asked for ``requested`` (``None``: the default)."""
+        """The TTL an offload gets when it asked for ``requested`` (``None``: the default)."""
         return granted_ttl(requested, default_s=self.ttl_s, max_s=self.max_ttl_s)
 
 
@@ -177,7 +177,7 @@ class TokenRecord:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Persist:
+class _Offload:
     """A tier write the workers are running: what its commit needs."""
 
     ref: LeaseRef
@@ -211,10 +211,10 @@ def _lora_name(request: Any) -> str | None:
 
 
 class TierScheduler:
-    """The scheduler's half: token records, persist and delete, lookups and load plans.
+    """The scheduler's half: token records, offload and delete, lookups and load plans.
 
     It has no thread of its own: after the start-up sweep it sweeps again (expired entries,
-    leftovers) from the engine's step (:meth:`take_loads`) and from :meth:`persist`, at most
+    leftovers) from the engine's step (:meth:`take_loads`) and from :meth:`offload`, at most
     every :data:`SWEEP_EVERY_S` seconds of ``clock`` (wall clock, as entries' expiries).
     """
 
@@ -237,12 +237,12 @@ class TierScheduler:
         self._loads: dict[str, TierLoad] = {}  # planned this step, for the workers
         self._inflight: dict[str, TierLoad] = {}  # sent to the workers, not yet received
         self._outcomes: Counter[str] = Counter()  # finished requests' reasons, for the metric
-        self._persists: dict[str, _Persist] = {}  # tier writes started, not yet committed
+        self._offloads: dict[str, _Offload] = {}  # tier writes started, not yet committed
 
-    # --- decode: persist --------------------------------------------------------------------
+    # --- decode: offload --------------------------------------------------------------------
 
     def record(self, request: Any) -> None:
-        """Keep what a persist of this pinned request must write (its Request object goes)."""
+        """Keep what an offload of this pinned request must write (its Request object goes)."""
         n = int(request.num_computed_tokens)
         self._records[request.request_id] = TokenRecord(
             token_ids=tuple(request.all_token_ids[:n]),
@@ -265,10 +265,10 @@ class TierScheduler:
         except OSError as exc:  # the root vanished or is unreadable: try again next time
             logger.warning("tier_sweep_failed", error=repr(exc))
 
-    def persist(self, ref: LeaseRef, block_ids: tuple[tuple[int, ...], ...],
+    def offload(self, ref: LeaseRef, block_ids: tuple[tuple[int, ...], ...],
                 run_on_workers: RunOnWorkers, *, ttl_s: float | None = None) -> dict[str, object]:
         """Start writing a pinned handle's blocks, to live ``ttl_s`` (capped; ``None``: the
-        default): ``{"status": "pending", "entry": id}``, which :meth:`persist_poll` finishes,
+        default): ``{"status": "pending", "entry": id}``, which :meth:`offload_poll` finishes,
         or the engine status of a refusal. The workers write on threads of their own
         (``_tier_writer``): this returns as soon as they have started."""
         self.maybe_sweep()
@@ -278,8 +278,8 @@ class TierScheduler:
             return {"status": "tier_failed", "message": "no token record for this handle"}
         if len(block_ids) != 1:
             return {"status": "tier_failed", "message": "one KV cache group is supported"}
-        if any(p.ref.request_id == ref.request_id for p in self._persists.values()):
-            return {"status": "tier_failed", "message": "this handle is already being persisted"}
+        if any(p.ref.request_id == ref.request_id for p in self._offloads.values()):
+            return {"status": "tier_failed", "message": "this handle is already being offloaded"}
         n_blocks = -(-len(record.token_ids) // self.block_size)
         blocks = list(block_ids[0][:n_blocks])
         if len(blocks) < n_blocks:
@@ -291,17 +291,17 @@ class TierScheduler:
             self._ranks(answers)
         except Exception as exc:
             self.store.abort(entry)
-            logger.warning("tier_persist_failed", request_id=ref.request_id, error=repr(exc))
+            logger.warning("tier_offload_failed", request_id=ref.request_id, error=repr(exc))
             return {"status": "tier_failed", "message": f"tier write failed: {exc}"}
-        self._persists[entry] = _Persist(ref=ref, record=record, ttl_s=ttl_s,
+        self._offloads[entry] = _Offload(ref=ref, record=record, ttl_s=ttl_s,
                                          started=self._clock())
         return {"status": "pending", "entry": entry}
 
-    def persist_poll(self, entry: str, run_on_workers: RunOnWorkers) -> dict[str, object]:
-        """Where the write :meth:`persist` started stands: ``pending``; ``ok`` with the answer
+    def offload_poll(self, entry: str, run_on_workers: RunOnWorkers) -> dict[str, object]:
+        """Where the write :meth:`offload` started stands: ``pending``; ``ok`` with the answer
         (the entry committed, with its secret: free the pin now); or ``tier_failed`` (its
         files removed, the pin kept)."""
-        pending = self._persists.get(entry)
+        pending = self._offloads.get(entry)
         if pending is None:
             return {"status": "unknown", "message": "no such tier write in progress"}
         ref, record = pending.ref, pending.record
@@ -314,7 +314,7 @@ class TierScheduler:
                 if any(a.get("state") != "pending" for a in answers):
                     raise TierError("a worker answered an unknown write state")
                 return {"status": "pending", "entry": entry}
-            del self._persists[entry]
+            del self._offloads[entry]
             sizes = {int(a["block_bytes"]) for a in answers}
             if len(sizes) != 1:
                 raise TierError("the ranks disagree on the block size in bytes")
@@ -335,22 +335,22 @@ class TierScheduler:
             self.store.check_fits(manifest.data_bytes)
             self.store.commit(manifest)
         except Exception as exc:
-            self._persists.pop(entry, None)
+            self._offloads.pop(entry, None)
             self.store.abort(entry)
-            logger.warning("tier_persist_failed", request_id=ref.request_id, error=repr(exc))
+            logger.warning("tier_offload_failed", request_id=ref.request_id, error=repr(exc))
             return {"status": "tier_failed", "message": f"tier write failed: {exc}"}
-        result = PersistResult(
+        result = OffloadResult(
             ref=TierRef(id=entry, n_tokens=manifest.n_tokens, secret=secret),
             bytes=manifest.data_bytes, ttl_s=ttl,
         )
-        logger.info("tier_persisted", request_id=ref.request_id, id=entry,
+        logger.info("tier_offloaded", request_id=ref.request_id, id=entry,
                     n_tokens=manifest.n_tokens, bytes=manifest.data_bytes, ttl_s=ttl,
                     seconds=round(now - pending.started, 3))
         return {"status": "ok", **result.to_wire()}
 
-    def persist_ref(self, entry: str) -> LeaseRef | None:
-        """The handle a write in progress persists (the pin its commit frees)."""
-        pending = self._persists.get(entry)
+    def offload_ref(self, entry: str) -> LeaseRef | None:
+        """The handle a write in progress offloads (the pin its commit frees)."""
+        pending = self._offloads.get(entry)
         return None if pending is None else pending.ref
 
     @staticmethod
@@ -361,14 +361,14 @@ class TierScheduler:
         return answers
 
     def _abort_stale(self) -> None:
-        """Give up writes nobody polled for (the persist route died): their files go, and the
+        """Give up writes nobody polled for (the offload route died): their files go, and the
         pin stays until its own lease ends."""
         now = self._clock()
-        for entry, pending in list(self._persists.items()):
+        for entry, pending in list(self._offloads.items()):
             if now - pending.started > RESULT_KEEP_S:
-                del self._persists[entry]
+                del self._offloads[entry]
                 self.store.abort(entry)
-                logger.warning("tier_persist_abandoned", request_id=pending.ref.request_id,
+                logger.warning("tier_offload_abandoned", request_id=pending.ref.request_id,
                                id=entry)
 
     def delete(self, payload: object) -> dict[str, object]:

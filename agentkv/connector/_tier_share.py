@@ -16,7 +16,7 @@ its share. The rule, applied one eviction at a time until usage fits:
 * a writer within its share (and the periodic sweep, which has no writer) evicts the least
   recently used entry among the salts over their share.
 
-Why no configured per-salt cap or floor: a cap leaves the budget idle when few tenants persist,
+Why no configured per-salt cap or floor: a cap leaves the budget idle when few tenants offload,
 and a floor makes the shares sum past the budget, which means someone within their share would
 have to be evicted. The share shrinks as salts arrive; a principal cannot grow its share by
 writing more, only by having more salts, and salts are the proxy's to hand out (one per key).

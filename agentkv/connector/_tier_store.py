@@ -1,4 +1,4 @@
-"""The file tier's store: where persisted turn-end KV lives on the host, and its hygiene.
+"""The file tier's store: where offloaded turn-end KV lives on the host, and its hygiene.
 
 Pure (no vLLM, no torch; clock injected) so that it is tested as plain code. The connector's
 scheduler side owns one store per server; the workers write and read the data files it names.

@@ -1,10 +1,10 @@
 """Tier writes off the engine: a worker writes a pinned handle's blocks on a thread of its own.
 
-A persist used to write on the EngineCore thread (``collective_rpc`` waited for every worker's
+An offload used to write on the EngineCore thread (``collective_rpc`` waited for every worker's
 write and fsync): every session served by that decode stalled for the length of the write, so
-one client asking for ``X-AgentKV-Persist: disk`` on every turn slowed every tenant. Now the
-scheduler's ``persist`` only starts the write (:meth:`BackgroundWrites.start`, a quick
-``collective_rpc``) and returns; the API server's persist route then polls
+one client asking for ``X-AgentKV-Offload: always`` on every turn slowed every tenant. Now the
+scheduler's ``offload`` only starts the write (:meth:`BackgroundWrites.start`, a quick
+``collective_rpc``) and returns; the API server's offload route then polls
 (:meth:`BackgroundWrites.poll`, quick too) between engine steps until every rank is done, and
 only then does the scheduler commit the manifest and free the pin.
 

@@ -66,7 +66,7 @@ class LocalClusterConfig:
     startup_timeout_s: float = 900.0
     # The agentkv connector (NixlConnector + agentkv policy hooks); False runs stock vLLM.
     agentkv_connector: bool = True
-    # The file tier for persisted turn-end KV, shared by prefill and decode (docs/connector.md);
+    # The file tier for offloaded turn-end KV, shared by prefill and decode (docs/connector.md);
     # None: ``tier`` next to the cluster file. Only with the agentkv connector.
     tier_dir: Path | None = None
     tier_budget_bytes: int = 4 << 30
@@ -130,7 +130,7 @@ class LocalClusterConfig:
 
     @property
     def resolved_tier_dir(self) -> Path | None:
-        """Where the servers keep persisted KV: ``tier_dir``, or ``tier`` by the cluster file."""
+        """Where the servers keep offloaded KV: ``tier_dir``, or ``tier`` by the cluster file."""
         if not self.agentkv_connector:
             return None
         return (self.tier_dir or self.cluster_file.parent / "tier").resolve()

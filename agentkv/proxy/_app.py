@@ -34,11 +34,11 @@ from agentkv.proxy._messages import MessagesService
 from agentkv.proxy._messages_errors import anthropic_error, proxy_error
 from agentkv.proxy._messages_system import SystemDrops
 from agentkv.proxy._metrics import ProxyMetrics
+from agentkv.proxy._offload_gate import IGNORED_HEADER, LEGACY_IGNORED_HEADER, OffloadGate
 from agentkv.proxy._open_store import open_store
-from agentkv.proxy._persist_gate import IGNORED_HEADER, PersistGate
 from agentkv.proxy._registry import SessionEntry, SessionRegistry
 from agentkv.proxy._relief import PressureRelief
-from agentkv.proxy._request import persist_from, route_from
+from agentkv.proxy._request import LEGACY_OFFLOAD_HEADER, offload_from, route_from
 from agentkv.proxy._responses import ResponsesService
 from agentkv.proxy._shape import turn_stats_json
 from agentkv.proxy._store import SessionStore
@@ -114,9 +114,9 @@ class _Proxy:
         self.config = config
         self.clock = clock
         self.metrics = ProxyMetrics()
-        self.persist_gate = PersistGate(
-            allowed=config.allow_client_persist,
-            per_minute=config.client_persist_per_minute,
+        self.offload_gate = OffloadGate(
+            allowed=config.allow_client_offload,
+            per_minute=config.client_offload_per_minute,
             clock=clock,
         )
         # A store the app opened (from config.state) is the app's to close.
@@ -133,7 +133,7 @@ class _Proxy:
             metrics=self.metrics,
             clock=clock,
             store=self.store,
-            persist_idle_s=config.persist_idle_s,
+            offload_idle_s=config.offload_idle_s,
             max_sessions_per_key=config.max_sessions_per_key,
             max_stored_sessions=config.max_stored_sessions,
         )
@@ -198,20 +198,25 @@ class _Proxy:
         started = time.perf_counter()
         principal = _principal(request, self.config)
         body = await _read_json(request, self.config.max_body_bytes)
-        persist = persist_from(request.headers.get("x-agentkv-persist"))
+        legacy = request.headers.get(LEGACY_OFFLOAD_HEADER)
+        offload = offload_from(request.headers.get("x-agentkv-offload"), legacy=legacy)
+        if legacy is not None:
+            self.metrics.deprecated_name(LEGACY_OFFLOAD_HEADER)
         route = route_from(request.headers.get("x-agentkv-route"))
-        admission = self.persist_gate.admit(principal, persist)  # bad headers cost no persist
+        admission = self.offload_gate.admit(principal, offload)  # bad headers cost no offload
         response = await self.chat.complete(
             body,
             principal=principal,
             session_header=None,
             headers=request.headers,
             started=started,
-            persist=admission.mode,
+            offload=admission.mode,
             route=route,
         )
         if admission.ignored is not None:
             response.headers[IGNORED_HEADER] = admission.ignored
+            if legacy is not None:  # a client of the old name reads the old answer header
+                response.headers[LEGACY_IGNORED_HEADER] = admission.ignored
         return response
 
     async def create_response(self, request: Request) -> Response:
@@ -353,15 +358,15 @@ class _Proxy:
             await asyncio.sleep(self.config.sweep_interval_s)
             try:
                 closed = await self.registry.sweep()
-                persisted = await self.registry.persist_idle()
+                offloaded = await self.registry.offload_idle()
             except Exception:  # never let one bad close stop the sweeper
                 logger.exception("agentkv.proxy.sweep_failed")
                 continue
-            if closed or persisted:
+            if closed or offloaded:
                 logger.info(
                     "agentkv.proxy.swept",
                     closed=closed,
-                    persisted=persisted,
+                    offloaded=offloaded,
                     open=len(self.registry),
                 )
 

@@ -185,8 +185,9 @@ class ChatShape:
         del entry, tools
 
 
-class _Lease:
-    """The session one request runs its turn on, and how to give it back."""
+class _Checkout:
+    """The session one request holds for its turn (checked out of the registry, or a one-shot
+    session), and how to give it back. Not a checkout: decode's leases are pins' time limits."""
 
     __slots__ = ("entry", "forked", "new", "plan", "registry", "session", "thread")
 
@@ -333,7 +334,7 @@ class ChatService:
         session_header: str | None,
         started: float,
         shape: AnswerShape | None = None,
-        persist: PersistMode = "auto",
+        offload: PersistMode = "auto",
         route: Route | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> Response:
@@ -342,10 +343,10 @@ class ChatService:
         ``started`` is when the request arrived (``time.perf_counter()``): a plain answer says in
         ``Server-Timing`` how long the SDK's turn took and how long the proxy added around it.
         ``shape`` writes the answer (default: a chat completion; ``/v1/responses`` passes its
-        own after translating its request into a chat completion request). ``persist`` is the
-        turn's persist option (``X-AgentKV-Persist``: ``disk`` persists the turn-end KV to
-        decode's file tier right after the answer); ``route`` the turn's route
-        (``X-AgentKV-Route``), else the session's.
+        own after translating its request into a chat completion request). ``offload`` is the
+        turn's offload option (``X-AgentKV-Offload``: ``always``, the session's ``"disk"``,
+        offloads the turn-end KV to decode's file tier right after the answer); ``route`` the
+        turn's route (``X-AgentKV-Route``), else the session's.
 
         The session comes from ``headers`` (the agents' own, ``_session_key``) and the body, on
         the thread of it the request's history belongs to (``_threads``); ``session_header``
@@ -355,15 +356,16 @@ class ChatService:
         shape = shape or ChatShape(model=self._cluster.model)
         thread = self._thread(principal, session_header, headers or {}, request)
         if thread is None:
-            lease = _Lease(self._cluster.session())
+            checkout = _Checkout(self._cluster.session())
             try:
-                lease.session.append(*tools.messages)
+                checkout.session.append(*tools.messages)
             except BaseException:
-                await lease.release(failed=True)
+                await checkout.release(failed=True)
                 raise
         else:
-            lease = await self._map(principal, thread, request, tools)
-        shape.bind(lease.entry.session_id if lease.entry is not None else None, plan=lease.plan)
+            checkout = await self._map(principal, thread, request, tools)
+        entry = checkout.entry
+        shape.bind(entry.session_id if entry is not None else None, plan=checkout.plan)
         overrides: TurnOverrides = {
             "max_tokens": request.max_tokens,
             "temperature": request.temperature,
@@ -378,37 +380,37 @@ class ChatService:
             overrides["route"] = route
         if request.stream:
             return await self._stream(
-                lease,
+                checkout,
                 request,
                 tools,
                 overrides,
                 started=started,
                 principal=principal,
                 shape=shape,
-                persist=persist,
+                offload=offload,
             )
         turn_started = time.perf_counter()
         try:
             # A one-shot request (no session id) has no next turn: decode pins nothing.
-            result = await lease.session.turn(
-                final=lease.entry is None,
-                persist=persist,
-                request_secret=lease.request_secret,
+            result = await checkout.session.turn(
+                final=checkout.entry is None,
+                persist=offload,
+                request_secret=checkout.request_secret,
                 **overrides,
             )
         except BaseException:
-            await lease.release(failed=True)
+            await checkout.release(failed=True)
             raise
         turn_s = time.perf_counter() - turn_started
         try:
             message, finish = await self._answered(
-                lease, request, tools, result, principal=principal, shape=shape
+                checkout, request, tools, result, principal=principal, shape=shape
             )
         except BaseException:
-            await lease.release(failed=False)  # the turn committed: the session keeps it
+            await checkout.release(failed=False)  # the turn committed: the session keeps it
             raise
-        await lease.release(failed=False)
-        headers = lease.headers(pair=result.stats.pair, handle=result.stats.handle_state) | (
+        await checkout.release(failed=False)
+        headers = checkout.headers(pair=result.stats.pair, handle=result.stats.handle_state) | (
             _clamped(result.stats.max_tokens_clamped_from, result.stats.max_tokens)
         )
         if tools.mode is not None:
@@ -418,10 +420,10 @@ class ChatService:
         )
         total_s = time.perf_counter() - started
         timing = f"turn;dur={turn_s * 1e3:.3f}, proxy;dur={(total_s - turn_s) * 1e3:.3f}"
-        if lease.entry is not None and self._registry.shared:
+        if checkout.entry is not None and self._registry.shared:
             # Part of ``proxy``: what the shared session store took before the answer (the
             # claim, and the restore when another replica served the last turn).
-            timing += f", store;dur={lease.entry.store_s * 1e3:.3f}"
+            timing += f", store;dur={checkout.entry.store_s * 1e3:.3f}"
         response.headers["Server-Timing"] = timing
         self._metrics.overhead_seconds.observe(total_s - turn_s)
         self._record(result, stream=False, seconds=total_s)
@@ -429,7 +431,7 @@ class ChatService:
 
     async def _answered(
         self,
-        lease: _Lease,
+        checkout: _Checkout,
         request: ChatRequest,
         tools: ToolPlan,
         result: TurnResult,
@@ -439,14 +441,14 @@ class ChatService:
     ) -> tuple[Message, str]:
         """Commit the turn's bookkeeping; the message and finish reason the client gets."""
         message, finish = tools.answer(result)
-        lease.committed(view=message if message is not result.message else None)
-        await shape.answered(entry=lease.entry, tools=tools)
-        if request.prompt_cache_key is not None and lease.entry is not None:
+        checkout.committed(view=message if message is not result.message else None)
+        await shape.answered(entry=checkout.entry, tools=tools)
+        if request.prompt_cache_key is not None and checkout.entry is not None:
             self._histories.remember(
                 principal,
                 request.prompt_cache_key,
                 [*request.messages, message],
-                lease.entry.session_id,
+                checkout.entry.session_id,
             )
         return message, finish
 
@@ -486,7 +488,7 @@ class ChatService:
 
     async def _map(
         self, principal: str, thread: Thread, request: ChatRequest, tools: ToolPlan
-    ) -> _Lease:
+    ) -> _Checkout:
         """Check the thread's session out and bring it to the request's history (append, or
         fork)."""
         session_id, placement, by_history = thread.registry_id, thread.placement, thread.by_history
@@ -532,7 +534,7 @@ class ChatService:
             await registry.replace(entry, child)
             self._forked(child, session_id, principal=principal, plan=plan)
         name = None if by_history else thread.name
-        return _Lease(entry.session, entry=entry, registry=registry, plan=plan, thread=name)
+        return _Checkout(entry.session, entry=entry, registry=registry, plan=plan, thread=name)
 
     def _forked(
         self, child: AsyncSession, session_id: str, *, principal: str, plan: HistoryPlan
@@ -557,7 +559,7 @@ class ChatService:
 
     async def _stream(
         self,
-        lease: _Lease,
+        checkout: _Checkout,
         request: ChatRequest,
         tools: ToolPlan,
         overrides: TurnOverrides,
@@ -565,24 +567,24 @@ class ChatService:
         started: float,
         principal: str,
         shape: AnswerShape,
-        persist: PersistMode = "auto",
+        offload: PersistMode = "auto",
     ) -> Response:
-        session = lease.session
+        session = checkout.session
         try:
             events = session.stream(
-                final=lease.entry is None,
-                persist=persist,
-                request_secret=lease.request_secret,
+                final=checkout.entry is None,
+                persist=offload,
+                request_secret=checkout.request_secret,
                 **overrides,
             )
         except BaseException:
-            await lease.release(failed=True)
+            await checkout.release(failed=True)
             raise
         try:
             first = await anext(events)
         except BaseException:
             await _aclose(events)
-            await lease.release(failed=True)
+            await checkout.release(failed=True)
             raise
         handle = self._handle_state(first)
         state: dict[str, TurnResult] = {}
@@ -601,7 +603,7 @@ class ChatService:
                 # Too late for a status: the connection is cut without [DONE] (module docstring).
                 logger.warning(
                     "agentkv.proxy.stream_failed",
-                    session_id=lease.entry.session_id if lease.entry else None,
+                    session_id=checkout.entry.session_id if checkout.entry else None,
                     pair=session.pair.name,
                     error=type(exc).__name__,
                     detail=str(exc),
@@ -609,7 +611,7 @@ class ChatService:
                 raise
             state["result"] = event
             message, finish = await self._answered(
-                lease, request, tools, event, principal=principal, shape=shape
+                checkout, request, tools, event, principal=principal, shape=shape
             )
             for closing in shape.closing(
                 event,
@@ -626,12 +628,12 @@ class ChatService:
             await body.aclose()
             await _aclose(events)
             result = state.get("result")
-            await lease.release(failed=result is None)
+            await checkout.release(failed=result is None)
             if result is not None:
                 self._record(result, stream=True, seconds=time.perf_counter() - started)
 
         said = first.stats if isinstance(first, TurnResult) else first
-        headers = lease.headers(pair=session.pair.name, handle=handle) | (
+        headers = checkout.headers(pair=session.pair.name, handle=handle) | (
             _clamped(said.max_tokens_clamped_from, said.max_tokens)
         )
         if tools.mode is not None:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from agentkv.local._config import default_cluster_file
 from agentkv.proxy._config import ApiKeys, ProxyConfig
@@ -17,6 +20,36 @@ from agentkv.proxy._messages_system import DEFAULT_DROPS
 __all__ = ["add_parser", "cmd_proxy", "config_from_args"]
 
 _DEFAULTS = ProxyConfig()
+
+
+class _DeprecatedFlag(argparse.Action):
+    """An old flag's name: sets its new flag's value and says so on stderr (for one release)."""
+
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, *, new: str, **kwargs: Any
+    ) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"agentkv proxy: {option_string} is deprecated; use {self.new}", file=sys.stderr
+        )
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def _deprecated(parser: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -> None:
+    """Register ``old`` as a hidden, deprecated name of the flag ``new`` (same destination)."""
+    dest = new.removeprefix("--").replace("-", "_")
+    parser.add_argument(
+        old, dest=dest, action=_DeprecatedFlag, new=new, help=argparse.SUPPRESS, **kwargs
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -49,36 +82,39 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"close sessions unused this long (default {_DEFAULTS.session_idle_timeout_s:g})",
     )
     parser.add_argument(
-        "--persist-idle",
+        "--offload-idle",
         type=float,
-        default=_DEFAULTS.persist_idle_s,
+        default=_DEFAULTS.offload_idle_s,
         metavar="SECONDS",
-        help="persist a session's pinned KV to decode's file tier once it is unused this long "
-        f"(default {_DEFAULTS.persist_idle_s:g}; 0: never)",
+        help="offload a session's pinned KV to decode's file tier once it is unused this long "
+        f"(default {_DEFAULTS.offload_idle_s:g}; 0: never)",
     )
+    _deprecated(parser, "--persist-idle", "--offload-idle", type=float)
     parser.add_argument(
         "--relieve-kv-usage",
         type=float,
         default=_DEFAULTS.relieve_kv_usage,
         metavar="FRACTION",
         help="when a decode's KV memory in use reaches this fraction, free the pins of idle "
-        "sessions on it, the longest idle first: persisted to its file tier, else released "
+        "sessions on it, the longest idle first: offloaded to its file tier, else released "
         f"(default {_DEFAULTS.relieve_kv_usage:g}; 0: never)",
     )
     parser.add_argument(
-        "--allow-client-persist",
+        "--allow-client-offload",
         action="store_true",
-        help="honour clients' X-AgentKV-Persist: disk (a write to decode's file tier that every "
-        "tenant waits behind); by default it is ignored and the answer says so",
+        help="honour clients' X-AgentKV-Offload: always (a write to decode's file tier that every "
+        "tenant shares); by default it is ignored and the answer says so",
     )
+    _deprecated(parser, "--allow-client-persist", "--allow-client-offload", nargs=0, const=True)
     parser.add_argument(
-        "--client-persist-rate",
+        "--client-offload-rate",
         type=float,
-        default=_DEFAULTS.client_persist_per_minute,
+        default=_DEFAULTS.client_offload_per_minute,
         metavar="PER_MINUTE",
-        help="with --allow-client-persist, the persists one API key may ask for a minute "
-        f"(default {_DEFAULTS.client_persist_per_minute:g}; more are ignored)",
+        help="with --allow-client-offload, the offloads one API key may ask for a minute "
+        f"(default {_DEFAULTS.client_offload_per_minute:g}; more are ignored)",
     )
+    _deprecated(parser, "--client-persist-rate", "--client-offload-rate", type=float)
     parser.add_argument(
         "--max-sessions",
         type=int,
@@ -215,10 +251,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         port=args.port,
         api_keys=ApiKeys.from_file(args.api_keys) if args.api_keys else None,
         session_idle_timeout_s=args.session_idle_timeout,
-        persist_idle_s=args.persist_idle or None,
+        offload_idle_s=args.offload_idle or None,
         relieve_kv_usage=args.relieve_kv_usage or None,
-        allow_client_persist=args.allow_client_persist,
-        client_persist_per_minute=args.client_persist_rate,
+        allow_client_offload=args.allow_client_offload,
+        client_offload_per_minute=args.client_offload_rate,
         max_sessions=args.max_sessions,
         max_sessions_per_key=args.max_sessions_per_key,
         max_stored_sessions=args.max_stored_sessions,

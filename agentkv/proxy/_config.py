@@ -12,12 +12,15 @@ The CLI maps its flags onto ``ProxyConfig``; nothing below the CLI reads the env
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 from agentkv._core import ConfigError
 from agentkv.proxy._messages_system import DEFAULT_DROPS
@@ -140,31 +143,35 @@ class ProxyConfig:
             cache set the same secret.
         metrics_need_key: ``GET /metrics`` asks for an API key like the API routes (only with
             ``api_keys``).
-        persist_idle_s: a session unused this long has its pinned turn-end KV persisted to
+        offload_idle_s: a session unused this long has its pinned turn-end KV offloaded to
             decode's file tier (where decode has one), freeing decode's memory while it waits;
             the next turn loads it back from the tier. ``None`` keeps the pin until it expires.
             Two minutes: past any think time a pin is meant for, far below the pin's 480 s TTL.
             In-memory sessions only (a shared store's sessions keep their pins).
         relieve_kv_usage: a decode's ``vllm:kv_cache_usage_perc`` at or above which the pins of
             idle sessions on it are freed, the longest idle first, until it is below
-            ``relieve_kv_usage - relieve_margin`` (persisted to its file tier, else released:
+            ``relieve_kv_usage - relieve_margin`` (offloaded to its file tier, else released:
             ``_relief``); ``None`` never. Read every ``relieve_interval_s`` from each decode's
-            ``/metrics``. 0.9: the SDK's tool waits persist at the same usage
+            ``/metrics``. 0.9: the SDK's tool waits offload at the same usage
             (``CachePolicy.persist_kv_usage``).
         responses_max_bytes: what the stored responses of ``POST /v1/responses`` (what
             ``previous_response_id`` continues) may hold in this process's memory; past it the
             oldest go first. Each is a reference into its session, about 450 bytes whatever the
             conversation's length: the default keeps about 150,000. With ``state`` they live in
             the shared store instead, each session's until it is removed.
-        allow_client_persist: honour a client's ``X-AgentKV-Persist: disk`` (a tier write on
-            decode that every tenant waits behind); off by default: the header is ignored and
-            the answer says so (``X-AgentKV-Persist-Ignored``). See ``_persist_gate``.
+        allow_client_offload: honour a client's ``X-AgentKV-Offload: always`` (a tier write on
+            decode that every tenant shares); off by default: the header is ignored and the
+            answer says so (``X-AgentKV-Offload-Ignored``). See ``_offload_gate``.
         drop_system_blocks: regular expressions; a Messages API system block (or ``role:
             "system"`` message) one of them matches is left out before rendering: lines that
             differ per session or request would keep every session's prefix apart. Default:
             Claude Code's ``x-anthropic-billing-header`` line (``_messages_system``).
-        client_persist_per_minute: with ``allow_client_persist``, the persists one principal
+        client_offload_per_minute: with ``allow_client_offload``, the offloads one principal
             may ask for a minute (a burst of as many, then that rate; per proxy replica).
+
+    The fields' names before issue 41 (``persist_idle_s``, ``allow_client_persist``,
+    ``client_persist_per_minute``) are still accepted as keywords and read as attributes, with a
+    DeprecationWarning, for one release.
     """
 
     host: str = "127.0.0.1"
@@ -188,20 +195,20 @@ class ProxyConfig:
     isolate_prefix_caches: bool = True
     cache_salt_secret: str | None = field(default=None, repr=False)
     metrics_need_key: bool = False
-    persist_idle_s: float | None = 120.0
+    offload_idle_s: float | None = 120.0
     relieve_kv_usage: float | None = 0.9
     relieve_margin: float = 0.1
     relieve_interval_s: float = 2.0
-    allow_client_persist: bool = False
-    client_persist_per_minute: float = 6.0
+    allow_client_offload: bool = False
+    client_offload_per_minute: float = 6.0
     responses_max_bytes: int = 64 * 1024 * 1024
     drop_system_blocks: tuple[str, ...] = DEFAULT_DROPS
 
     def _check_serving(self) -> None:
         if not (
-            math.isfinite(self.client_persist_per_minute) and self.client_persist_per_minute >= 1
+            math.isfinite(self.client_offload_per_minute) and self.client_offload_per_minute >= 1
         ):
-            raise ConfigError("client_persist_per_minute must be a finite number, at least 1")
+            raise ConfigError("client_offload_per_minute must be a finite number, at least 1")
         if self.state is not None and not self.state.startswith(
             ("redis://", "rediss://", "unix://")
         ):
@@ -227,10 +234,10 @@ class ProxyConfig:
             raise ConfigError("relieve_interval_s must be positive")
 
     def __post_init__(self) -> None:
-        if self.persist_idle_s is not None and not (
-            math.isfinite(self.persist_idle_s) and self.persist_idle_s > 0
+        if self.offload_idle_s is not None and not (
+            math.isfinite(self.offload_idle_s) and self.offload_idle_s > 0
         ):
-            raise ConfigError("persist_idle_s must be positive (or None: never)")
+            raise ConfigError("offload_idle_s must be positive (or None: never)")
         self._check_relief()
         self._check_serving()
         if self.session_idle_timeout_s <= 0:
@@ -268,3 +275,50 @@ class ProxyConfig:
         if self.max_connections is not None and self.max_connections < 2:
             # uvicorn counts the asking connection: one would refuse every request.
             raise ConfigError("max_connections must be at least 2 (or None: no limit)")
+
+
+# The fields' names before issue 41 ("persist" meant three things; these are the file tier's
+# offload). Accepted for one release, with a DeprecationWarning.
+_RENAMED_FIELDS: Mapping[str, str] = MappingProxyType(
+    {
+        "persist_idle_s": "offload_idle_s",
+        "allow_client_persist": "allow_client_offload",
+        "client_persist_per_minute": "client_offload_per_minute",
+    }
+)
+
+
+def _warn_renamed(old: str) -> None:
+    warnings.warn(
+        f"ProxyConfig.{old} is deprecated; use {_RENAMED_FIELDS[old]}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def _with_old_keywords(init: Any) -> Any:
+    def __init__(self: ProxyConfig, **kwargs: Any) -> None:  # noqa: N807 - it is the __init__
+        for old, new in _RENAMED_FIELDS.items():
+            if old in kwargs:
+                _warn_renamed(old)
+                if new in kwargs:
+                    raise TypeError(f"ProxyConfig got both {old} and {new}")
+                kwargs[new] = kwargs.pop(old)
+        init(self, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    __init__.__signature__ = inspect.signature(init)  # type: ignore[attr-defined]
+    return __init__
+
+
+def _old_attribute(old: str) -> property:
+    def read(self: ProxyConfig) -> Any:
+        _warn_renamed(old)
+        return getattr(self, _RENAMED_FIELDS[old])
+
+    return property(read, doc=f"Deprecated: {_RENAMED_FIELDS[old]}.")
+
+
+ProxyConfig.__init__ = _with_old_keywords(ProxyConfig.__init__)  # type: ignore[method-assign]
+for _old in _RENAMED_FIELDS:
+    setattr(ProxyConfig, _old, _old_attribute(_old))

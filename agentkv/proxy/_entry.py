@@ -30,7 +30,7 @@ class SessionEntry:
         "key",
         "last_used",
         "lock",
-        "persist_tried",
+        "offload_tried",
         "renewer",
         "session",
         "store_s",
@@ -49,8 +49,8 @@ class SessionEntry:
         self.created_at = time.time()
         self.forks = 0
         self.closed = False
-        # The idle sweep tried to persist this session's pin (reset when a request uses it).
-        self.persist_tried = False
+        # The idle sweep tried to offload this session's pin (reset when a request uses it).
+        self.offload_tried = False
         # With a shared store: the stored version this copy is, the claim held while checked out.
         self.version = 0
         self.claim: Claim | None = None

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 __all__ = ["ProxyMetrics"]
+
+logger = structlog.get_logger("agentkv")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -129,7 +132,7 @@ class ProxyMetrics:
         self.pins_relieved = Counter(
             "agentkv_proxy_pins_relieved",
             "Idle sessions' decode pins freed because decode's KV memory neared full "
-            "(persisted: to its file tier; released: the next turn recomputes)",
+            "(persisted: offloaded to its file tier; released: the next turn recomputes)",
             ("outcome",),
             registry=registry,
         )
@@ -206,8 +209,24 @@ class ProxyMetrics:
             ("rule",),
             registry=registry,
         )
+        self.deprecated_names = Counter(
+            "agentkv_proxy_deprecated_names",
+            "Requests that used a deprecated name, by that name (X-AgentKV-Persist: use "
+            "X-AgentKV-Offload); the first of each name is also logged",
+            ("old",),
+            registry=registry,
+        )
+        self._deprecations_logged: set[str] = set()
         self._live = _LiveGauges()
         registry.register(self._live)
+
+    def deprecated_name(self, name: str) -> None:
+        """Count a request that used the deprecated ``name``; log the first one (a warning an
+        operator sees once, not once per request)."""
+        self.deprecated_names.labels(name).inc()
+        if name not in self._deprecations_logged:
+            self._deprecations_logged.add(name)
+            logger.warning("agentkv.proxy.deprecated_name", name=name)
 
     def bind(
         self,

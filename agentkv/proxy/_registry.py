@@ -62,7 +62,7 @@ class SessionRegistry(SharedSessions):
         store: SessionStore | None = None,
         claim_wait_s: float = 600.0,
         wall_clock: Callable[[], float] = time.time,
-        persist_idle_s: float | None = None,
+        offload_idle_s: float | None = None,
         max_sessions_per_key: int | None = None,
         max_stored_sessions: int | None = None,
     ) -> None:
@@ -70,7 +70,7 @@ class SessionRegistry(SharedSessions):
         # With a store: how many sessions it may hold, all replicas together (new ones past it
         # are refused); ``max_sessions`` bounds each replica's copies.
         self._max_stored = max_sessions if max_stored_sessions is None else max_stored_sessions
-        self._persist_idle_s = persist_idle_s
+        self._offload_idle_s = offload_idle_s
         self._cluster = cluster
         self._store = store
         self._claim_wait_s = claim_wait_s
@@ -249,7 +249,7 @@ class SessionRegistry(SharedSessions):
         entry.lock.release()
         entry.users -= 1
         entry.last_used = self._clock()
-        entry.persist_tried = False
+        entry.offload_tried = False
         if entry.closed and entry.users == 0:
             await entry.session.aclose()
 
@@ -283,41 +283,41 @@ class SessionRegistry(SharedSessions):
             await self._close(entry, "idle")
         return len(expired)
 
-    async def persist_idle(self) -> int:
-        """Persist the pinned KV of sessions idle past ``persist_idle_s`` to decode's file tier;
-        return how many were persisted.
+    async def offload_idle(self) -> int:
+        """Offload the pinned KV of sessions idle past ``offload_idle_s`` to decode's file tier;
+        return how many were offloaded.
 
         Each is checked out as a request would be (its lock held), so no turn can carry the
         handle while decode writes it; a session is tried once per idle period (a decode
         without a tier answers once, not every sweep). With a shared store, the store lists the
-        candidates (``pinned_idle``) and any one replica persists each.
+        candidates (``pinned_idle``) and any one replica offloads each.
         """
-        if self._persist_idle_s is None:
+        if self._offload_idle_s is None:
             return 0
         if self._store is not None:
-            return await self._persist_idle_shared(self._persist_idle_s)
-        persisted = 0
+            return await self._persist_idle_shared(self._offload_idle_s)
+        offloaded = 0
         now = self._clock()
         for entry in list(self._entries.values()):
             session = entry.session
             if (
                 entry.users
                 or entry.closed
-                or entry.persist_tried
-                or now - entry.last_used < self._persist_idle_s
+                or entry.offload_tried
+                or now - entry.last_used < self._offload_idle_s
                 or session.handle is None
                 or session.tier is not None
             ):
                 continue
-            entry.persist_tried = True
+            entry.offload_tried = True
             entry.users += 1
             try:
                 async with entry.lock:
                     if not entry.closed and await session.persist() is not None:
-                        persisted += 1
+                        offloaded += 1
             finally:
                 entry.users -= 1
-        return persisted
+        return offloaded
 
     async def idle_pinned(
         self, pairs: set[str], *, limit: int

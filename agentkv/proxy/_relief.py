@@ -1,11 +1,11 @@
 """Decode memory pressure: idle sessions' pins freed as a decode's KV memory nears full.
 
 Through the proxy the last turn of every conversation keeps its pin until the session's idle
-persist (``--persist-idle``, 120 s) or its idle timeout, whether or not anyone will send the
+offload (``--offload-idle``, 120 s) or its idle timeout, whether or not anyone will send the
 next turn. Served back to back, finished conversations fill decode with pins nobody reads, and
 new turns queue behind them at decode. ``PressureRelief`` watches each decode's
 ``vllm:kv_cache_usage_perc`` and, at or above ``high``, frees pins of idle sessions on it, the
-longest idle first, until it is below ``low`` (at most ``budget`` a pass): persisted to
+longest idle first, until it is below ``low`` (at most ``budget`` a pass): offloaded to
 decode's file tier where it has one (the next turn loads them back), else released (the next
 turn recomputes, from prefill's prefix cache where it still holds the history). A session in
 use is never touched; each is checked out as a request would be, so no turn can carry a handle
@@ -65,7 +65,8 @@ class UnpinTarget(Protocol):
 
     async def unpin(self, key: Key, *, used_at: float | None, pairs: set[str]) -> str | None:
         """Free one idle session's pin if it is still idle and on one of ``pairs``:
-        ``persisted``, ``released``, or ``None`` when nothing was freed."""
+        ``persisted`` (offloaded: the session's word until issue 41's rename lands), ``released``,
+        or ``None`` when nothing was freed."""
         ...
 
 

@@ -258,21 +258,50 @@ def session_id_from(header: str | None, request: ChatRequest) -> str | None:
     return None if key is None else key.session_id
 
 
-def persist_from(header: str | None) -> PersistMode:
-    """The turn's persist option from ``X-AgentKV-Persist: disk | pin`` (absent: ``auto``).
+OFFLOAD_HEADER = "X-AgentKV-Offload"
+# The header's name until issue 41; still read for one release (counted and logged as deprecated).
+LEGACY_OFFLOAD_HEADER = "X-AgentKV-Persist"
 
-    ``disk``: the client knows the next turn is far off, so the turn-end KV goes to decode's
-    file tier right after the answer; ``pin``: keep it pinned in decode's memory.
+
+def offload_from(header: str | None, *, legacy: str | None = None) -> PersistMode:
+    """The turn's offload option from ``X-AgentKV-Offload: always | never | auto`` (absent:
+    ``auto``); ``legacy`` is the deprecated ``X-AgentKV-Persist`` (``disk | pin | auto``).
+
+    ``always``: the client knows the next turn is far off, so the turn-end KV is offloaded to
+    decode's file tier right after the answer; ``never``: keep it pinned in decode's memory. Both
+    headers take both vocabularies; sent together they must agree (else 400).
+
+    >>> offload_from("always"), offload_from(None, legacy="pin"), offload_from(None)
+    ('disk', 'pin', 'auto')
     """
+    mode = _offload_mode(header, OFFLOAD_HEADER)
+    old = _offload_mode(legacy, LEGACY_OFFLOAD_HEADER)
+    if mode is not None and old is not None and mode != old:
+        raise _bad(
+            f"{OFFLOAD_HEADER} and {LEGACY_OFFLOAD_HEADER} disagree; send only {OFFLOAD_HEADER}",
+            OFFLOAD_HEADER,
+        )
+    return mode or old or "auto"
+
+
+def _offload_mode(header: str | None, name: str) -> PersistMode | None:
     if header is None:
-        return "auto"
-    mode = _PERSIST_MODES.get(header.strip().lower())
+        return None
+    mode = _OFFLOAD_MODES.get(header.strip().lower())
     if mode is None:
-        raise _bad("X-AgentKV-Persist is disk, pin or auto", "X-AgentKV-Persist")
+        raise _bad(f"{name} is always, never or auto", name)
     return mode
 
 
-_PERSIST_MODES: Mapping[str, PersistMode] = {"disk": "disk", "pin": "pin", "auto": "auto"}
+# Header values onto the session's offload option (today's session words: "disk" offloads,
+# "pin" keeps the pin). The old values disk and pin stay accepted for one release.
+_OFFLOAD_MODES: Mapping[str, PersistMode] = {
+    "always": "disk",
+    "never": "pin",
+    "auto": "auto",
+    "disk": "disk",
+    "pin": "pin",
+}
 
 
 def route_from(header: str | None) -> Route | None:

@@ -13,10 +13,10 @@ What is faithful (each module cites the vLLM code it follows):
 * KV reuse: block-granular prefix caching, positional pulls of ``min(remote_num_tokens,
   prompt_len) - local_hit`` tokens, ``kv_recompute_threshold``, single-use handles, TTLs, the
   5 s expiry margin, load failures answered with 500, ``kv_cache_usage_perc`` from a block pool.
-* agentkv's extension (on by default, as ``agentkv up`` runs vLLM): persist hints, lease
+* agentkv's extension (on by default, as ``agentkv up`` runs vLLM): pin hints, lease
   acknowledgements, ``/v1/agentkv/info`` and the release/extend routes, decided by the
   connector's own ``LeaseBook``; ``leases=False, stream_handles=False`` is stock vLLM.
-* The file tier (``tier=True``, ``_fake_tier``): persist and delete routes, tier usage in
+* The file tier (``tier=True``, ``_fake_tier``): offload and delete routes, tier usage in
   ``/v1/agentkv/info``, prefill's token-exact, checksum-checked load of at most ``prompt - 1``
   tokens, a byte budget with LRU eviction.
 * Wrong KV: the model's output is a function of the KV it holds, so a handle sent with a

@@ -57,14 +57,14 @@ class FakeCluster:
     ``http://fake-p{i}.test:8000`` and ``http://fake-d{i}.test:8000``.
 
     By default they run as ``agentkv up`` starts vLLM: with agentkv's plugin (handles on streams,
-    ``stream_handles``) and connector (persist hints and lease routes, ``leases``, capped at
+    ``stream_handles``) and connector (pin hints and lease routes, ``leases``, capped at
     ``agentkv_max_ttl_s``). ``leases=False, stream_handles=False`` is stock vLLM: no
     ``/v1/agentkv/*`` routes, no lease acknowledgement; ``leases=False`` alone is the plugin with
     vLLM's own connector (``/v1/agentkv/info`` says ``leases: false``).
 
     ``tier=True`` gives the servers a shared file tier (``agentkv_tier_dir``, as ``agentkv up``
     configures; ``fake.tier`` is the :class:`FakeTier`, bounded by ``tier_budget_bytes``):
-    decode persists leased handles there, prefill resumes from it. Without it the persist route
+    decode offloads leased handles there, prefill resumes from it. Without it the offload route
     answers 501 ``tier_unavailable``.
 
     ``tokenizer`` replaces the fake's own byte-level one with any object of its interface that

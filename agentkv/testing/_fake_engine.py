@@ -15,7 +15,7 @@ The connector decisions follow ``vllm/distributed/kv_transfer/kv_connector/v1/ni
   ``kv_lease_duration`` (30 s) on a producer, for ``decoder_kv_blocks_ttl`` on a decoder.
 
 With ``leases`` the engine runs agentkv's ``AgentKVConnector`` instead (``agentkv/connector``): a
-decoder's turn-end pin is decided by the connector's own ``apply_pin_policy`` (persist hint,
+decoder's turn-end pin is decided by the connector's own ``apply_pin_policy`` (pin hint,
 requests released early by their client) and leased with its ``LeaseBook``/``LeaseService``, and
 :meth:`FakeEngine.lease_op` serves the lease calls.
 """
@@ -30,7 +30,7 @@ from typing import Any, Final, Literal, Protocol
 
 from agentkv._core import (
     HintError,
-    PersistRequest,
+    OffloadRequest,
     TierDelete,
     TierLoadReport,
     TierRef,
@@ -72,7 +72,7 @@ class EngineConfig:
     kv_lease_duration: float = 30.0
     bidirectional_kv_xfer: bool = True
     kv_load_failure_policy: KVLoadFailurePolicy = "fail"
-    # agentkv's connector: persist hints and leases (kv_connector_extra_config agentkv_max_ttl_s).
+    # agentkv's connector: pin hints and leases (kv_connector_extra_config agentkv_max_ttl_s).
     leases: bool = False
     agentkv_max_ttl_s: float = 3600.0
 
@@ -123,7 +123,7 @@ class _Pin:
     block_ids: list[int]
     deadline: float
     turn_end: bool
-    # The tokens whose KV the blocks hold and the request's salt (what a tier persist records).
+    # The tokens whose KV the blocks hold and the request's salt (what a tier offload records).
     tokens: tuple[int, ...] = ()
     cache_salt: str | None = None
     # Whether vLLM's worker tracks the pin (``_reqs_in_batch``): it frees the blocks of a pin
@@ -226,7 +226,7 @@ class FakeEngine:
         """
         if self._leases is None:
             return {"status": "unavailable"}
-        if op in ("persist", "tier_delete"):
+        if op in ("offload", "tier_delete"):
             return self._tier_op(op, payload)
         answer = self._leases.handle(op, payload)
         if op == "info" and answer.get("status") == "ok":
@@ -235,7 +235,7 @@ class FakeEngine:
         return answer
 
     def _tier_op(self, op: str, payload: object) -> dict[str, object]:  # noqa: PLR0911 - per status
-        """``AgentKVConnector.agentkv_tier_op``: persist a leased pin, or delete an entry."""
+        """``AgentKVConnector.agentkv_tier_op``: offload a leased pin, or delete an entry."""
         if self._tier is None or self._book is None or self._leases is None:
             return {"status": "tier_unavailable"}
         try:
@@ -244,7 +244,7 @@ class FakeEngine:
                 if not self._tier.delete(delete.id, delete.secret):
                     return {"status": "unknown", "message": "no such tier entry, or not yours"}
                 return {"status": "ok", "deleted": True}
-            request = PersistRequest.from_wire(payload)
+            request = OffloadRequest.from_wire(payload)
         except HintError as exc:
             return {"status": "invalid", "message": str(exc)}
         ref = request.ref

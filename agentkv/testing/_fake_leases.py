@@ -1,11 +1,12 @@
 """agentkv's lease routes on a fake server, as ``agentkv/connector/_endpoint.py`` serves them.
 
 ``GET /v1/agentkv/info``, ``POST /v1/agentkv/leases/release``, ``/extend``, ``/claim``,
-``/persist``, ``/v1/agentkv/requests/release`` and ``/v1/agentkv/tier/delete``: bodies, statuses
-and error codes as the endpoint plugin answers them; the decisions are the real connector's
-(``LeaseService`` on the engine's ``LeaseBook``, see ``FakeEngine.lease_op``). A server with the
-plugin but a stock connector (``FakeCluster(leases=False)`` with ``stream_handles``) answers
-``leases: false`` and 501; one without the plugin has no such routes (404).
+``/persist`` (the offload; also ``/offload``), ``/v1/agentkv/requests/release`` and
+``/v1/agentkv/tier/delete``: bodies, statuses and error codes as the endpoint plugin answers
+them; the decisions are the real connector's (``LeaseService`` on the engine's ``LeaseBook``, see
+``FakeEngine.lease_op``). A server with the plugin but a stock connector
+(``FakeCluster(leases=False)`` with ``stream_handles``) answers ``leases: false`` and 501; one
+without the plugin has no such routes (404).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from agentkv._core import (
     ExtendResult,
     HintError,
     LeaseRef,
-    PersistRequest,
-    PersistResult,
+    OffloadRequest,
+    OffloadResult,
     RequestRelease,
     ServerInfo,
     TierDelete,
@@ -98,11 +99,11 @@ def extend(engine: FakeEngine, body: bytes, op: str = "extend") -> Reply:
     return Reply(json=ExtendResult.from_wire(answer).to_wire())
 
 
-def persist(engine: FakeEngine, body: bytes) -> Reply:
-    answer = _forward(engine, body, PersistRequest.from_wire, "persist")
+def offload(engine: FakeEngine, body: bytes) -> Reply:
+    answer = _forward(engine, body, OffloadRequest.from_wire, "offload")
     if isinstance(answer, Reply):
         return answer
-    return Reply(json={"tier": PersistResult.from_wire(answer).to_wire()["tier"]})
+    return Reply(json={"tier": OffloadResult.from_wire(answer).to_wire()["tier"]})
 
 
 def tier_delete(engine: FakeEngine, body: bytes) -> Reply:

@@ -10,7 +10,8 @@ from agentkv._core import (
     CLAIM_PATH,
     EXTEND_PATH,
     INFO_PATH,
-    PERSIST_PATH,
+    LEGACY_OFFLOAD_PATH,
+    OFFLOAD_PATH,
     RELEASE_PATH,
     RELEASE_REQUEST_PATH,
     TIER_DELETE_PATH,
@@ -196,7 +197,9 @@ class FakeServer:
             routes[EXTEND_PATH] = ("POST", lambda: leases.extend(engine, body))
             routes[CLAIM_PATH] = ("POST", lambda: leases.extend(engine, body, "claim"))
             routes[RELEASE_REQUEST_PATH] = ("POST", lambda: leases.release_request(engine, body))
-            routes[PERSIST_PATH] = ("POST", lambda: leases.persist(engine, body))
+            # The offload route under its first name (what SDKs send) and its new one.
+            routes[LEGACY_OFFLOAD_PATH] = ("POST", lambda: leases.offload(engine, body))
+            routes[OFFLOAD_PATH] = routes[LEGACY_OFFLOAD_PATH]
             routes[TIER_DELETE_PATH] = ("POST", lambda: leases.tier_delete(engine, body))
         route = routes.get(path)
         if route is None:

@@ -1,4 +1,4 @@
-"""The file tier of a fake cluster: persisted turn-end KV, kept as ``connector/_tier*.py`` do.
+"""The file tier of a fake cluster: offloaded turn-end KV, kept as ``connector/_tier*.py`` do.
 
 Both servers of the local pair mount one tier directory; here one :class:`FakeTier` is shared by
 every server of a :class:`FakeCluster` (``FakeCluster(tier=True)``) and survives their restarts,
@@ -7,7 +7,7 @@ as files do. What is faithful to the real store (``_tier_store.TierStore``):
 * an entry holds the exact token ids decode computed for the pinned request (prompt + generated
   - 1), a digest of its ``cache_salt`` (never the salt), its KV blocks, an expiry and a digest
   of its secret, under a 128-bit random id;
-* the persist answer carries the entry's secret and granted TTL (``ttl_s`` asked for, capped at
+* the offload answer carries the entry's secret and granted TTL (``ttl_s`` asked for, capped at
   ``max_ttl_s``; ``ttl_s`` of the tier when none was asked for); a delete needs the secret, and
   a wrong one is answered as a missing entry (404 ``unknown_lease``);
 * a load takes the longest common prefix of the entry's tokens and the prompt, at most
@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from agentkv._core import PersistResult, TierRef, TierUsage
+from agentkv._core import OffloadResult, TierRef, TierUsage
 from agentkv.connector._tier import DEFAULT_TIER_MAX_TTL_S, DEFAULT_TIER_TTL_S
 from agentkv.connector._tier_share import Held, evictions
 from agentkv.connector._tier_store import granted_ttl, new_secret, salt_digest, secret_digest
@@ -59,7 +59,7 @@ def _checksum(block: BlockContent) -> int:
 
 @dataclass(slots=True)
 class TierEntry:
-    """One persisted handle: its tokens, salt digest, KV blocks and a checksum per block, its
+    """One offloaded handle: its tokens, salt digest, KV blocks and a checksum per block, its
     expiry (on the cluster's clock) and its secret's digest."""
 
     id: str
@@ -160,7 +160,7 @@ class FakeTier:
         cache_salt: str | None,
         blocks: Sequence[BlockContent],
         ttl_s: float | None = None,
-    ) -> PersistResult:
+    ) -> OffloadResult:
         """Commit a new entry to live ``ttl_s`` (capped; ``None``: the tier's default), then
         evict least recently used others beyond the budget, each salt within its share."""
         self.sweep()
@@ -197,7 +197,7 @@ class FakeTier:
                 f"{nbytes} bytes do not fit this salt's share of the tier budget of "
                 f"{self.budget_bytes} bytes (other salts' entries are not evicted for it)"
             )
-        return PersistResult(
+        return OffloadResult(
             ref=TierRef(id=entry.id, n_tokens=entry.n_tokens, secret=secret),
             bytes=nbytes,
             ttl_s=ttl,

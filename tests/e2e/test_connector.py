@@ -27,7 +27,7 @@ from agentkv._wire.hints import (
     ExtendResult,
     LeaseAck,
     LeaseRef,
-    PersistHint,
+    PinHint,
     RequestRelease,
     for_prefill,
     new_request_secret,
@@ -182,14 +182,14 @@ class Conversation:
         cached: int = data["usage"]["prompt_tokens_details"]["cached_tokens"]
         return data["kv_transfer_params"], cached
 
-    def _decode_body(self, p_params: dict[str, Any], hint: PersistHint | None) -> dict[str, Any]:
+    def _decode_body(self, p_params: dict[str, Any], hint: PinHint | None) -> dict[str, Any]:
         params = {**p_params, "prompt_token_ids": self.prompt}
         return {"model": self.pair.model, "messages": self.messages,
                 "max_tokens": self.max_tokens, "temperature": 0.0, "return_token_ids": True,
                 "kv_transfer_params": with_hint(params, hint) if hint else params}
 
     def decode(
-        self, p_params: dict[str, Any], hint: PersistHint | None, *, request_id: str | None = None
+        self, p_params: dict[str, Any], hint: PinHint | None, *, request_id: str | None = None
     ) -> dict[str, Any]:
         """A non-streamed D leg; returns decode's turn-end params (the handle)."""
         headers = {"X-Request-Id": request_id} if request_id else None
@@ -198,7 +198,7 @@ class Conversation:
         params: dict[str, Any] = data["kv_transfer_params"]
         return params
 
-    def decode_stream(self, p_params: dict[str, Any], hint: PersistHint | None, *,
+    def decode_stream(self, p_params: dict[str, Any], hint: PinHint | None, *,
                       usage: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """A streamed D leg; returns the handle from the last chunk, and all chunks."""
         body = self._decode_body(p_params, hint)
@@ -211,7 +211,7 @@ class Conversation:
         assert all("kv_transfer_params" not in c for c in chunks[:-1])
         return chunks[-1]["kv_transfer_params"], chunks
 
-    def turn(self, handle: dict[str, Any] | None, hint: PersistHint | None) -> dict[str, Any]:
+    def turn(self, handle: dict[str, Any] | None, hint: PinHint | None) -> dict[str, Any]:
         p_params, _ = self.prefill(handle)
         return self.decode(p_params, hint)
 
@@ -237,7 +237,7 @@ def test_a_streamed_decode_leg_ends_with_a_handle_that_the_next_prefill_pulls(pa
     """The handle rides on the last chunk (the usage chunk here) and works like a plain one."""
     convo = Conversation(pair, "harbour")
     p_params, _ = convo.prefill(None)
-    handle, chunks = convo.decode_stream(p_params, PersistHint(ttl_s=120), usage=True)
+    handle, chunks = convo.decode_stream(p_params, PinHint(ttl_s=120), usage=True)
     assert chunks[-1]["choices"] == []
     assert "usage" in chunks[-1]
     assert handle["do_remote_decode"] is True
@@ -256,7 +256,7 @@ def test_a_streamed_decode_leg_ends_with_a_handle_that_the_next_prefill_pulls(pa
 def test_without_usage_the_finish_chunk_carries_the_handle(pair: Pair) -> None:
     convo = Conversation(pair, "orchard")
     p_params, _ = convo.prefill(None)
-    handle, chunks = convo.decode_stream(p_params, PersistHint(persist=False), usage=False)
+    handle, chunks = convo.decode_stream(p_params, PinHint(pin=False), usage=False)
     assert chunks[-1]["choices"][0]["finish_reason"] in {"stop", "length"}
     assert LeaseAck.from_params(handle) == LeaseAck(pinned=False)
 
@@ -265,7 +265,7 @@ def test_release_returns_decode_kv_usage_to_idle_within_seconds(pair: Pair) -> N
     """Also: release or extend with someone else's request id, blocks or secret is refused."""
     idle = pair.settle()
     convo = Conversation(pair, "mill")
-    handle = convo.turn(None, PersistHint(ttl_s=300))
+    handle = convo.turn(None, PinHint(ttl_s=300))
     pinned = pair.kv_usage()
     assert pinned > idle
     ref = LeaseRef.from_handle(handle)
@@ -297,7 +297,7 @@ def test_a_d_leg_is_released_by_the_secret_behind_its_client_chosen_request_id(
     convo = Conversation(pair, "granary")
     secret = new_request_secret()
     p_params, _ = convo.prefill(None)
-    handle = convo.decode(p_params, PersistHint(ttl_s=300), request_id=request_tag(secret))
+    handle = convo.decode(p_params, PinHint(ttl_s=300), request_id=request_tag(secret))
     assert handle["remote_request_id"].startswith(f"chatcmpl-{request_tag(secret)}-")
     assert pair.kv_usage() > idle
     by_tag = RequestRelease(secret=request_tag(secret)).to_wire()  # the public tag opens nothing
@@ -317,7 +317,7 @@ def test_a_request_released_before_it_finished_is_never_pinned(pair: Pair) -> No
     early = pair.post(pair.d_url, RELEASE_REQUEST_PATH, RequestRelease(secret=secret).to_wire())
     assert early.json() == {"released": 0}
     p_params, _ = convo.prefill(None)
-    handle = convo.decode(p_params, PersistHint(ttl_s=300), request_id=request_tag(secret))
+    handle = convo.decode(p_params, PinHint(ttl_s=300), request_id=request_tag(secret))
     assert LeaseAck.from_params(handle) == LeaseAck(pinned=False)
     assert not any(handle["remote_block_ids"])
     assert pair.settle() <= idle
@@ -326,7 +326,7 @@ def test_a_request_released_before_it_finished_is_never_pinned(pair: Pair) -> No
 def test_a_final_turn_pins_nothing(pair: Pair) -> None:
     idle = pair.settle()
     convo = Conversation(pair, "quarry")
-    handle = convo.turn(None, PersistHint(persist=False))
+    handle = convo.turn(None, PinHint(pin=False))
     assert LeaseAck.from_params(handle) == LeaseAck(pinned=False)
     assert not any(handle["remote_block_ids"])
     assert handle["remote_num_tokens"] == 0
@@ -337,8 +337,8 @@ def test_a_short_ttl_expires_and_an_extended_one_survives(pair: Pair) -> None:
     """Two sessions pinned for 12 s; one is extended during a 'tool call' that outlasts that."""
     ttl = 12.0
     short, kept = Conversation(pair, "forge"), Conversation(pair, "kiln")
-    short_handle = short.turn(None, PersistHint(ttl_s=ttl))
-    kept_handle = kept.turn(None, PersistHint(ttl_s=ttl))
+    short_handle = short.turn(None, PinHint(ttl_s=ttl))
+    kept_handle = kept.turn(None, PinHint(ttl_s=ttl))
     pinned_at = time.monotonic()
     extend = ExtendRequest(ref=LeaseRef.from_handle(kept_handle), ttl_s=60)
     response = pair.post(pair.d_url, EXTEND_PATH, extend.to_wire())
@@ -360,10 +360,10 @@ def test_a_short_ttl_expires_and_an_extended_one_survives(pair: Pair) -> None:
     # Extended: the pull covers the whole previous turn, past prefill's own cache.
     assert kept_cached >= floors["kiln"][0] - 1 > floors["kiln"][1]
     # The recomputed turn is correct: the same output as that prompt prefilled from scratch.
-    short.decode(short_params, PersistHint(persist=False))
-    kept.decode(kept_params, PersistHint(persist=False))
+    short.decode(short_params, PinHint(pin=False))
+    kept.decode(kept_params, PinHint(pin=False))
     recomputed = short.generated
-    short.decode(short.prefill(None)[0], PersistHint(persist=False))
+    short.decode(short.prefill(None)[0], PinHint(pin=False))
     assert recomputed == short.generated
     # The expired lease cannot be released any more (it is being freed, or already is).
     assert _release(pair, short_handle).status_code in {404, 410}
@@ -373,10 +373,10 @@ def test_greedy_outputs_are_identical_with_and_without_hints(pair: Pair) -> None
     runs = []
     for hinted in (True, False):
         convo = Conversation(pair, "granary", max_tokens=16)
-        handle = convo.turn(None, PersistHint(ttl_s=60) if hinted else None)
+        handle = convo.turn(None, PinHint(ttl_s=60) if hinted else None)
         first = convo.generated
         convo.add_user("And parcel 4?")
-        last = convo.turn(handle, PersistHint(persist=False) if hinted else None)
+        last = convo.turn(handle, PinHint(pin=False) if hinted else None)
         runs.append((first, convo.generated))
         if not hinted:
             # Stock behaviour pins the last turn too; the connector still hands out a lease.

@@ -15,11 +15,11 @@ from typing import Any
 import httpx2
 import pytest
 
-from agentkv._wire.hints import INFO_PATH, RELEASE_PATH, LeaseRef, PersistHint
+from agentkv._wire.hints import INFO_PATH, RELEASE_PATH, LeaseRef, PinHint
 from agentkv._wire.tier import (
-    PERSIST_PATH,
+    LEGACY_OFFLOAD_PATH,
     TIER_DELETE_PATH,
-    PersistResult,
+    OffloadResult,
     TierDelete,
     TierLoadReport,
     TierRef,
@@ -39,11 +39,11 @@ def pair(local_cluster: ClusterRecord) -> Any:
         yield Pair(client=client, p_url=first.prefill.url, d_url=first.decode.url,
                    model=local_cluster.model)
 
-HOLD = PersistHint(ttl_s=300)
+HOLD = PinHint(ttl_s=300)
 
 
 def _persist(pair: Pair, handle: dict[str, Any]) -> httpx2.Response:
-    return pair.post(pair.d_url, PERSIST_PATH, LeaseRef.from_handle(handle).to_wire())
+    return pair.post(pair.d_url, LEGACY_OFFLOAD_PATH, LeaseRef.from_handle(handle).to_wire())
 
 
 def _resume(conv: Conversation, ref: TierRef) -> tuple[dict[str, Any], int]:
@@ -78,7 +78,7 @@ def _persisted_turn(pair: Pair, topic: str) -> tuple[Conversation, TierRef, floa
     handle = conv.turn(None, HOLD)
     response = _persist(pair, handle)
     assert response.status_code == 200, response.text
-    result = PersistResult.from_wire(response.json())
+    result = OffloadResult.from_wire(response.json())
     assert result.ref.n_tokens == conv.turn_tokens - 1  # the last token's KV is never made
     assert result.bytes > 0
     # The pin is gone: the old handle is unknown to decode.
@@ -92,7 +92,7 @@ def _reference_answer(pair: Pair, topic: str) -> list[int]:
     conv = Conversation(pair, topic)
     handle = conv.turn(None, HOLD)
     conv.add_user("And which shelf holds parcel 5?")
-    conv.turn(handle, PersistHint(persist=False))
+    conv.turn(handle, PinHint(pin=False))
     return list(conv.generated)
 
 
@@ -109,7 +109,7 @@ def test_a_persisted_turn_frees_decode_and_resumes_from_the_tier_at_the_ideal(
     conv.add_user("And which shelf holds parcel 5?")
     p_params, cached = _resume(conv, ref)
     assert cached == ref.n_tokens, (cached, ref.n_tokens, len(conv.prompt))
-    conv.decode(p_params, PersistHint(persist=False))
+    conv.decode(p_params, PinHint(pin=False))
     assert conv.generated == _reference_answer(pair, "tier-resume")
 
     files = _files(pair, ref)
@@ -156,7 +156,7 @@ def test_a_damaged_tier_file_is_recomputed_never_served(pair: Pair, damage: str)
     assert report.tokens <= (n_blocks - 1) * BLOCK
     if damage == "truncate":
         assert cached <= (n_blocks - 1) * BLOCK
-    conv.decode(p_params, PersistHint(persist=False))
+    conv.decode(p_params, PinHint(pin=False))
     assert conv.generated == _reference_answer(pair, topic)
     assert pair.post(pair.d_url, TIER_DELETE_PATH, _delete(ref)).json() == {"deleted": True}
 
@@ -176,17 +176,17 @@ def test_a_prefill_that_never_saw_the_session_loads_all_of_it_from_the_tier(pair
     first = list(conv.generated)
     response = _persist(pair, handle)
     assert response.status_code == 200, response.text
-    ref = PersistResult.from_wire(response.json()).ref
+    ref = OffloadResult.from_wire(response.json()).ref
     assert ref.n_tokens == conv.turn_tokens - 1
     conv.add_user("And which shelf holds parcel 5?")
     p_params, cached = _resume(conv, ref)
     assert cached == ref.n_tokens
-    conv.decode(p_params, PersistHint(persist=False))
+    conv.decode(p_params, PinHint(pin=False))
 
     reference = Conversation(pair, "tier-cold")
     old = reference.turn(None, HOLD)
     assert reference.generated == first
     reference.add_user("And which shelf holds parcel 5?")
-    reference.turn(old, PersistHint(persist=False))
+    reference.turn(old, PinHint(pin=False))
     assert conv.generated == reference.generated
     assert pair.post(pair.d_url, TIER_DELETE_PATH, _delete(ref)).json() == {"deleted": True}

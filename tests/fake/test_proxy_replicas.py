@@ -18,7 +18,7 @@ from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
 from agentkv import AsyncCluster, Message
-from agentkv._wire.tier import PERSIST_PATH
+from agentkv._wire.tier import LEGACY_OFFLOAD_PATH
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._redis_store import RedisSessions
 from agentkv.proxy._shared import DIRTY_HANDOVER
@@ -56,7 +56,7 @@ class SlowPersists(httpx2.AsyncBaseTransport):
         self._delay_s = delay_s
 
     async def handle_async_request(self, request):
-        if request.url.path == PERSIST_PATH:
+        if request.url.path == LEGACY_OFFLOAD_PATH:
             await asyncio.sleep(self._delay_s)
         return await self._inner.handle_async_request(request)
 
@@ -455,7 +455,7 @@ async def test_an_idle_persist_longer_than_the_claim_s_lease_keeps_its_claim(clo
         redis_url,
         store=store,
         transport=SlowPersists(fake.transport, 1.0),
-        persist_idle_s=60.0,
+        offload_idle_s=60.0,
     )
     b = Replica(fake, clock, redis_url)
     messages = [{"role": "system", "content": SYSTEM}]
@@ -464,7 +464,7 @@ async def test_an_idle_persist_longer_than_the_claim_s_lease_keeps_its_claim(clo
     await registry.written()
     now = time.time()
     registry._wall = lambda: now + 120.0
-    assert await registry.persist_idle() == 1
+    assert await registry.offload_idle() == 1
     refused = a.app.state.metrics.value(
         "agentkv_proxy_store_commit_failures_total", reason="refused"
     )
@@ -478,16 +478,16 @@ async def test_an_idle_persist_longer_than_the_claim_s_lease_keeps_its_claim(clo
     await b.aclose()
 
 
-async def test_an_idle_shared_session_is_persisted_once_by_one_replica_and_resumes_anywhere(
+async def test_an_idle_shared_session_is_offloaded_once_by_one_replica_and_resumes_anywhere(
     clock, redis_url
 ):
     """With ``--state``, the store lists sessions whose KV is pinned; once idle past
-    ``persist_idle_s`` one replica (whichever gets the claim) persists it to decode's tier, and
+    ``offload_idle_s`` one replica (whichever gets the claim) offloads it to decode's tier, and
     the next turn, on the other replica, loads it from there. Persisting is no use: the session
     still expires on time."""
     fake = FakeCluster(pairs=1, clock=ManualClock(), tier=True)
-    a = Replica(fake, clock, redis_url, persist_idle_s=60.0)
-    b = Replica(fake, clock, redis_url, persist_idle_s=60.0)
+    a = Replica(fake, clock, redis_url, offload_idle_s=60.0)
+    b = Replica(fake, clock, redis_url, offload_idle_s=60.0)
     messages = [{"role": "system", "content": SYSTEM}]
     await _ask(a, "nap", messages, QUESTIONS[0])
     await a.app.state.registry.written()
@@ -495,14 +495,14 @@ async def test_an_idle_shared_session_is_persisted_once_by_one_replica_and_resum
     now = time.time()
     for replica in (a, b):
         replica.app.state.registry._wall = lambda: now + 30.0  # not idle long enough yet
-    assert [await r.app.state.registry.persist_idle() for r in (a, b)] == [0, 0]
+    assert [await r.app.state.registry.offload_idle() for r in (a, b)] == [0, 0]
     for replica in (a, b):
         replica.app.state.registry._wall = lambda: now + 120.0
-    done = await asyncio.gather(*(r.app.state.registry.persist_idle() for r in (a, b)))
+    done = await asyncio.gather(*(r.app.state.registry.offload_idle() for r in (a, b)))
     assert sorted(done) == [0, 1]
     assert fake.decode(0).pinned_handles == 0
     assert len(fake.tier.ids) == 1
-    assert [await r.app.state.registry.persist_idle() for r in (a, b)] == [0, 0]  # once
+    assert [await r.app.state.registry.offload_idle() for r in (a, b)] == [0, 0]  # once
     # Still idle since the answer, not since the persist.
     assert await a.store.idle(before=now + 1.0, limit=10)
     await _ask(b, "nap", messages, QUESTIONS[1])

@@ -25,7 +25,7 @@ from agentkv import (
     TierRef,
 )
 from agentkv._wire.handoff import lease_ref
-from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH
+from agentkv._wire.tier import LEGACY_OFFLOAD_PATH, TIER_DELETE_PATH
 from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
@@ -183,8 +183,8 @@ def test_the_routes_answer_as_the_connector_does(fake):
     client = httpx2.Client(transport=fake.transport)
     url = fake.decode(0).url
     unknown = {"remote_request_id": "x", "remote_block_ids": [[1]], "lease": "0" * 32}
-    assert client.post(url + PERSIST_PATH, json=unknown).status_code == 404
-    assert client.post(url + PERSIST_PATH, json={}).status_code == 400
+    assert client.post(url + LEGACY_OFFLOAD_PATH, json=unknown).status_code == 404
+    assert client.post(url + LEGACY_OFFLOAD_PATH, json={}).status_code == 400
     answer = client.post(url + TIER_DELETE_PATH, json={"id": "f" * 32, "secret": "a" * 22})
     assert (answer.status_code, answer.json()["error"]["code"]) == (404, "unknown_lease")
     assert client.post(url + TIER_DELETE_PATH, json={"id": "f" * 32}).status_code == 400
@@ -254,7 +254,8 @@ def test_a_bad_ttl_is_a_400_and_the_pin_is_kept(cluster, fake):
         s.send(QUESTIONS[0])
         body = lease_ref(s.handle).to_wire()
         for bad in (-1, 0, "600", True):
-            answer = client.post(fake.decode(0).url + PERSIST_PATH, json={**body, "ttl_s": bad})
+            url = fake.decode(0).url + LEGACY_OFFLOAD_PATH
+            answer = client.post(url, json={**body, "ttl_s": bad})
             assert (answer.status_code, answer.json()["error"]["code"]) == (400, "invalid_request")
         assert fake.decode(0).leased_handles == 1
         assert fake.tier.ids == []

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import json
 import shlex
 
 import pytest
 
 from agentkv.bench import BenchConfig, Mode, plot_ttft
-from agentkv.bench._cli import _config, add_parser, command_line, summary_table
+from agentkv.bench._cli import _config, add_parser, cmd_bench, command_line, summary_table
 from agentkv.bench._progress import ProgressBar
 from agentkv.bench._samples import TurnSample
 
@@ -119,3 +120,25 @@ def test_the_summary_table_prints_what_the_limit_computed_and_agentkv_over_the_l
     assert lines[3].split()[0] == "limit"
     assert "limit computed per turn >= 2: 301.5 tokens (mean), at most 127 of them" in lines[4]
     assert lines[5] == "agentkv / limit TTFT: p50 1.20; by turn -, 1.10, 1.30"
+
+
+def test_every_mode_has_a_colour_and_a_marker_of_its_own():
+    from agentkv.bench._plot import STYLES, style_of
+
+    styles = [style_of(mode.value) for mode in Mode]
+    assert len({color for color, _ in styles}) == len(Mode)
+    assert len({marker for _, marker in styles}) == len(Mode)
+    assert set(STYLES) >= {mode.value for mode in Mode}
+    taken = set(styles)
+    spare = style_of("a-mode-added-later", taken=taken)
+    assert spare not in taken
+    assert style_of("another-new-one", taken=taken | {spare}) != spare
+
+
+def test_from_report_redraws_a_saved_report_without_running(tmp_path, capsys):
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(report()))
+    args = parse(["bench", "--from-report", str(saved), "--plot", str(tmp_path / "again.png")])
+    assert cmd_bench(args) == 0
+    assert (tmp_path / "again.png").read_bytes().startswith(b"\x89PNG")
+    assert "agentkv" in capsys.readouterr().out

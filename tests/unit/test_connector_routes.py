@@ -220,20 +220,20 @@ async def test_a_stock_connector_answers_501_and_info_says_no_leases(clock: Cloc
             assert (await client.get(INFO_PATH)).json()["leases"] is False
 
 
-async def test_persist_without_a_tier_answers_501_tier_unavailable(
+async def test_offload_without_a_tier_answers_501_tier_unavailable(
     client: httpx2.AsyncClient, engine: Engine
 ) -> None:
     """The fake connector has no ``agentkv_tier_op`` at all: a connector without a tier method
     is not agentkv's (leases_unavailable); agentkv's without a tier dir says tier_unavailable."""
-    from agentkv._wire.tier import PERSIST_PATH, TIER_DELETE_PATH
+    from agentkv._wire.tier import LEGACY_OFFLOAD_PATH, TIER_DELETE_PATH
 
     ref = engine.pin("req-p")
-    response = await client.post(PERSIST_PATH, json=ref.to_wire())
+    response = await client.post(LEGACY_OFFLOAD_PATH, json=ref.to_wire())
     assert response.status_code == 501
     assert response.json()["error"]["code"] == "leases_unavailable"
     engine.connector.agentkv_tier_op = (  # type: ignore[attr-defined]
         lambda op, payload, run: {"status": "tier_unavailable"})
-    response = await client.post(PERSIST_PATH, json=ref.to_wire())
+    response = await client.post(LEGACY_OFFLOAD_PATH, json=ref.to_wire())
     assert response.status_code == 501
     assert response.json()["error"]["code"] == "tier_unavailable"
     response = await client.post(TIER_DELETE_PATH, json={"id": "../../etc/passwd"})
@@ -241,24 +241,24 @@ async def test_persist_without_a_tier_answers_501_tier_unavailable(
     assert response.json()["error"]["code"] == "invalid_request"
 
 
-async def test_a_failed_persist_answers_500_and_names_the_cause(
+async def test_a_failed_offload_answers_500_and_names_the_cause(
     client: httpx2.AsyncClient, engine: Engine
 ) -> None:
-    from agentkv._wire.tier import PERSIST_PATH
+    from agentkv._wire.tier import LEGACY_OFFLOAD_PATH
 
     engine.connector.agentkv_tier_op = (  # type: ignore[attr-defined]
         lambda op, payload, run: {"status": "tier_failed", "message": "disk full"})
-    response = await client.post(PERSIST_PATH, json=engine.pin("req-f").to_wire())
+    response = await client.post(LEGACY_OFFLOAD_PATH, json=engine.pin("req-f").to_wire())
     assert response.status_code == 500
     assert response.json() == {"error": {"code": "tier_write_failed", "message": "disk full"}}
 
 
-async def test_persist_polls_the_engine_until_the_workers_write_is_committed(
+async def test_offload_polls_the_engine_until_the_workers_write_is_committed(
     client: httpx2.AsyncClient, engine: Engine
 ) -> None:
     """The engine starts the write and answers ``pending``; the route asks again (each a short
     utility call between engine steps) until the commit, and answers its reference."""
-    from agentkv._wire.tier import PERSIST_PATH
+    from agentkv._wire.tier import LEGACY_OFFLOAD_PATH
 
     calls: list[tuple[str, object]] = []
     polls = iter([{"status": "pending", "entry": "e1"}] * 3
@@ -266,27 +266,50 @@ async def test_persist_polls_the_engine_until_the_workers_write_is_committed(
 
     def tier_op(op: str, payload: object, run: object) -> dict[str, object]:
         calls.append((op, payload))
-        return {"status": "pending", "entry": "e1"} if op == "persist" else next(polls)
+        return {"status": "pending", "entry": "e1"} if op == "offload" else next(polls)
 
     engine.connector.agentkv_tier_op = tier_op  # type: ignore[attr-defined]
-    response = await client.post(PERSIST_PATH, json=engine.pin("req-w").to_wire())
+    response = await client.post(LEGACY_OFFLOAD_PATH, json=engine.pin("req-w").to_wire())
     assert response.status_code == 200, response.text
     assert response.json() == {"tier": {"id": "e1"}}
-    assert [op for op, _ in calls] == ["persist"] + ["persist_poll"] * 4
+    assert [op for op, _ in calls] == ["offload"] + ["offload_poll"] * 4
     assert all(payload == {"entry": "e1"} for _, payload in calls[1:])
 
 
 async def test_a_write_that_fails_after_it_started_answers_500(
     client: httpx2.AsyncClient, engine: Engine
 ) -> None:
-    from agentkv._wire.tier import PERSIST_PATH
+    from agentkv._wire.tier import LEGACY_OFFLOAD_PATH
 
     def tier_op(op: str, payload: object, run: object) -> dict[str, object]:
-        if op == "persist":
+        if op == "offload":
             return {"status": "pending", "entry": "e2"}
         return {"status": "tier_failed", "message": "tier write failed: disk full"}
 
     engine.connector.agentkv_tier_op = tier_op  # type: ignore[attr-defined]
-    response = await client.post(PERSIST_PATH, json=engine.pin("req-x").to_wire())
+    response = await client.post(LEGACY_OFFLOAD_PATH, json=engine.pin("req-x").to_wire())
     assert response.status_code == 500
     assert response.json()["error"]["code"] == "tier_write_failed"
+
+
+@pytest.mark.parametrize("name", ["legacy", "new"])
+async def test_the_offload_route_answers_under_its_first_and_its_new_name(
+    client: httpx2.AsyncClient, engine: Engine, name: str
+) -> None:
+    """SDKs of any version post to ``.../leases/persist`` (a wire contract, kept); connectors from
+    issue 41 on serve the same call at ``.../leases/offload`` too."""
+    from agentkv._wire.tier import LEGACY_OFFLOAD_PATH, OFFLOAD_PATH
+
+    ops: list[str] = []
+
+    def tier_op(op: str, payload: object, run: object) -> dict[str, object]:
+        ops.append(op)
+        return {"status": "ok", "tier": {"id": "e3"}}
+
+    engine.connector.agentkv_tier_op = tier_op  # type: ignore[attr-defined]
+    path = {"legacy": LEGACY_OFFLOAD_PATH, "new": OFFLOAD_PATH}[name]
+    response = await client.post(path, json=engine.pin("req-n").to_wire())
+    assert response.status_code == 200, response.text
+    assert response.json() == {"tier": {"id": "e3"}}
+    assert ops == ["offload"]
+    assert LEGACY_OFFLOAD_PATH == "/v1/agentkv/leases/persist"  # the contract: never changes

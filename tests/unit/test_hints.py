@@ -17,7 +17,7 @@ from agentkv._wire.hints import (
     HintError,
     LeaseAck,
     LeaseRef,
-    PersistHint,
+    PinHint,
     ServerInfo,
     for_prefill,
     new_request_secret,
@@ -40,8 +40,8 @@ HANDLE = {
 }
 
 
-def test_a_persist_hint_travels_under_the_namespaced_key_with_a_version() -> None:
-    params = with_hint({"do_remote_prefill": True}, PersistHint(ttl_s=30))
+def test_a_pin_hint_travels_under_the_namespaced_key_with_a_version() -> None:
+    params = with_hint({"do_remote_prefill": True}, PinHint(ttl_s=30))
     assert params == {
         "do_remote_prefill": True,
         "agentkv": {"v": WIRE_VERSION, "persist": True, "ttl_s": 30.0},
@@ -49,25 +49,25 @@ def test_a_persist_hint_travels_under_the_namespaced_key_with_a_version() -> Non
 
 
 def test_a_final_turn_hint_says_do_not_pin_and_carries_no_ttl() -> None:
-    assert PersistHint(persist=False).to_wire() == {"v": 1, "persist": False}
+    assert PinHint(pin=False).to_wire() == {"v": 1, "persist": False}
 
 
 def test_a_hint_without_ttl_leaves_the_server_default() -> None:
-    assert PersistHint().to_wire() == {"v": 1, "persist": True}
-    assert PersistHint.from_wire({"v": 1}) == PersistHint()
+    assert PinHint().to_wire() == {"v": 1, "persist": True}
+    assert PinHint.from_wire({"v": 1}) == PinHint()
 
 
 @pytest.mark.parametrize("ttl", [0, -1, math.inf, math.nan, True, "60"])
 def test_a_ttl_must_be_a_positive_finite_number(ttl: object) -> None:
     with pytest.raises(HintError):
-        PersistHint(ttl_s=ttl)  # type: ignore[arg-type]
+        PinHint(ttl_s=ttl)  # type: ignore[arg-type]
     with pytest.raises(HintError):
-        PersistHint.from_wire({"v": 1, "persist": True, "ttl_s": ttl})
+        PinHint.from_wire({"v": 1, "persist": True, "ttl_s": ttl})
 
 
-def test_a_ttl_with_persist_false_is_a_contradiction() -> None:
+def test_a_ttl_with_pin_false_is_a_contradiction() -> None:
     with pytest.raises(HintError, match="no meaning"):
-        PersistHint(persist=False, ttl_s=10)
+        PinHint(pin=False, ttl_s=10)
 
 
 @pytest.mark.parametrize(
@@ -75,15 +75,15 @@ def test_a_ttl_with_persist_false_is_a_contradiction() -> None:
 )
 def test_malformed_or_future_hints_are_refused(wire: object) -> None:
     with pytest.raises(HintError):
-        PersistHint.from_wire(wire)
+        PinHint.from_wire(wire)
 
 
 @given(st.booleans(), st.one_of(st.none(), st.floats(min_value=0.001, max_value=1e6)))
-def test_a_hint_round_trips_through_its_wire_form(persist: bool, ttl: float | None) -> None:
-    if not persist:
+def test_a_hint_round_trips_through_its_wire_form(pin: bool, ttl: float | None) -> None:
+    if not pin:
         ttl = None
-    hint = PersistHint(persist=persist, ttl_s=ttl)
-    assert PersistHint.from_wire(hint.to_wire()) == hint
+    hint = PinHint(pin=pin, ttl_s=ttl)
+    assert PinHint.from_wire(hint.to_wire()) == hint
 
 
 def test_the_ack_in_decodes_answer_tells_whether_the_extension_ran() -> None:

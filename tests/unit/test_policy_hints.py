@@ -1,4 +1,4 @@
-"""CachePolicy's decisions for agentkv's decode extension: persist, extend, release (pure)."""
+"""CachePolicy's decisions for agentkv's decode extension: pin, extend, release (pure)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import CachePolicy, ConfigError, KVHandle
-from agentkv._wire.hints import PersistHint
+from agentkv._wire.hints import PinHint
 
 
 def handle(*, deadline=450.0, leased=True, issued_at=0.0) -> KVHandle:
@@ -27,20 +27,20 @@ def handle(*, deadline=450.0, leased=True, issued_at=0.0) -> KVHandle:
     )
 
 
-# --- persist ----------------------------------------------------------------------------------
+# --- pin --------------------------------------------------------------------------------------
 
 
 def test_a_normal_turn_asks_decode_to_pin_for_the_policys_ttl():
-    assert CachePolicy(pin_ttl_s=120).decide_persist(final=False) == PersistHint(ttl_s=120.0)
+    assert CachePolicy(pin_ttl_s=120).decide_pin(final=False) == PinHint(ttl_s=120.0)
 
 
 def test_without_a_pin_ttl_decode_keeps_its_own_default():
-    assert CachePolicy().decide_persist(final=False) == PersistHint(persist=True, ttl_s=None)
+    assert CachePolicy().decide_pin(final=False) == PinHint(pin=True, ttl_s=None)
 
 
 def test_a_final_turn_pins_nothing():
-    hint = CachePolicy(pin_ttl_s=120).decide_persist(final=True)
-    assert hint == PersistHint(persist=False)
+    hint = CachePolicy(pin_ttl_s=120).decide_pin(final=True)
+    assert hint == PinHint(pin=False)
     assert hint.to_wire() == {"v": 1, "persist": False}
 
 

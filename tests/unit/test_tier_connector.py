@@ -1,7 +1,7 @@
 """The file tier's real classes, without vLLM: ``TierScheduler`` and ``TierWorker`` on small KV.
 
 The scheduler gets a stub ``VllmConfig`` (only what ``fingerprint()`` and its constructor read)
-and stub requests; ``persist`` runs the worker's real ``write`` where vLLM would
+and stub requests; ``offload`` runs the worker's real ``write`` where vLLM would
 ``collective_rpc`` it; a resume goes ``lookup`` -> ``after_alloc`` -> ``take_loads`` ->
 ``TierWorker.load`` into another server's blocks, as the connector's metadata carries it, and
 ``load_results`` / ``finished`` are what ``update_connector_output`` / ``request_finished`` call.
@@ -182,7 +182,7 @@ class Pair:
         self.p_worker = TierWorker(root=str(root), kv_caches=self.p_kv, num_blocks=NUM_BLOCKS,
                                    rank=0, clear_slots=clear)
 
-    def persist(self, tokens: list[int] = TOKENS, *, salt: str | None = None) -> str:
+    def offload(self, tokens: list[int] = TOKENS, *, salt: str | None = None) -> str:
         """Decode's pinned turn to the tier; the entry's id."""
         self.d.record(request("d-1", tokens, salt=salt))
         blocks = D_BLOCKS[: -(-len(tokens) // BS)]
@@ -193,13 +193,13 @@ class Pair:
                      worker_write_poll: self.d_worker.poll_write}
             return [calls[method](*args)]
 
-        started = self.d.persist(LeaseRef(request_id="d-1", block_ids=(tuple(blocks),),
+        started = self.d.offload(LeaseRef(request_id="d-1", block_ids=(tuple(blocks),),
                                           lease="secret"), (tuple(blocks),), run_on_workers)
         assert started["status"] == "pending", started
-        answer = self.d.persist_poll(str(started["entry"]), run_on_workers)
+        answer = self.d.offload_poll(str(started["entry"]), run_on_workers)
         while answer["status"] == "pending":
             time.sleep(0.001)
-            answer = self.d.persist_poll(str(started["entry"]), run_on_workers)
+            answer = self.d.offload_poll(str(started["entry"]), run_on_workers)
         assert answer["status"] == "ok", answer
         tier = answer["tier"]
         assert isinstance(tier, dict)
@@ -232,11 +232,11 @@ def data_file(root: Path, entry: str) -> Path:
 # --- the round trip --------------------------------------------------------------------------
 
 
-def test_a_persisted_entry_loads_back_byte_for_byte_into_another_servers_blocks(
+def test_a_offloaded_entry_loads_back_byte_for_byte_into_another_servers_blocks(
     pair: Pair,
 ) -> None:
     random_kv(pair.d_kv, seed=1)
-    entry = pair.persist()
+    entry = pair.offload()
     n, load = pair.resume("p-1", [*TOKENS, 1, 2, 3], entry)
     assert n == len(TOKENS)
     assert load is not None
@@ -265,7 +265,7 @@ def test_the_last_block_is_written_with_zeros_past_the_tokens_and_its_valid_slot
     assert 0 < int(tail.sum()) < tail.numel()
     assert all(bool(layer[tail].any()) for layer in stale)  # there is stale KV to keep out
 
-    entry = pair.persist(tokens)
+    entry = pair.offload(tokens)
 
     written = data_file(pair.root, entry).read_bytes()
     layer_bytes = tail.numel()
@@ -312,7 +312,7 @@ def test_a_corrupted_block_passes_the_lookup_but_the_worker_reports_it_and_never
     pair: Pair,
 ) -> None:
     random_kv(pair.d_kv, seed=2)
-    entry = pair.persist()
+    entry = pair.offload()
     path = data_file(pair.root, entry)
     data = bytearray(path.read_bytes())
     block = len(data) // 3
@@ -334,7 +334,7 @@ def test_repeated_lookups_of_a_waiting_request_parse_the_manifest_once_and_read_
     pair: Pair,
 ) -> None:
     random_kv(pair.d_kv, seed=3)
-    entry = pair.persist()
+    entry = pair.offload()
     waiting = request("p-1", [*TOKENS, 1], computed=0)
     ref = TierRef(id=entry, n_tokens=len(TOKENS))
     assert pair.p.lookup(waiting, ref, 0) == len(TOKENS)
@@ -353,7 +353,7 @@ def test_a_token_mismatch_at_k_serves_only_the_prefix_up_to_the_block_holding_k(
     pair: Pair, k: int
 ) -> None:
     random_kv(pair.d_kv, seed=4)
-    entry = pair.persist()
+    entry = pair.offload()
     prompt = [*TOKENS, 1, 2]
     prompt[k] = -1
     n, load = pair.resume("p-1", prompt, entry)
@@ -370,7 +370,7 @@ def test_a_token_mismatch_at_k_serves_only_the_prefix_up_to_the_block_holding_k(
 def test_another_salt_adapter_or_model_gets_nothing(tmp_path: Path, other: str) -> None:
     pair = Pair(tmp_path / "tier")
     random_kv(pair.d_kv, seed=5)
-    entry = pair.persist(salt="tenant-a")
+    entry = pair.offload(salt="tenant-a")
     if other == "fingerprint":
         pair.p = scheduler(pair.root, weights="weights-hash-2")
     salt = "tenant-b" if other == "salt" else "tenant-a"
@@ -384,7 +384,7 @@ def test_another_salt_adapter_or_model_gets_nothing(tmp_path: Path, other: str) 
 def test_plans_of_requests_that_finish_without_blocks_do_not_leak(pair: Pair) -> None:
     """Aborted while waiting: vLLM calls ``request_finished`` but never ``after_alloc``."""
     random_kv(pair.d_kv, seed=6)
-    entry = pair.persist()
+    entry = pair.offload()
     ref = TierRef(id=entry, n_tokens=len(TOKENS))
     for i in range(200):
         assert pair.p.lookup(request(f"p-{i}", [*TOKENS, i], computed=0), ref, 0) == len(TOKENS)
@@ -400,7 +400,7 @@ def test_plans_of_requests_that_finish_without_blocks_do_not_leak(pair: Pair) ->
 
 def test_a_load_is_forgotten_once_received_and_a_local_hit_reports_cached(pair: Pair) -> None:
     random_kv(pair.d_kv, seed=7)
-    entry = pair.persist()
+    entry = pair.offload()
     n, _ = pair.resume("p-1", [*TOKENS, 1], entry)
     assert n == len(TOKENS)
     assert (pair.p._plans, pair.p._manifests, pair.p._inflight) == ({}, {}, {})

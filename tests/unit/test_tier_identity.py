@@ -1,5 +1,5 @@
 """What a tier entry is bound to, and who may remove it: the exact weights and KV layout, the
-LoRA adapter's identity, a TTL, and the secret only the persisting client learns.
+LoRA adapter's identity, a TTL, and the secret only the offloading client learns.
 
 ``TierScheduler`` runs here on stub vLLM configs (the attributes ``fingerprint`` reads, and a
 ``compute_hash`` standing for ``ModelConfig.compute_hash``, which covers the model, revision,
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from agentkv._wire.hints import LeaseRef
-from agentkv._wire.tier import PersistResult
+from agentkv._wire.tier import OffloadResult
 from agentkv.connector._tier import (
     DEFAULT_TIER_MAX_TTL_S,
     DEFAULT_TIER_TTL_S,
@@ -110,17 +110,17 @@ def run_on_workers(store: TierStore) -> Any:
     return run
 
 
-def persist(tier: TierScheduler, req: SimpleNamespace | None = None,
-            ttl_s: float | None = None) -> PersistResult:
+def offload(tier: TierScheduler, req: SimpleNamespace | None = None,
+            ttl_s: float | None = None) -> OffloadResult:
     req = req or request()
     tier.record(req)
     ref = LeaseRef(request_id=req.request_id, block_ids=((0, 1, 2),), lease="s3cret")
     run = run_on_workers(tier.store)
-    started = tier.persist(ref, ref.block_ids, run, ttl_s=ttl_s)
+    started = tier.offload(ref, ref.block_ids, run, ttl_s=ttl_s)
     assert started["status"] == "pending", started
-    answer = tier.persist_poll(str(started["entry"]), run)
+    answer = tier.offload_poll(str(started["entry"]), run)
     assert answer["status"] == "ok", answer
-    return PersistResult.from_wire(answer)
+    return OffloadResult.from_wire(answer)
 
 
 def match_reason(tier: TierScheduler, entry: str, *, salt: str | None = None,
@@ -161,7 +161,7 @@ def test_an_entry_written_under_one_revision_is_refused_under_another(
     tmp_path: Path, clock: Clock
 ) -> None:
     tier = scheduler(tmp_path, clock)
-    entry = persist(tier).ref.id
+    entry = offload(tier).ref.id
     assert match_reason(tier, entry) == (len(TOKENS), "complete")
     for other in ({"revision": "v2"}, {"quantization": "awq"}, {"hf_overrides": {"x": 1}}):
         restarted = scheduler(tmp_path, clock, vllm_config(**other))
@@ -176,7 +176,7 @@ def test_an_entry_written_under_another_attention_layout_is_refused(
     the host's CPU: a tier directory shared by two hosts must not mix them."""
     tier = scheduler(tmp_path, clock)
     assert tier.fingerprint["attn_layout"].startswith("cpu:")
-    entry = persist(tier).ref.id
+    entry = offload(tier).ref.id
     elsewhere = scheduler(tmp_path, clock)
     elsewhere.fingerprint = {**elsewhere.fingerprint, "attn_layout": "cpu:amx-elsewhere"}
     assert match_reason(elsewhere, entry) == (0, "fingerprint")
@@ -192,7 +192,7 @@ def test_the_lora_identity_is_its_path_not_its_name(tmp_path: Path, clock: Clock
     assert _lora_name(request()) is None
 
     tier = scheduler(tmp_path, clock)
-    entry = persist(tier, request(adapter=adapter)).ref.id
+    entry = offload(tier, request(adapter=adapter)).ref.id
     manifest = tier.store.manifest(entry)
     assert manifest is not None
     assert manifest.lora == "path:/adapters/support-v1"
@@ -208,7 +208,7 @@ def test_the_manifest_holds_digests_of_the_salt_and_the_secret_and_is_0600(
 ) -> None:
     root = tmp_path / "tier"
     tier = scheduler(root, clock)
-    result = persist(tier, request(salt="tenant-a-salt"))
+    result = offload(tier, request(salt="tenant-a-salt"))
     secret = result.ref.secret
     assert secret is not None
     path = tier.store.manifest_path(result.ref.id)
@@ -224,10 +224,10 @@ def test_the_manifest_holds_digests_of_the_salt_and_the_secret_and_is_0600(
     assert match_reason(tier, result.ref.id, salt="tenant-a-salt") == (len(TOKENS), "complete")
 
 
-def test_every_persist_mints_its_own_secret(tmp_path: Path, clock: Clock) -> None:
+def test_every_offload_mints_its_own_secret(tmp_path: Path, clock: Clock) -> None:
     tier = scheduler(tmp_path, clock)
-    first = persist(tier, request(request_id="a")).ref
-    second = persist(tier, request(request_id="b")).ref
+    first = offload(tier, request(request_id="a")).ref
+    second = offload(tier, request(request_id="b")).ref
     assert first.secret is not None
     assert second.secret is not None
     assert first.secret != second.secret
@@ -237,7 +237,7 @@ def test_delete_needs_the_secret_and_a_wrong_one_answers_as_a_missing_entry(
     tmp_path: Path, clock: Clock
 ) -> None:
     tier = scheduler(tmp_path, clock)
-    ref = persist(tier).ref
+    ref = offload(tier).ref
     wrong = tier.delete({"id": ref.id, "secret": "someone-elses-guess"})
     missing = tier.delete({"id": "f" * 32, "secret": ref.secret})
     assert wrong == missing == {"status": "unknown", "message": "no such tier entry, or not yours"}
@@ -255,9 +255,9 @@ def test_the_ttl_is_the_server_default_or_the_one_asked_for_capped(
     tmp_path: Path, clock: Clock
 ) -> None:
     tier = scheduler(tmp_path, clock, ttl_s=600.0, max_ttl_s=3600.0)
-    assert persist(tier, request(request_id="a")).ttl_s == 600.0
-    assert persist(tier, request(request_id="b"), ttl_s=60.0).ttl_s == 60.0
-    capped = persist(tier, request(request_id="c"), ttl_s=1e9)
+    assert offload(tier, request(request_id="a")).ttl_s == 600.0
+    assert offload(tier, request(request_id="b"), ttl_s=60.0).ttl_s == 60.0
+    capped = offload(tier, request(request_id="c"), ttl_s=1e9)
     assert capped.ttl_s == 3600.0
     manifest = tier.store.manifest(capped.ref.id)
     assert manifest is not None
@@ -268,7 +268,7 @@ def test_an_expired_entry_is_refused_then_swept_on_the_scheduler_s_timer(
     tmp_path: Path, clock: Clock
 ) -> None:
     tier = scheduler(tmp_path, clock)
-    ref = persist(tier, ttl_s=30.0).ref
+    ref = offload(tier, ttl_s=30.0).ref
     clock.now += 30.0
     assert match_reason(tier, ref.id) == (0, "expired")
     assert tier.store.manifest(ref.id) is not None  # refused, not yet swept
@@ -278,7 +278,7 @@ def test_an_expired_entry_is_refused_then_swept_on_the_scheduler_s_timer(
 
 
 def test_the_start_up_sweep_removes_expired_entries(tmp_path: Path, clock: Clock) -> None:
-    ref = persist(scheduler(tmp_path, clock), ttl_s=30.0).ref
+    ref = offload(scheduler(tmp_path, clock), ttl_s=30.0).ref
     clock.now += 31.0
     scheduler(tmp_path, clock)  # a restart
     assert not any(p.name.startswith(ref.id) for p in tmp_path.iterdir())

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from agentkv.connector._tier_share import Held, evictions, fair_share
 from agentkv.connector._tier_store import TierError, TierStore
-from tests.unit.test_tier_store import Clock, _ids, _persist
+from tests.unit.test_tier_store import Clock, _ids, _offload
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def clock() -> Clock:
 def _store(root: Path, clock: Clock) -> tuple[TierStore, int]:
     """A store whose budget holds four 10-token entries; and one entry's size."""
     store = TierStore(root, budget_bytes=10_000, clock=clock, new_id=_ids())  # type: ignore[arg-type]
-    probe = _persist(store, list(range(10)), salt="probe")
+    probe = _offload(store, list(range(10)), salt="probe")
     one = store.usage().bytes
     store.delete(probe.id)
     store.budget_bytes = 4 * one
@@ -37,12 +37,12 @@ def test_one_salt_filling_the_tier_evicts_only_its_own_entries(
     tmp_path: Path, clock: Clock
 ) -> None:
     store, _ = _store(tmp_path, clock)
-    victim = [_persist(store, list(range(10)), salt="alice").id for _ in range(2)]
+    victim = [_offload(store, list(range(10)), salt="alice").id for _ in range(2)]
     clock.now += 10
     flooder = []
     for _ in range(10):  # far more than the whole budget
         clock.now += 1
-        flooder.append(_persist(store, list(range(10)), salt="mallory").id)
+        flooder.append(_offload(store, list(range(10)), salt="mallory").id)
     assert _alive(store, victim) == victim  # alice's entries survive
     assert _alive(store, flooder) == flooder[-2:]  # mallory churns through its own half
     assert store.usage().bytes <= store.budget_bytes
@@ -55,10 +55,10 @@ def test_a_salt_within_its_share_evicts_the_lru_entry_of_a_salt_over_its_share(
     alone = []
     for _ in range(4):  # a lone tenant may use the whole budget
         clock.now += 1
-        alone.append(_persist(store, list(range(10)), salt="alice").id)
+        alone.append(_offload(store, list(range(10)), salt="alice").id)
     assert _alive(store, alone) == alone
     clock.now += 1
-    bob = _persist(store, list(range(10)), salt="bob").id
+    bob = _offload(store, list(range(10)), salt="bob").id
     assert _alive(store, alone) == alone[1:]  # alice's least recently used went
     assert store.manifest(bob) is not None
 
@@ -67,10 +67,10 @@ def test_an_entry_over_its_salt_s_share_is_refused_and_evicts_nobody(
     tmp_path: Path, clock: Clock
 ) -> None:
     store, one = _store(tmp_path, clock)
-    others = [_persist(store, list(range(10)), salt=s).id for s in ("alice", "bob", "carol")]
+    others = [_offload(store, list(range(10)), salt=s).id for s in ("alice", "bob", "carol")]
     store.budget_bytes = 3 * one + one // 2  # four salts: a share is under one entry
     with pytest.raises(TierError, match="share"):
-        _persist(store, list(range(10)), salt="mallory")
+        _offload(store, list(range(10)), salt="mallory")
     assert _alive(store, others) == others
     assert store.usage().entries == 3
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".json", ".json",
@@ -79,9 +79,9 @@ def test_an_entry_over_its_salt_s_share_is_refused_and_evicts_nobody(
 
 def test_the_sweep_evicts_only_salts_over_their_share(tmp_path: Path, clock: Clock) -> None:
     store, one = _store(tmp_path, clock)
-    alice = [_persist(store, list(range(10)), salt="alice").id for _ in range(3)]
+    alice = [_offload(store, list(range(10)), salt="alice").id for _ in range(3)]
     clock.now += 1
-    bob = _persist(store, list(range(10)), salt="bob").id
+    bob = _offload(store, list(range(10)), salt="bob").id
     store.budget_bytes = 3 * one  # shrunk (a restart with a smaller budget)
     store.sweep()
     assert store.manifest(bob) is not None  # the least recently used, but within its share

@@ -12,8 +12,8 @@ import pytest
 
 from agentkv._wire.hints import HintError, LeaseRef, ServerInfo
 from agentkv._wire.tier import (
-    PersistRequest,
-    PersistResult,
+    OffloadRequest,
+    OffloadResult,
     TierDelete,
     TierRef,
     TierUsage,
@@ -66,7 +66,7 @@ SECRET = "the-entry-secret-0123"
 TTL_S = 3600.0
 
 
-def _persist(store: TierStore, tokens: list[int], *, salt: str | None = None,
+def _offload(store: TierStore, tokens: list[int], *, salt: str | None = None,
              ranks: int = 1, ttl_s: float = TTL_S) -> Manifest:
     """What the connector does: workers write ``*.tmp`` data files, then the store commits."""
     entry = store.new_id()
@@ -96,7 +96,7 @@ def test_a_committed_entry_serves_the_exact_prefix_of_a_longer_prompt(
     tmp_path: Path, clock: Clock
 ) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)))
+    m = _offload(store, list(range(10)))
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{m.id}.json", f"{m.id}.r0.kv"]
     assert _match(store, m.id, [*range(10), 99, 98]) == 10
 
@@ -105,7 +105,7 @@ def test_only_the_matching_prefix_is_served_and_never_the_whole_prompt(
     tmp_path: Path, clock: Clock
 ) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)))
+    m = _offload(store, list(range(10)))
     assert _match(store, m.id, [0, 1, 2, 3, 4, 5, 77, 7, 8, 9, 10]) == 6
     assert _match(store, m.id, list(range(10))) == 9  # vLLM must compute one token
     assert _match(store, m.id, [5, 5, 5]) == 0
@@ -113,7 +113,7 @@ def test_only_the_matching_prefix_is_served_and_never_the_whole_prompt(
 
 def test_another_salt_model_or_adapter_gets_nothing(tmp_path: Path, clock: Clock) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)), salt="alice")
+    m = _offload(store, list(range(10)), salt="alice")
     assert _match(store, m.id, list(range(12)), salt="bob") == 0
     assert _match(store, m.id, list(range(12)), salt="alice") == 10
     other = store.match(m.id, token_ids=list(range(12)), cache_salt="alice", lora=None,
@@ -124,7 +124,7 @@ def test_another_salt_model_or_adapter_gets_nothing(tmp_path: Path, clock: Clock
 
 def test_a_flipped_byte_cuts_the_prefix_at_its_block(tmp_path: Path, clock: Clock) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)))  # blocks 0, 1, 2 (partial)
+    m = _offload(store, list(range(10)))  # blocks 0, 1, 2 (partial)
     data = store.data_path(m.id, 0)
     raw = bytearray(data.read_bytes())
     raw[BB + 3] ^= 0xFF  # block 1
@@ -136,14 +136,14 @@ def test_a_truncated_file_serves_only_its_whole_intact_blocks(
     tmp_path: Path, clock: Clock
 ) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)))
+    m = _offload(store, list(range(10)))
     os.truncate(store.data_path(m.id, 0), 2 * BB - 1)
     assert _match(store, m.id, list(range(12))) == BS
 
 
 def test_blocks_before_first_block_are_not_reread(tmp_path: Path, clock: Clock) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)))
+    m = _offload(store, list(range(10)))
     data = store.data_path(m.id, 0)
     raw = bytearray(data.read_bytes())
     raw[0] ^= 0xFF  # block 0, which the request already holds locally
@@ -153,14 +153,14 @@ def test_blocks_before_first_block_are_not_reread(tmp_path: Path, clock: Clock) 
 
 def test_every_rank_must_be_intact(tmp_path: Path, clock: Clock) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)), ranks=2)
+    m = _offload(store, list(range(10)), ranks=2)
     os.truncate(store.data_path(m.id, 1), BB)
     assert _match(store, m.id, list(range(12))) == BS
 
 
 def test_a_corrupt_manifest_is_a_miss_and_is_removed(tmp_path: Path, clock: Clock) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)))
+    m = _offload(store, list(range(10)))
     store.manifest_path(m.id).write_text("{not json")
     assert _match(store, m.id, list(range(12))) == -1
     assert list(tmp_path.iterdir()) == []
@@ -168,15 +168,15 @@ def test_a_corrupt_manifest_is_a_miss_and_is_removed(tmp_path: Path, clock: Cloc
 
 def test_the_budget_evicts_the_least_recently_used_entry(tmp_path: Path, clock: Clock) -> None:
     store = _store(tmp_path, clock, budget=10_000)
-    a = _persist(store, list(range(10)))
+    a = _offload(store, list(range(10)))
     one = store.usage().bytes
     store.budget_bytes = 2 * one + one // 2
     clock.now += 10
-    b = _persist(store, list(range(10)))
+    b = _offload(store, list(range(10)))
     clock.now += 10
     assert _match(store, a.id, list(range(12))) == 10  # a read refreshes a
     clock.now += 10
-    c = _persist(store, list(range(10)))
+    c = _offload(store, list(range(10)))
     assert store.manifest(b.id) is None  # b was least recently used
     assert store.manifest(a.id) is not None
     assert store.manifest(c.id) is not None
@@ -193,7 +193,7 @@ def test_an_entry_larger_than_the_budget_is_refused(tmp_path: Path, clock: Clock
 
 def test_delete_removes_every_file_of_an_entry(tmp_path: Path, clock: Clock) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)), ranks=2)
+    m = _offload(store, list(range(10)), ranks=2)
     assert store.delete(m.id) is True
     assert list(tmp_path.iterdir()) == []
     assert store.delete(m.id) is False
@@ -203,12 +203,12 @@ def test_the_sweep_removes_tmp_files_orphans_and_incomplete_entries(
     tmp_path: Path, clock: Clock
 ) -> None:
     store = _store(tmp_path, clock)
-    good = _persist(store, list(range(10)))
+    good = _offload(store, list(range(10)))
     orphan_data = store.data_path("f" * 32, 0)
     orphan_data.write_bytes(b"x" * BB)
-    lonely = _persist(store, list(range(6)))
+    lonely = _offload(store, list(range(6)))
     store.data_path(lonely.id, 0).unlink()  # manifest without data
-    short = _persist(store, list(range(6)))
+    short = _offload(store, list(range(6)))
     os.truncate(store.data_path(short.id, 0), 1)  # data of the wrong size
     store.tmp(store.data_path("e" * 32, 0)).write_bytes(b"half")
     foreign = tmp_path / "notes.txt"
@@ -234,7 +234,7 @@ def test_the_sweep_enforces_the_budget(tmp_path: Path, clock: Clock) -> None:
     store = _store(tmp_path, clock)
     for _ in range(3):
         clock.now += 1
-        _persist(store, list(range(10)))
+        _offload(store, list(range(10)))
     one = store.usage().bytes // 3
     smaller = TierStore(tmp_path, budget_bytes=one + 1, clock=clock)
     smaller.sweep()
@@ -256,7 +256,7 @@ def test_only_well_formed_ids_name_files(tmp_path: Path, clock: Clock, bad: str)
 
 def test_manifest_round_trips(tmp_path: Path, clock: Clock) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)), salt="s")
+    m = _offload(store, list(range(10)), salt="s")
     assert Manifest.from_json(json.loads(store.manifest_path(m.id).read_text())) == m
 
 
@@ -267,9 +267,9 @@ def test_the_tier_wire_values_round_trip() -> None:
     assert TierRef.from_params(params) == ref
     assert TierRef.from_params({"agentkv": {"v": 1, "persist": True}}) is None
     assert TierRef.from_params(None) is None
-    result = PersistResult(ref=ref, bytes=5)
+    result = OffloadResult(ref=ref, bytes=5)
     assert result.to_wire() == {"tier": {"v": 1, "id": "ab" * 16, "n_tokens": 1101, "bytes": 5}}
-    assert PersistResult.from_wire(result.to_wire()) == result
+    assert OffloadResult.from_wire(result.to_wire()) == result
     usage = TierUsage(bytes=1, entries=1, budget_bytes=2, dir="/t")
     info = ServerInfo(leases=True, stream_handles=True, tier=usage.to_wire())
     assert TierUsage.from_wire(ServerInfo.from_wire(info.to_wire()).tier) == usage
@@ -288,7 +288,7 @@ def test_a_new_root_is_0700_and_manifests_are_0600(tmp_path: Path, clock: Clock)
     """Entries hold other sessions' tokens and KV: nobody but the server's user reads them."""
     root = tmp_path / "a" / "tier"
     store = _store(root, clock)
-    m = _persist(store, list(range(10)))
+    m = _offload(store, list(range(10)))
     assert _mode(root) == 0o700
     assert _mode(store.manifest_path(m.id)) == 0o600
 
@@ -306,7 +306,7 @@ def test_the_manifest_keeps_a_digest_of_the_salt_never_the_salt(
     tmp_path: Path, clock: Clock
 ) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)), salt="alice-tenant-salt")
+    m = _offload(store, list(range(10)), salt="alice-tenant-salt")
     raw = store.manifest_path(m.id).read_text()
     assert "alice-tenant-salt" not in raw
     assert json.loads(raw)["salt_digest"] == salt_digest("alice-tenant-salt")
@@ -325,8 +325,8 @@ def test_an_expired_entry_is_refused_and_the_sweep_removes_it(
     tmp_path: Path, clock: Clock
 ) -> None:
     store = _store(tmp_path, clock)
-    short = _persist(store, list(range(10)), ttl_s=60)
-    long = _persist(store, list(range(10)), ttl_s=600)
+    short = _offload(store, list(range(10)), ttl_s=60)
+    long = _offload(store, list(range(10)), ttl_s=600)
     assert _match(store, short.id, list(range(12))) == 10
     clock.now += 60
     match = store.match(short.id, token_ids=list(range(12)), cache_salt=None, lora=None,
@@ -342,7 +342,7 @@ def test_an_expired_entry_is_refused_and_the_sweep_removes_it(
 
 def test_delete_needs_the_entry_s_secret(tmp_path: Path, clock: Clock) -> None:
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)))
+    m = _offload(store, list(range(10)))
     assert store.delete_owned(m.id, "not-the-secret-at-all") is False
     assert store.manifest(m.id) is not None
     assert store.delete_owned("f" * 32, SECRET) is False  # missing: the same answer
@@ -353,7 +353,7 @@ def test_delete_needs_the_entry_s_secret(tmp_path: Path, clock: Clock) -> None:
 def test_a_version_1_manifest_is_never_served_and_is_swept(tmp_path: Path, clock: Clock) -> None:
     """Entries of the previous format (raw salt, no expiry, no secret) are unreadable."""
     store = _store(tmp_path, clock)
-    m = _persist(store, list(range(10)))
+    m = _offload(store, list(range(10)))
     old = json.loads(store.manifest_path(m.id).read_text())
     old["v"] = 1
     old["cache_salt"] = None
@@ -366,12 +366,12 @@ def test_a_version_1_manifest_is_never_served_and_is_swept(tmp_path: Path, clock
 
 
 def test_the_secret_and_the_ttl_travel_to_the_owner_only() -> None:
-    """The persist answer carries the secret; the P leg's reference never does; repr hides it."""
+    """The offload answer carries the secret; the P leg's reference never does; repr hides it."""
     ref = TierRef(id="ab" * 16, n_tokens=7, secret=SECRET)
-    answer = PersistResult(ref=ref, bytes=5, ttl_s=600.0).to_wire()
+    answer = OffloadResult(ref=ref, bytes=5, ttl_s=600.0).to_wire()
     assert answer["tier"]["secret"] == SECRET
     assert answer["tier"]["ttl_s"] == 600.0
-    parsed = PersistResult.from_wire(answer)
+    parsed = OffloadResult.from_wire(answer)
     assert (parsed.ref.secret, parsed.ttl_s) == (SECRET, 600.0)
     assert "secret" not in with_tier({}, ref)["agentkv"]["tier"]
     assert SECRET not in repr(ref)
@@ -390,11 +390,11 @@ def test_a_delete_without_a_well_formed_secret_is_invalid(body: dict[str, str]) 
         TierDelete.from_wire(body)
 
 
-def test_a_persist_request_may_ask_for_a_ttl() -> None:
+def test_a_offload_request_may_ask_for_a_ttl() -> None:
     lease = LeaseRef(request_id="r", block_ids=((1, 2),), lease="s3cret")
-    assert PersistRequest.from_wire(lease.to_wire()) == PersistRequest(ref=lease)
-    asked = PersistRequest(ref=lease, ttl_s=600)
-    assert PersistRequest.from_wire(asked.to_wire()) == asked
+    assert OffloadRequest.from_wire(lease.to_wire()) == OffloadRequest(ref=lease)
+    asked = OffloadRequest(ref=lease, ttl_s=600)
+    assert OffloadRequest.from_wire(asked.to_wire()) == asked
     for bad in (0, -1, float("inf"), True, "600"):
         with pytest.raises(HintError, match="ttl_s"):
-            PersistRequest.from_wire({**lease.to_wire(), "ttl_s": bad})
+            OffloadRequest.from_wire({**lease.to_wire(), "ttl_s": bad})

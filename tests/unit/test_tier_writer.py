@@ -153,52 +153,52 @@ def tier(root: Path, clock: Clock) -> TierScheduler:
 REF = LeaseRef(request_id="d-1", block_ids=((3, 7),), lease="s3cret")
 
 
-def test_persist_returns_while_the_workers_write_and_commits_when_they_are_done(
+def test_offload_returns_while_the_workers_write_and_commits_when_they_are_done(
     tmp_path: Path,
 ) -> None:
     clock = Clock()
     scheduler = tier(tmp_path, clock)
     workers = Workers(scheduler.store)
-    started = scheduler.persist(REF, REF.block_ids, workers)
+    started = scheduler.offload(REF, REF.block_ids, workers)
     assert started["status"] == "pending"
     entry = str(started["entry"])
     assert workers.started == [(entry, "d-1", [3, 7], 2 * BS)]
-    assert scheduler.persist_ref(entry) == REF
-    # A second persist of the same handle while the first is written: refused, not doubled.
-    again = scheduler.persist(REF, REF.block_ids, workers)
+    assert scheduler.offload_ref(entry) == REF
+    # A second offload of the same handle while the first is written: refused, not doubled.
+    again = scheduler.offload(REF, REF.block_ids, workers)
     assert again["status"] == "tier_failed"
     assert "already" in str(again["message"])
-    assert scheduler.persist_poll(entry, workers) == {"status": "pending", "entry": entry}
+    assert scheduler.offload_poll(entry, workers) == {"status": "pending", "entry": entry}
     assert scheduler.store.manifest(entry) is None  # nothing visible before the commit
     workers.done = True
-    answer = scheduler.persist_poll(entry, workers)
+    answer = scheduler.offload_poll(entry, workers)
     assert answer["status"] == "ok"
     assert scheduler.store.manifest(entry) is not None
-    assert scheduler.persist_poll(entry, workers)["status"] == "unknown"
+    assert scheduler.offload_poll(entry, workers)["status"] == "unknown"
 
 
 def test_a_write_that_fails_on_a_worker_leaves_no_entry(tmp_path: Path) -> None:
     clock = Clock()
     scheduler = tier(tmp_path, clock)
     workers = Workers(scheduler.store)
-    entry = str(scheduler.persist(REF, REF.block_ids, workers)["entry"])
+    entry = str(scheduler.offload(REF, REF.block_ids, workers)["entry"])
     workers.failed = True
-    answer = scheduler.persist_poll(entry, workers)
+    answer = scheduler.offload_poll(entry, workers)
     assert answer["status"] == "tier_failed"
     assert "EIO" in str(answer["message"])
     assert list(tmp_path.glob(f"{entry}.*")) == []
-    assert scheduler.persist_ref(entry) is None
+    assert scheduler.offload_ref(entry) is None
 
 
 def test_a_write_nobody_polls_for_is_abandoned(tmp_path: Path) -> None:
     clock = Clock()
     scheduler = tier(tmp_path, clock)
     workers = Workers(scheduler.store)
-    entry = str(scheduler.persist(REF, REF.block_ids, workers)["entry"])
+    entry = str(scheduler.offload(REF, REF.block_ids, workers)["entry"])
     clock.now += RESULT_KEEP_S + 1
-    # The next persist sweeps it: its files go, and the handle may be persisted again.
-    assert scheduler.persist(REF, REF.block_ids, workers)["status"] == "pending"
-    assert scheduler.persist_ref(entry) is None
+    # The next offload sweeps it: its files go, and the handle may be offloaded again.
+    assert scheduler.offload(REF, REF.block_ids, workers)["status"] == "pending"
+    assert scheduler.offload_ref(entry) is None
     assert list(tmp_path.glob(f"{entry}.*")) == []
 
 

@@ -1,21 +1,24 @@
-"""Whether a client's ``X-AgentKV-Persist: disk`` is honoured: off by default, rate-limited per
+"""Whether a client's ``X-AgentKV-Offload: always`` is honoured: off by default, rate-limited per
 principal when allowed.
 
-A persist is a synchronous write on decode (its engine thread, in ``persist``) that every tenant
-of that decode waits behind, and it takes room in the tier all tenants share. So a client may
-ask for one only where the operator allows it (``ProxyConfig.allow_client_persist``), and then
-at most ``client_persist_per_minute`` a minute per principal (a token bucket holding a minute's
-worth: a burst, then the rate). The idle sweep's persists are the proxy's own and pass no gate.
+An offload is a write of a session's pinned KV to decode's file tier (on decode's worker threads,
+``connector._tier_writer``) that every tenant of that decode shares the machine with, and it takes
+room in the tier all tenants share. So a client may ask for one only where the operator allows it
+(``ProxyConfig.allow_client_offload``), and then at most ``client_offload_per_minute`` a minute per
+principal (a token bucket holding a minute's worth: a burst, then the rate). The idle sweep's
+offloads are the proxy's own and pass no gate.
 
 A refused ask is *ignored*, not answered with an error: the header is a hint about where the
 turn-end KV waits, and the turn's answer is the same without it; a 403 or 429 would throw away
 a whole generation, and make a client written for a proxy that allows it fail here. The turn is
 served as if the header said ``auto``, and the answer says what happened
-(``X-AgentKV-Persist-Ignored: not_allowed | rate_limited``). A malformed value is still a 400
-(``persist_from``): that is bad input, not a refused hint. ``pin`` and ``auto`` write nothing
-and pass. The gate is per replica: N replicas let a principal persist N times the rate.
+(``X-AgentKV-Offload-Ignored: not_allowed | rate_limited``). A malformed value is still a 400
+(``offload_from``): that is bad input, not a refused hint. ``never`` and ``auto`` write nothing
+and pass. The gate is per replica: N replicas let a principal offload N times the rate.
 
->>> gate = PersistGate(allowed=True, per_minute=1, clock=lambda: 0.0)
+The modes are the session's (today ``"disk"`` is the offload; see ``_request.offload_from``).
+
+>>> gate = OffloadGate(allowed=True, per_minute=1, clock=lambda: 0.0)
 >>> gate.admit("alice", "disk"), gate.admit("alice", "disk").ignored, gate.admit("bob", "disk")
 (Admission(mode='disk', ignored=None), 'rate_limited', Admission(mode='disk', ignored=None))
 """
@@ -28,26 +31,28 @@ from typing import Literal
 
 from agentkv._core import PersistMode, get_logger
 
-__all__ = ["IGNORED_HEADER", "Admission", "PersistGate"]
+__all__ = ["IGNORED_HEADER", "LEGACY_IGNORED_HEADER", "Admission", "OffloadGate"]
 
 logger = get_logger("agentkv")
 
-IGNORED_HEADER = "X-AgentKV-Persist-Ignored"
+IGNORED_HEADER = "X-AgentKV-Offload-Ignored"
+# Also sent to a client that asked with the deprecated X-AgentKV-Persist (for one release).
+LEGACY_IGNORED_HEADER = "X-AgentKV-Persist-Ignored"
 # Buckets beyond this many are pruned of the full ones (a full bucket is the same as none).
 _PRUNE_AT = 4096
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Admission:
-    """The persist option a turn runs with, and why the client's was ignored (``None``: it
+    """The offload option a turn runs with, and why the client's was ignored (``None``: it
     was not)."""
 
     mode: PersistMode
     ignored: Literal["not_allowed", "rate_limited"] | None = None
 
 
-class PersistGate:
-    """Admits clients' persist asks: per principal, a bucket of ``per_minute`` that refills
+class OffloadGate:
+    """Admits clients' offload asks: per principal, a bucket of ``per_minute`` that refills
     continuously on ``clock`` (monotonic seconds)."""
 
     def __init__(self, *, allowed: bool, per_minute: float, clock: Callable[[], float]) -> None:
@@ -83,5 +88,5 @@ class PersistGate:
 
     @staticmethod
     def _ignore(principal: str, reason: Literal["not_allowed", "rate_limited"]) -> Admission:
-        logger.info("agentkv.proxy.persist_ignored", principal=principal, reason=reason)
+        logger.info("agentkv.proxy.offload_ignored", principal=principal, reason=reason)
         return Admission(mode="auto", ignored=reason)
