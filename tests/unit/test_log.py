@@ -6,6 +6,7 @@ import io
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import structlog
@@ -123,3 +124,15 @@ def test_a_processor_formatter_gets_the_event_dict() -> None:
     logger.setLevel(logging.INFO)
     get_logger().info("agentkv.test_info", turn=4)
     assert out.getvalue() == "event='agentkv.test_info' turn=4\n"
+
+
+def test_every_module_logs_through_the_quiet_loggers() -> None:
+    """A module on structlog's own ``get_logger`` would print through structlog's global
+    configuration (every level, to stdout, when unconfigured): only ``_log.py`` touches it."""
+    package = Path(agentkv.__file__).parent
+    direct = [
+        str(path.relative_to(package))
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "_log.py" and "structlog.get_logger(" in path.read_text()
+    ]
+    assert direct == []
