@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,22 +12,9 @@ import structlog
 from structlog.testing import capture_logs
 
 import agentkv
-from agentkv import _log
 from agentkv._log import get_logger, turn_logger
 
-
-@pytest.fixture(autouse=True)
-def _restore_agentkv_logger() -> Iterator[None]:
-    """Each test leaves the ``agentkv`` logger as it found it (configure_logging changes it)."""
-    logger = logging.getLogger("agentkv")
-    saved = (logger.level, logger.propagate, list(logger.handlers), _log._handler)
-    try:
-        yield
-    finally:
-        logger.setLevel(saved[0])
-        logger.propagate = saved[1]
-        logger.handlers[:] = saved[2]
-        _log._handler = saved[3]
+pytestmark = pytest.mark.usefixtures("agentkv_logging")
 
 
 class _Records(logging.Handler):
