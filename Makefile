@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make demo` (start the local pair, run an agent session) and
 # `make test` (lint, types, and every test tier, starting and stopping its own local pair).
+# `make check` is the developer's loop: lint, types and the tiers that need no vLLM (minutes).
 
 PYTHON ?= python3.11
 VENV := .venv
@@ -14,7 +15,7 @@ PIP_OPTS ?=
 UV_OPTS ?=
 EXTRAS := local,proxy,redis,langchain,langgraph,pydantic-ai,openai-agents,anthropic,bench,dev
 
-.PHONY: setup demo test lint up down clean
+.PHONY: setup demo test check lint up down clean
 
 setup: $(STAMP)
 
@@ -46,6 +47,13 @@ test: setup lint
 	@# the shared test pair has stopped, so a 2-core CI machine never hosts six servers at once.
 	AGENTKV_FAULT_E2E=1 $(BIN)/python -m pytest tests/e2e/test_faults_e2e.py
 	AGENTKV_POOL_E2E=1 $(BIN)/python -m pytest tests/e2e/test_pool_e2e.py
+
+# Lint, types, the unit and fake-pair tiers and the docstring examples: no vLLM server starts.
+# `make check BIN=other/venv/bin` runs them with another environment's tools, without setup.
+check: $(if $(filter command line,$(origin BIN)),,setup)
+	$(BIN)/ruff check agentkv tests examples benchmarks
+	$(BIN)/mypy
+	$(BIN)/python -m pytest tests/unit tests/fake agentkv
 
 lint: setup
 	$(BIN)/ruff check agentkv tests examples benchmarks

@@ -15,8 +15,9 @@ The rest is not public, and is here for a reason each:
 - ``Portal``: the one event loop on a thread (the proxy's server, the drop-in's sync transport,
   the fake pair's HTTP host run on it as the sync twins do).
 - ``dumps``/``loads``/``JSONDecodeError``: orjson in and out.
-- ``post_json``/``stream_events``: one exchange with a server, its errors mapped onto agentkv's
-  tree (the proxy's tool-parser probe, the benchmark's baselines).
+- ``post_json``/``stream_events``: one exchange with a server through a ``Poster``, its errors
+  agentkv's (the proxy's tool-parser probe, the benchmark's baselines); ``HttpxPoster``: an
+  ``httpx2.AsyncClient`` as one (the benchmark's own clients).
 - ``AUTO``/``NONE``/``REQUIRED``/``PASSED_FIELDS``/``refusal``: the request-field table (what a
   front end passes to decode, what it refuses and why).
 - ``Transcript``/``ChatTemplate``/``ServerRenderer``: a turn's exact prompt built as a session
@@ -24,9 +25,9 @@ The rest is not public, and is here for a reason each:
   server, so its token counts match the SDK modes').
 - ``listening_socket``: the socket a uvicorn server is handed (the proxy's, the fake pair's
   HTTP host), with Nagle's delay off on the connections it accepts.
-- ``Answer``/``Streamed``/``parsed_url``: the fakes' transport posts a turn's legs as the
-  default transport does (``PostTransport``), so a session on the fake cluster runs its
-  real-server path.
+- ``Poster``/``Answer``/``Streamed``/``raise_transport_error``: the fakes' transport is a
+  ``Poster``, as the default one is (``agentkv._wire.transport``), its failures mapped as an httpx2
+  client's are, so a session on the fake cluster runs its real-server path.
 - ``sample_values``: a few series out of a server's ``/metrics`` (the benchmark samples decode's
   KV usage as the SDK reads it before a tool wait).
 - ``get_logger``/``configure_logging``: the quiet loggers every module logs through (events go
@@ -91,7 +92,7 @@ from agentkv._wire.hints import (
     lease_error,
     with_hint,
 )
-from agentkv._wire.http import post_json, stream_events
+from agentkv._wire.http import HttpxPoster, post_json, raise_transport_error, stream_events
 from agentkv._wire.json import JSONDecodeError, dumps, loads
 from agentkv._wire.listen import listening_socket
 from agentkv._wire.metrics import sample_values
@@ -107,7 +108,7 @@ from agentkv._wire.tier import (
     TierUsage,
     with_tier_load,
 )
-from agentkv._wire.transport import Answer, Streamed, parsed_url
+from agentkv._wire.transport import Answer, Poster, Streamed
 
 __all__ = [
     "AUTO",
@@ -137,6 +138,7 @@ __all__ = [
     "HandleState",
     "HintError",
     "HistoryPlan",
+    "HttpxPoster",
     "InvalidMessageError",
     "JSONDecodeError",
     "JsonToolCalling",
@@ -149,6 +151,7 @@ __all__ = [
     "PersistMode",
     "PinHint",
     "Portal",
+    "Poster",
     "PrefixDivergedError",
     "RequestRelease",
     "RequestTimeoutError",
@@ -181,8 +184,8 @@ __all__ = [
     "lease_error",
     "listening_socket",
     "loads",
-    "parsed_url",
     "post_json",
+    "raise_transport_error",
     "refusal",
     "sample_values",
     "stream_events",

@@ -5,7 +5,7 @@ SERVER_MS of simulated server time on every chat leg, so that sessions overlap t
 do), the proxy (uvicorn, ``agentkv.proxy.serve`` on a cluster file), and this one, which runs
 
 * direct: ``AsyncSession.send`` against the fake pair, and
-* proxy: an ``httpx2`` client re-sending each session's whole history to the proxy, as OpenAI
+* proxy: an ``aiohttp`` client re-sending each session's whole history to the proxy, as OpenAI
   clients do, with ``X-Session-ID``.
 
 Same conversations on both paths: a ~CONTEXT-token system prompt, then TURNS user turns, with
@@ -28,7 +28,7 @@ as this process's client and the proxy (proxied). Columns:
   arrival to answer, minus the SDK's turn): the part the proxy's code controls;
 * CPU/turn: CPU seconds per turn of the process running the SDK (this one for direct, the proxy
   for proxy): their difference is the proxy's CPU cost, whatever else the machine is doing; the
-  client's (an httpx2 client re-sending the history) and the fake pair's, for the proxied turns.
+  client's (an aiohttp client re-sending the history) and the fake pair's, for the proxied turns.
 
     .venv/bin/python benchmarks/proxy_overhead.py [--concurrency 1,16,64] [--turns 6]
         [--server-ms 100] [--context 1000] [--min-samples 120] [--min-rounds 3]
@@ -62,12 +62,12 @@ from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import httpx2
 import orjson
 import structlog
 
 from agentkv import AsyncCluster, Message
-from agentkv._wire.transport import ClusterClient, ServerPools
 from agentkv.proxy import ProxyConfig
 from agentkv.testing import FakeCluster, FakeServer
 
@@ -275,7 +275,7 @@ def _timings_s(header: str) -> dict[str, float]:
 
 async def _proxied(
     args: argparse.Namespace,
-    client: ClusterClient,
+    client: aiohttp.ClientSession,
     system: str,
     *,
     pid: int,
@@ -297,16 +297,17 @@ async def _proxied(
             messages.append({"role": "user", "content": _question(i, turn)})
             body = orjson.dumps({"messages": messages, "max_tokens": args.max_tokens})
             start = time.perf_counter()
-            response = await client.post("/v1/chat/completions", content=body, headers=headers)
-            data = orjson.loads(response.content)
+            async with client.post("/v1/chat/completions", data=body, headers=headers) as response:
+                data = orjson.loads(await response.read())
             into.latency.append(time.perf_counter() - start)
-            if response.status_code != 200:
-                raise RuntimeError(f"proxy answered {response.status_code}: {data}")
+            if response.status != 200:
+                raise RuntimeError(f"proxy answered {response.status}: {data}")
             timings = _timings_s(response.headers["server-timing"])
             into.in_proxy.append(timings["proxy"])
             into.added.append(into.latency[-1] - timings["turn"])
             messages.append(data["choices"][0]["message"])
-        await client.delete(f"/v1/sessions/{tag}-{i}", headers=headers)
+        async with client.delete(f"/v1/sessions/{tag}-{i}", headers=headers):
+            pass
 
     cpu, client_cpu = _cpu_seconds(pid), time.process_time()
     await asyncio.gather(*(one(i) for i in range(level)))
@@ -319,12 +320,15 @@ async def _measure(
 ) -> list[tuple[int, Samples, Samples]]:
     rows = []
     _pin(0, APP_CORE, args)  # after starting the children, which pin themselves
-    limits = httpx2.Limits(max_connections=512, max_keepalive_connections=512)
-    # The client stands for an OpenAI client (the application); it gets the SDK's client and
-    # transport, as the direct path's application does.
+    # The client stands for an OpenAI client (the application); it gets aiohttp's client, as
+    # the SDK's default sends with, so that its CPU stays small beside the proxy's.
     async with (
         AsyncCluster.from_file(args.cluster_file) as cluster,
-        ClusterClient(base_url=url, transport=ServerPools(limits), timeout=120.0) as client,
+        aiohttp.ClientSession(
+            base_url=url,
+            connector=aiohttp.TCPConnector(limit=512),
+            timeout=aiohttp.ClientTimeout(total=120.0),
+        ) as client,
     ):
         # Warm both paths (template anchors, connections) outside the numbers.
         await _direct(args, cluster, system, level=4, into=Samples())

@@ -4,7 +4,7 @@ Overhead is a turn's time minus the time spent inside the fake servers' handlers
 wrapping the fake's transport), so it is what agentkv itself costs a turn: the template-delta
 request, building and parsing the legs' JSON, the transcript, the policy, stats and logs, and
 the HTTP library's objects where the SDK builds them. The fake's transport posts as the default
-one does (``post``, no httpx2 request or response: ``PostTransport``), so a turn runs the code it
+one is (a ``Poster``: ``post``, no httpx2 request or response), so a turn runs the code it
 runs against real servers; an older tree's SDK (``overhead_ab.py``) builds its httpx requests and
 responses, as it did against real servers. Turns run one at a time so nothing else shares the
 loop.
@@ -95,25 +95,28 @@ class _Whole:
 
 
 class _Transport:
-    """An async transport of either library: both call only these methods (``post`` and
-    ``post_stream`` only from issue 28 on: ``agentkv._wire.transport.PostTransport``)."""
+    """An async transport of any tree's SDK: each calls only these methods. ``post`` and
+    ``post_stream`` from issue 28 on (``PostTransport``: headers and timeout phases as positional
+    arguments), and ``get`` from issue 41 on (``agentkv._wire.transport.Poster``: keyword
+    arguments); the arguments pass through as given."""
 
     inner: Any = None
 
     async def handle_async_request(self, request: Any) -> Any:
         raise NotImplementedError
 
-    async def post(
-        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, Any]
-    ) -> Answer:
+    async def post(self, url: str, body: bytes, *args: Any, **kwargs: Any) -> Answer:
         raise NotImplementedError
 
     async def post_stream(
-        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, Any]
+        self, url: str, body: bytes, *args: Any, **kwargs: Any
     ) -> tuple[int, list[tuple[bytes, bytes]], Any]:
         """``post``'s answer as a stream (the fake's streams come whole, as one piece)."""
-        status, headers_, content = await self.post(url, body, headers, phases)
+        status, headers_, content = await self.post(url, body, *args, **kwargs)
         return status, headers_, _Whole(content)
+
+    async def get(self, url: str, **kwargs: Any) -> Any:
+        return await self.inner.get(url, **kwargs)
 
     async def aclose(self) -> None:
         if self.inner is not None:
@@ -136,13 +139,19 @@ class TimedTransport(_Transport):
             self.server_s += time.perf_counter() - start
             self.server_cpu_s += time.thread_time() - cpu
 
-    async def post(
-        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, Any]
-    ) -> Answer:
+    async def post(self, url: str, body: bytes, *args: Any, **kwargs: Any) -> Answer:
         start, cpu = time.perf_counter(), time.thread_time()
         try:
-            answer: Answer = await self.inner.post(url, body, headers, phases)
+            answer: Answer = await self.inner.post(url, body, *args, **kwargs)
             return answer
+        finally:
+            self.server_s += time.perf_counter() - start
+            self.server_cpu_s += time.thread_time() - cpu
+
+    async def get(self, url: str, **kwargs: Any) -> Any:
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return await self.inner.get(url, **kwargs)
         finally:
             self.server_s += time.perf_counter() - start
             self.server_cpu_s += time.thread_time() - cpu
@@ -165,11 +174,14 @@ class Recorder(_Transport):
         self.tape[key] = (response.status_code, list(response.headers.raw), body)
         return HTTP.Response(response.status_code, headers=response.headers.raw, content=body)
 
-    async def post(
-        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, Any]
-    ) -> Answer:
-        answer: Answer = await self.inner.post(url, body, headers, phases)
+    async def post(self, url: str, body: bytes, *args: Any, **kwargs: Any) -> Answer:
+        answer: Answer = await self.inner.post(url, body, *args, **kwargs)
         self.tape[("POST", urlsplit(url).path, body)] = answer
+        return answer
+
+    async def get(self, url: str, **kwargs: Any) -> Any:
+        answer = await self.inner.get(url, **kwargs)
+        self.tape[("GET", urlsplit(url).path, b"")] = answer
         return answer
 
 
@@ -188,12 +200,16 @@ class Replayer(_Transport):
         status, headers, body = found
         return HTTP.Response(status, headers=headers, content=body)
 
-    async def post(
-        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, Any]
-    ) -> Answer:
+    async def post(self, url: str, body: bytes, *args: Any, **kwargs: Any) -> Answer:
         found = self.tape.get(("POST", urlsplit(url).path, body))
         if found is None:
             raise RuntimeError(f"not in the recording: POST {url}")
+        return found
+
+    async def get(self, url: str, **kwargs: Any) -> Any:
+        found = self.tape.get(("GET", urlsplit(url).path, b""))
+        if found is None:
+            raise RuntimeError(f"not in the recording: GET {url}")
         return found
 
 

@@ -11,23 +11,25 @@ POSTs of a ~3 KB JSON body each and reports its own CPU time per request for:
   httpx interface on aiohttp;
 * ``httpx-aiohttp``: ``httpx.AsyncClient`` on ``httpx_aiohttp.AiohttpTransport`` (PyPI
   ``httpx-aiohttp``: httpx's interface on a ``ClientSession``), when installed;
-* ``pools``: ``httpx2.AsyncClient`` on ``agentkv._wire.transport.ServerPools``;
-* ``cluster``: ``agentkv._wire.transport.ClusterClient`` on ``ServerPools``, what a cluster builds,
-  each request sent as a turn sends its legs (``agentkv._wire.http.post_json``: the per-URL request
-  template, the answer parsed);
-* ``base-pools``, ``base-cluster``: the same on the ``ServerPools`` of another tree's
+* ``pools``: ``agentkv._wire.transport.ServerPools``, the ``Poster`` a cluster sends with, each
+  request sent as a turn sends its legs (``agentkv._wire.http.post_json``: the answer parsed);
+* ``httpx2-poster``: the same through ``HttpxPoster`` on an ``httpx2.AsyncClient`` (a user's
+  ``http_client=``);
+* ``base-pools``, ``base-cluster``: httpx's client and ``ClusterClient`` on the ``ServerPools`` of
+  another tree's
   ``transport.py`` (``--base FILE``, a module that imports nothing of agentkv's, of a revision on
   httpx, as 0ee2cfd), to compare two versions of the transport in one run:
   ``git show REV:agentkv/_wire/transport.py > /tmp/t.py``.
 
     .venv/bin/python benchmarks/transport_cpu.py [--concurrency 64] [--requests 30]
-        [--server-ms 100] [--clients httpx2,aiohttp,pools,cluster] [--base FILE]
+        [--server-ms 100] [--clients httpx2,aiohttp,pools,httpx2-poster] [--base FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import socket
@@ -41,8 +43,8 @@ from typing import Any
 import aiohttp
 import httpx2
 
-from agentkv._wire.http import post_json
-from agentkv._wire.transport import ClusterClient, ServerPools
+from agentkv._wire.http import HttpxPoster, post_json
+from agentkv._wire.transport import ServerPools
 
 ANSWER = b'{"text": "' + b"a" * 2000 + b'"}'
 BODY = b'{"prompt": "' + b"1" * 3000 + b'"}'
@@ -90,9 +92,10 @@ def _client(kind: str, args: argparse.Namespace) -> Any:
         return httpx2.AsyncClient(limits=LIMITS)
     if kind in ("httpx", "httpx-aiohttp", "base-pools", "base-cluster"):
         return _httpx_client(kind, args)  # httpx (0.28): no longer agentkv's, measured beside it
-    if kind in ("pools", "cluster"):
-        client = httpx2.AsyncClient if kind == "pools" else ClusterClient
-        return client(transport=ServerPools(LIMITS))
+    if kind == "pools":
+        return contextlib.aclosing(ServerPools(LIMITS, 600.0))
+    if kind == "httpx2-poster":
+        return contextlib.aclosing(HttpxPoster(httpx2.AsyncClient(limits=LIMITS), owned=True))
     raise SystemExit(f"unknown client {kind!r}")
 
 
@@ -141,7 +144,7 @@ async def _measure(kind: str, url: str, args: argparse.Namespace) -> tuple[float
 
         async def loop() -> None:
             for _ in range(args.requests):
-                if kind == "cluster":
+                if kind in ("pools", "httpx2-poster"):
                     await post_json(client, url, BODY, summary="POST")
                     continue
                 response = await client.post(
@@ -162,7 +165,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=30, help="per concurrent loop")
     parser.add_argument("--server-ms", type=float, default=100.0)
-    parser.add_argument("--clients", default="httpx2,aiohttp,pools,cluster")
+    parser.add_argument("--clients", default="httpx2,aiohttp,pools,httpx2-poster")
     parser.add_argument("--base", help="another tree's transport.py, for base-pools/base-cluster")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -23,6 +23,7 @@ from typing import Any, Generic, Self, TypeVar, Unpack
 import httpx2
 
 from agentkv import _constants as defaults
+from agentkv._client.cluster_spec import merge_options, parse_spec, read_spec
 from agentkv._client.leasing import decode_kv_usage, release_request
 from agentkv._client.pool import ClusterOptions, PairPool
 from agentkv._client.portal import Portal
@@ -33,101 +34,17 @@ from agentkv._client.session import (
     open_session,
     restore_session,
 )
-from agentkv._exceptions import ConfigError
 from agentkv._placement import PrefillWeights, RetryPolicy
 from agentkv._policy import CachePolicy
 from agentkv._route import Route, check_route
 from agentkv._types import Pair, SessionOptions
 from agentkv._wire.fields import check_extra_body
-from agentkv._wire.json import JSONDecodeError, loads
+from agentkv._wire.transport import Poster
 
 __all__ = ["AsyncCluster", "Cluster", "Pair"]
 
 T = TypeVar("T")
 SessionT = TypeVar("SessionT", AsyncSession, Session)
-
-
-def _servers(raw: object, role: str, source: str) -> list[tuple[str, str]]:
-    """A pool's list of servers: URLs, or ``{"name", "url"}`` objects."""
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"{source}: '{role}' must be a non-empty list")
-    servers = []
-    for index, item in enumerate(raw):
-        name, url = f"{role}{index}", item
-        if isinstance(item, Mapping):
-            name, url = item.get("name", name), item.get("url")
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{source}: {role}[{index}] needs a non-empty name")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError(f"{source}: {role}[{index}] must be an http(s) URL, got {url!r}")
-        servers.append((name, url.rstrip("/")))
-    if len({name for name, _ in servers}) != len(servers):
-        raise ConfigError(f"{source}: duplicate names in '{role}'")
-    return servers
-
-
-def _parse_spec(spec: object, source: str) -> tuple[list[Pair], str, ClusterOptions]:
-    if not isinstance(spec, Mapping):
-        raise ConfigError(
-            f"{source}: a cluster spec is an object with 'model' and 'pairs' "
-            "(or 'prefill' and 'decode' lists, a pool)"
-        )
-    model = spec.get("model")
-    if not isinstance(model, str) or not model:
-        raise ConfigError(f"{source}: 'model' must be a non-empty string")
-    extra: ClusterOptions = {}
-    if "block_size" in spec:
-        extra["block_size"] = spec["block_size"]
-    if "max_model_len" in spec:  # agentkv up records it; the pool validates it
-        extra["max_model_len"] = spec["max_model_len"]
-    threshold = spec.get("kv_recompute_threshold")
-    if threshold is not None:
-        # The servers' own threshold: handles are worth attaching down to it (the local pair
-        # pulls whatever prefill lacks: 1), not only down to vLLM's default 64.
-        if type(threshold) is not int or threshold < 0:
-            raise ConfigError(f"{source}: 'kv_recompute_threshold' must be a non-negative integer")
-        extra["policy"] = CachePolicy(recompute_threshold=threshold)
-    if "pairs" not in spec and ("prefill" in spec or "decode" in spec):
-        prefills = _servers(spec.get("prefill"), "prefill", source)
-        decodes = _servers(spec.get("decode"), "decode", source)
-        extra["prefill_pool"] = dict(prefills)
-        # In a pool a "pair" is a decode server; each turn picks its prefill from the pool.
-        return (
-            [Pair(name=name, prefill=prefills[0][1], decode=url) for name, url in decodes],
-            model,
-            extra,
-        )
-    raw_pairs = spec.get("pairs")
-    if not isinstance(raw_pairs, list) or not raw_pairs:
-        raise ConfigError(f"{source}: 'pairs' must be a non-empty list")
-    pairs = []
-    for index, raw in enumerate(raw_pairs):
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"{source}: pairs[{index}] is not an object")
-        pairs.append(
-            Pair(
-                name=raw.get("name", f"pair{index}"),
-                prefill=raw.get("prefill"),  # type: ignore[arg-type]  # Pair validates
-                decode=raw.get("decode"),  # type: ignore[arg-type]
-            )
-        )
-    return pairs, model, extra
-
-
-def _merge(spec: ClusterOptions, given: ClusterOptions) -> ClusterOptions:
-    """The options a spec sets, overridden by those given in the call."""
-    merged = spec.copy()
-    merged.update(given)
-    return merged
-
-
-def _read_spec(path: str | Path) -> object:
-    try:
-        return loads(Path(path).read_bytes())
-    except FileNotFoundError:
-        raise ConfigError(f"no cluster file at {path}; start one with `agentkv up`") from None
-    except (OSError, JSONDecodeError) as exc:
-        raise ConfigError(f"cluster file {path} is unreadable: {exc}") from exc
 
 
 class _Twin(Generic[SessionT]):
@@ -148,14 +65,14 @@ class _Twin(Generic[SessionT]):
     def from_dict(cls, spec: Mapping[str, Any], **options: Unpack[ClusterOptions]) -> Self:
         """From a cluster spec ``{"model": ..., "pairs": [{"name", "prefill", "decode"}]}``;
         ``options`` win over the spec's."""
-        pairs, model, extra = _parse_spec(spec, "cluster spec")
-        return cls(pairs, model=model, **_merge(extra, options))
+        pairs, model, extra = parse_spec(spec, "cluster spec")
+        return cls(pairs, model=model, **merge_options(extra, options))
 
     @classmethod
     def from_file(cls, path: str | Path, **options: Unpack[ClusterOptions]) -> Self:
         """From a cluster file, as ``agentkv up`` writes it."""
-        pairs, model, extra = _parse_spec(_read_spec(path), str(path))
-        return cls(pairs, model=model, **_merge(extra, options))
+        pairs, model, extra = parse_spec(read_spec(path), str(path))
+        return cls(pairs, model=model, **merge_options(extra, options))
 
     def _started(self) -> None:
         """The twin's own setup, once the pool exists."""
@@ -352,8 +269,14 @@ class AsyncCluster(_Twin[AsyncSession]):
         return open_()
 
     @property
-    def http_client(self) -> httpx2.AsyncClient:
+    def http_client(self) -> httpx2.AsyncClient | None:
+        """The client given as ``http_client=``; ``None`` when the cluster sends with its own."""
         return self._pool.http_client
+
+    @property
+    def poster(self) -> Poster:
+        """What every request to the servers goes through (``agentkv._wire.transport``)."""
+        return self._pool.poster
 
     async def check_health(self) -> dict[str, bool]:
         """Probe every pair's ``/health`` now; returns pair name -> healthy."""

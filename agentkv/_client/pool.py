@@ -26,9 +26,9 @@ from agentkv._placement import PrefillWeights, RetryPolicy, choose_prefill, plac
 from agentkv._policy import CachePolicy
 from agentkv._prompt.template import ChatTemplate, ServerRenderer
 from agentkv._types import Pair
-from agentkv._wire.http import get_ok
+from agentkv._wire.http import get_ok, make_poster
 from agentkv._wire.lease_calls import LeaseCalls
-from agentkv._wire.transport import ClusterClient, ServerPools
+from agentkv._wire.transport import Poster
 
 __all__ = ["DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "ClusterOptions", "PairPool"]
 
@@ -45,8 +45,8 @@ class ClusterOptions(TypedDict, total=False):
     ``from_file``), all optional; the defaults are ``PairPool``'s.
 
     Attributes:
-        transport: an httpx2 async transport for the default client (tests pass a fake's).
-        http_client: use this client instead; the cluster does not close it.
+        transport: a ``Poster`` (tests pass a fake's) or an httpx2 transport to send through.
+        http_client: send through this ``httpx2.AsyncClient``; the cluster does not close it.
         timeout: the default client's timeouts (``DEFAULT_TIMEOUT``: long reads, a cold prefill
             on CPU takes minutes).
         policy: the default ``CachePolicy`` of sessions.
@@ -62,7 +62,7 @@ class ClusterOptions(TypedDict, total=False):
             for servers whose ``/tokenize`` answers do not say it (vLLM's do).
     """
 
-    transport: httpx2.AsyncBaseTransport | None
+    transport: httpx2.AsyncBaseTransport | Poster | None
     http_client: httpx2.AsyncClient | None
     timeout: httpx2.Timeout | float
     policy: CachePolicy | None
@@ -87,7 +87,7 @@ class PairPool:
         pairs: Iterable[Pair],
         *,
         model: str,
-        transport: httpx2.AsyncBaseTransport | None = None,
+        transport: httpx2.AsyncBaseTransport | Poster | None = None,
         http_client: httpx2.AsyncClient | None = None,
         timeout: httpx2.Timeout | float = DEFAULT_TIMEOUT,
         policy: CachePolicy | None = None,
@@ -129,8 +129,10 @@ class PairPool:
         self._load_factor = load_factor
         self._health_recheck_s = health_recheck_s
         self._owns_client = http_client is None
-        self.http_client: httpx2.AsyncClient = http_client or ClusterClient(
-            transport=transport or ServerPools(DEFAULT_LIMITS), timeout=timeout
+        self.http_client = http_client
+        # Every request to the servers goes through it (``_wire.transport``).
+        self.poster = make_poster(
+            transport=transport, http_client=http_client, limits=DEFAULT_LIMITS, timeout=timeout
         )
         self._loads = dict.fromkeys(self._pairs, 0)
         self._down: dict[str, float] = {}
@@ -150,7 +152,7 @@ class PairPool:
         self._prefill_down: dict[str, float] = {}
         self._templates: dict[str, ChatTemplate] = {}
         self._probes: dict[str, asyncio.Task[bool]] = {}
-        self.leases = LeaseCalls(self.http_client, clock=clock)
+        self.leases = LeaseCalls(self.poster, clock=clock)
         self.closed = False
 
     # --- reading -------------------------------------------------------------------------------
@@ -190,7 +192,7 @@ class PairPool:
         """The chat template as ``prefill_url`` renders it (cached: its anchor renders too)."""
         template = self._templates.get(prefill_url)
         if template is None:
-            renderer = ServerRenderer(self.http_client, prefill_url, model=self.model)
+            renderer = ServerRenderer(self.poster, prefill_url, model=self.model)
             template = self._templates[prefill_url] = ChatTemplate(renderer)
         return template
 
@@ -346,8 +348,7 @@ class PairPool:
         # In a pool a pair is its decode server: prefills have their own health (a dead
         # prefill must not move sessions off a live decode, where their KV is).
         urls = [pair.decode] if self.pooled else [pair.prefill, pair.decode]
-        client = self.http_client
-        checks = [get_ok(client, u + "/health", timeout_s=_HEALTH_TIMEOUT_S) for u in urls]
+        checks = [get_ok(self.poster, u + "/health", timeout_s=_HEALTH_TIMEOUT_S) for u in urls]
         ok = all(await asyncio.gather(*checks))
         if ok:
             self._mark_up(pair)
@@ -367,7 +368,7 @@ class PairPool:
 
     async def probe_prefill(self, name: str) -> bool:
         ok = await get_ok(
-            self.http_client, self._prefills[name] + "/health", timeout_s=_HEALTH_TIMEOUT_S
+            self.poster, self._prefills[name] + "/health", timeout_s=_HEALTH_TIMEOUT_S
         )
         if ok:
             self._mark_prefill_up(name)
@@ -396,4 +397,4 @@ class PairPool:
             task.cancel()
         await asyncio.gather(*probes, return_exceptions=True)
         if self._owns_client:
-            await self.http_client.aclose()
+            await self.poster.aclose()

@@ -473,7 +473,7 @@ class TurnRunner:
             return state.policy.lease_deadline(sent_at=issued_at, ttl_s=ttl_s)
 
         summary = request.summary("decode")
-        client = self._pool.http_client
+        client = self._pool.poster
         # A request id of our choosing (vLLM honours X-Request-Id): if the answer, and with it
         # the handle, never reaches us, its secret still releases what decode pinned for it.
         secret = self._request_secret or new_request_secret()
@@ -543,7 +543,7 @@ class TurnRunner:
     ) -> PrefillResult:
         url = base + _CHAT_PATH
         data = await post_json(
-            self._pool.http_client,
+            self._pool.poster,
             url,
             prefill_body(request, prompt_ids=ids, handle=sent, tier=tier),
             summary=request.summary("prefill"),

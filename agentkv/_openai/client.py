@@ -23,6 +23,7 @@ from a file is closed with it.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
 
@@ -65,9 +66,15 @@ def _check_options(options: dict[str, Any]) -> None:
             raise TypeError(f"{name} is agentkv's: requests are served in-process by the cluster")
 
 
-def _served_model(http_client: object) -> str:
-    transport = getattr(http_client, "_transport", None)
-    return transport.model if isinstance(transport, AppTransport | AsyncAppTransport) else ""
+# The model each in-process HTTP client serves, by client: a copy (``with_options``) is handed
+# only the client, and httpx2's clients do not say which transport they hold.
+_SERVED: weakref.WeakKeyDictionary[httpx2.Client | httpx2.AsyncClient, str] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _served_model(http_client: httpx2.Client | httpx2.AsyncClient) -> str:
+    return _SERVED.get(http_client, "")
 
 
 class InProcess(Generic[ClusterT]):
@@ -130,18 +137,23 @@ class InProcess(Generic[ClusterT]):
                 on_close=source.aclose if owned else None,
                 direct=app.state.endpoints,
             )
-            return httpx2.AsyncClient(transport=transport, base_url=self._app_base_url)
-        assert isinstance(source, Cluster)
-        sync_app = create_app(source._async, config)
-        sync_transport = AppTransport(
-            sync_app,
-            model=source.model,
-            portal=source._portal,
-            lifespan=lambda: sync_app.router.lifespan_context(sync_app),
-            on_close=source.close if owned else None,
-            direct=sync_app.state.endpoints,
-        )
-        return httpx2.Client(transport=sync_transport, base_url=self._app_base_url)
+            client: httpx2.Client | httpx2.AsyncClient = httpx2.AsyncClient(
+                transport=transport, base_url=self._app_base_url
+            )
+        else:
+            assert isinstance(source, Cluster)
+            sync_app = create_app(source._async, config)
+            sync_transport = AppTransport(
+                sync_app,
+                model=source.model,
+                portal=source._portal,
+                lifespan=lambda: sync_app.router.lifespan_context(sync_app),
+                on_close=source.close if owned else None,
+                direct=sync_app.state.endpoints,
+            )
+            client = httpx2.Client(transport=sync_transport, base_url=self._app_base_url)
+        _SERVED[client] = source.model
+        return client
 
 
 class AsyncOpenAI(InProcess[AsyncCluster], openai.AsyncOpenAI):

@@ -35,14 +35,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx2
-
 from agentkv import _constants as defaults
 from agentkv._exceptions import BadRequestError, MalformedResponseError, TemplateError
 from agentkv._prompt.transcript import Delta, Transcript, TurnPrompt
 from agentkv._types import Message
 from agentkv._wire.http import post_json
 from agentkv._wire.json import dumps, tools_key
+from agentkv._wire.transport import Poster
 
 __all__ = ["ChatTemplate", "Renderer", "ServerRenderer", "TemplateInfo", "tools_key"]
 
@@ -71,7 +70,7 @@ class ServerRenderer:
     also says the server's context (``max_model_len``): kept, it costs no request of its own.
     """
 
-    def __init__(self, client: httpx2.AsyncClient, base_url: str, *, model: str) -> None:
+    def __init__(self, client: Poster, base_url: str, *, model: str) -> None:
         self._client = client
         self._url = base_url.rstrip("/") + "/tokenize"
         self._model = model

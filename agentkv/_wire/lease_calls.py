@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx2
 
 from agentkv import _constants as defaults
 from agentkv._exceptions import TransportError
@@ -44,6 +43,7 @@ from agentkv._wire.tier import (
     TierDelete,
     TierRef,
 )
+from agentkv._wire.transport import Poster
 
 __all__ = [
     "FAILED",
@@ -110,7 +110,7 @@ class LeaseCalls:
     """
 
     def __init__(
-        self, client: httpx2.AsyncClient, *, clock: Callable[[], float] = time.monotonic
+        self, client: Poster, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._client = client
         self._clock = clock
@@ -200,13 +200,13 @@ class LeaseCalls:
         one small request, asked only when a decision depends on it."""
         url = decode + METRICS_PATH
         try:
-            response = await self._client.get(url, timeout=_CALL_TIMEOUT_S)
-        except httpx2.HTTPError as exc:
+            answer = await self._client.get(url, timeout_s=_CALL_TIMEOUT_S)
+        except TransportError as exc:
             logger.debug("agentkv.kv_usage_unknown", decode=decode, detail=str(exc))
             return None
-        if response.status_code != 200:
+        if answer.status != 200:
             return None
-        text = response.text
+        text = answer.body.decode("utf-8", "replace")
         # Requests waiting for KV capacity: decode is full for the work it has, whatever
         # fraction its blocks in use come to (a new turn needs more than what is free).
         if any(sample_values(text, WAITING_METRIC, label=CAPACITY_LABEL)):

@@ -3,7 +3,7 @@
 vLLM's Prometheus exposition runs to ~70 KB, mostly histograms. ``prometheus_client``'s parser
 reads all of it: ~30 ms of CPU per read on a 2-core AMD EPYC (Zen 4), against ~0.5 ms for a scan
 of the lines that start with the wanted name. The SDK reads decode's KV usage before a tool wait
-and the benchmark samples it twice a second, so both scan; ``tests/unit/test_metrics_scan.py``
+and the benchmark samples it twice a second, so both scan; ``tests/unit/test_wire_metrics.py``
 checks the scan against ``prometheus_client``'s parser on the servers' own expositions.
 
 >>> text = 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\\n'

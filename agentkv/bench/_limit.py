@@ -35,7 +35,15 @@ from typing import Any
 import httpx2
 
 from agentkv import MalformedResponseError, Message
-from agentkv._core import ChatTemplate, ServerRenderer, Transcript, dumps, post_json, stream_events
+from agentkv._core import (
+    ChatTemplate,
+    HttpxPoster,
+    ServerRenderer,
+    Transcript,
+    dumps,
+    post_json,
+    stream_events,
+)
 from agentkv.bench._config import Mode
 from agentkv.bench._samples import Held, TurnSample
 from agentkv.bench._workload import TurnScript
@@ -66,8 +74,8 @@ async def fill_cache(
         "cache_salt": salt,
         "kv_transfer_params": {"prompt_token_ids": list(token_ids)},
     }
-    await post_json(client, url.rstrip("/") + _CHAT_PATH, dumps(body), summary="cache fill",
-                    unread=_ECHO)
+    url = url.rstrip("/") + _CHAT_PATH
+    await post_json(HttpxPoster(client), url, dumps(body), summary="cache fill", unread=_ECHO)
 
 
 class _Answer:
@@ -123,12 +131,13 @@ class LimitRunner:
     ) -> None:
         self._index = index
         self._client = client
+        self._poster = HttpxPoster(client)
         self._url = url.rstrip("/")
         self._model = model
         self._salt = salt
         self._stream = stream
         # The SDK's prompt machinery, rendering with this server's template and tokenizer.
-        self._template = ChatTemplate(ServerRenderer(client, self._url, model=model))
+        self._template = ChatTemplate(ServerRenderer(self._poster, self._url, model=model))
         self._transcript = Transcript()
         self._system: str | None = system
 
@@ -162,14 +171,14 @@ class LimitRunner:
         first: float | None = None
         if self._stream:
             body["stream_options"] = {"include_usage": True}
-            chunks = stream_events(self._client, url, dumps(body), summary="limit turn",
+            chunks = stream_events(self._poster, url, dumps(body), summary="limit turn",
                                    unread=_ECHO)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     if answer.feed(chunk, streamed=True) and first is None:
                         first = time.perf_counter()
         else:
-            data = await post_json(self._client, url, dumps(body), summary="limit turn",
+            data = await post_json(self._poster, url, dumps(body), summary="limit turn",
                                    unread=_ECHO)
             answer.feed(data, streamed=False)
         end = time.perf_counter()

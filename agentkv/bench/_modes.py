@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import httpx2
 
 from agentkv import AsyncCluster, AsyncSession, CachePolicy, Message, TurnResult
-from agentkv._core import dumps, stream_events
+from agentkv._core import HttpxPoster, dumps, stream_events
 from agentkv.bench._config import SDK_ROUTES, Mode, Pause
 from agentkv.bench._legs import LegRewriter
 from agentkv.bench._limit import LimitRunner, fill_cache
@@ -216,6 +216,7 @@ class AggregatedRunner:
     ) -> None:
         self._index = index
         self._client = client
+        self._poster = HttpxPoster(client)
         self._url = url.rstrip("/") + "/v1/chat/completions"
         self._model = model
         self._messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
@@ -238,7 +239,7 @@ class AggregatedRunner:
         first: float | None = None
         text: list[str] = []
         usage: Mapping[str, Any] = {}
-        async for chunk in stream_events(self._client, self._url, body, summary="aggregated"):
+        async for chunk in stream_events(self._poster, self._url, body, summary="aggregated"):
             choices = chunk.get("choices") or []
             delta = choices[0].get("delta") or {} if choices else {}
             piece = delta.get("content") or ""

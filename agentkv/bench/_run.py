@@ -9,7 +9,7 @@ from typing import Any
 import httpx2
 
 from agentkv import AgentKVError, ConfigError, MalformedResponseError
-from agentkv._core import dumps, get_logger, post_json
+from agentkv._core import HttpxPoster, dumps, get_logger, post_json
 from agentkv.bench._config import BenchConfig, Mode
 from agentkv.bench._decode_watch import DEFAULT_INTERVAL_S, DecodeWatch, watch_decode
 from agentkv.bench._env import environment, server_cache
@@ -95,12 +95,13 @@ class _Tokenizer:
 
     def __init__(self, client: httpx2.AsyncClient, target: ClusterTarget) -> None:
         self._client = client
+        self._poster = HttpxPoster(client)
         self._url = target.urls("prefill")[0] + "/tokenize"
         self._model = target.model
 
     async def count(self, text: str) -> int:
         body = dumps({"model": self._model, "prompt": text, "add_special_tokens": False})
-        data = await post_json(self._client, self._url, body, summary="tokenize")
+        data = await post_json(self._poster, self._url, body, summary="tokenize")
         count = data.get("count") if isinstance(data, Mapping) else None
         if type(count) is not int:
             raise MalformedResponseError("unexpected tokenize answer", url=self._url,

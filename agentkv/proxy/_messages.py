@@ -139,7 +139,7 @@ class MessagesService:
         if not healthy:
             raise RoutingError("no healthy pair to count tokens with")
         renderer = ServerRenderer(
-            self._cluster.http_client, healthy[0].prefill, model=self._cluster.model
+            self._cluster.poster, healthy[0].prefill, model=self._cluster.model
         )
         ids = await renderer.render(messages, tools=tools, add_generation_prompt=True)
         return len(ids)

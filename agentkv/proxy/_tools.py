@@ -90,7 +90,7 @@ class ToolModes:
         }
         try:
             await post_json(
-                self._cluster.http_client,
+                self._cluster.poster,
                 pair.prefill + "/v1/chat/completions",
                 json.dumps(body).encode(),
                 summary="tool parser probe",

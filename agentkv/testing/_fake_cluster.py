@@ -130,6 +130,8 @@ class FakeCluster:
         self._fabric = _Fabric()
         self.tokenizer = tokenizer or FakeTokenizer()
         self.model = model
+        self.tool_call_parser = tool_call_parser
+        """The servers' ``--tool-call-parser`` (``None``: tools go through agentkv's JSON)."""
         config = EngineConfig(
             block_size=block_size,
             num_blocks=num_kv_blocks or _DEFAULT_KV_CACHE_TOKENS // block_size + 1,

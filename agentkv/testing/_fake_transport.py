@@ -1,13 +1,15 @@
-"""An httpx2 transport that routes requests to fake servers by host and port."""
+"""The fake cluster's transport: routes requests to fake servers by host and port, as an httpx2
+transport and as agentkv's ``Poster``."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import functools
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import anyio.lowlevel
 import httpx2
 
-from agentkv._core import Answer, Streamed, parsed_url
+from agentkv._core import Answer, Streamed, raise_transport_error
 from agentkv.testing._fake_reply import Reply
 from agentkv.testing._fake_server import FakeServer
 
@@ -37,7 +39,8 @@ def to_httpx_response(reply: Reply, request: httpx2.Request) -> httpx2.Response:
 
 
 class FakeTransport(httpx2.MockTransport):
-    """Serves a fake cluster to ``httpx2.Client`` and ``httpx2.AsyncClient`` alike.
+    """Serves a fake cluster to ``httpx2.Client`` and ``httpx2.AsyncClient`` alike, and to a
+    cluster as its ``Poster`` (``transport=fake.transport``), with the same answers and failures.
 
     Example:
         >>> from agentkv.testing import FakeCluster
@@ -75,26 +78,46 @@ class FakeTransport(httpx2.MockTransport):
         return self._handle(request)
 
     async def post(
-        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, float | None]
+        self,
+        url: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> Answer:
-        """The same exchange without httpx2's objects (``agentkv._wire.transport.PostTransport``:
-        the cluster's own client posts a turn's legs this way on its default transport too)."""
-        await anyio.lowlevel.checkpoint()
-        parsed = parsed_url(url)
-        server = self._server(parsed, None)
-        reply = server.handle("POST", parsed.path, {k.lower(): v for k, v in headers}, body)
-        _raise_failure(reply, None)
-        return reply.status, _raw_headers(reply), reply.body()
+        """The same exchange as a ``Poster`` (``agentkv._wire.transport``: the cluster posts
+        through it, as through its default one), its failures agentkv's errors."""
+        sent = {"content-type": "application/json"}
+        sent.update((k.lower(), v) for k, v in (headers or {}).items())
+        return await self._answer("POST", url, sent, body)
 
     async def post_stream(
-        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, float | None]
+        self, url: str, body: bytes, *, headers: Mapping[str, str] | None = None
     ) -> Streamed:
         """``post``'s answer with its body as one piece, as httpx2's path streams it."""
-        status, raw_headers, content = await self.post(url, body, headers, phases)
-        return status, raw_headers, _Whole(content)
+        status, raw_headers, content = await self.post(url, body, headers=headers)
+        return Streamed(status, raw_headers, _Whole(content))
+
+    async def get(self, url: str, *, timeout_s: float | None = None) -> Answer:
+        return await self._answer("GET", url, {}, b"")
+
+    async def _answer(self, method: str, url: str, headers: dict[str, str], body: bytes) -> Answer:
+        await anyio.lowlevel.checkpoint()
+        try:
+            parsed = _parsed(url)
+            reply = self._server(parsed, None).handle(method, parsed.path, headers, body)
+            _raise_failure(reply, None)
+        except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
+            raise_transport_error(exc, url)  # as a user's httpx2 client's would be
+        return Answer(reply.status, _raw_headers(reply), reply.body())
 
 
-class _Whole(httpx2.AsyncByteStream):
+@functools.lru_cache(maxsize=512)
+def _parsed(url: str) -> httpx2.URL:
+    return httpx2.URL(url)
+
+
+class _Whole:
     """A body as one piece, on an iterator of its own as the default transport's is (an async
     generator left unfinished would be closed by a task of asyncio's)."""
 
@@ -109,3 +132,6 @@ class _Whole(httpx2.AsyncByteStream):
         if not body:
             raise StopAsyncIteration
         return body
+
+    async def aclose(self) -> None:
+        self._body = b""

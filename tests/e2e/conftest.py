@@ -2,7 +2,8 @@
 
 If ``AGENTKV_TEST_CLUSTER`` names the cluster file of a running pair (``agentkv up``), the tests
 use it and leave it running; otherwise the fixture starts a pair on its own ports and stops it,
-by process id, when the session ends.
+by process id, when the session ends. ``model`` and ``proxy`` are the served model's name and an
+``agentkv proxy`` in front of the pair, shared by the modules that talk to it over HTTP.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from agentkv.local._config import ClusterRecord, LocalClusterConfig
 from agentkv.local._launch import existing_cluster, start_cluster, stop_cluster
+
+if TYPE_CHECKING:
+    from agentkv.proxy import ProxyServer
 
 
 def _progress(message: str) -> None:
@@ -48,3 +53,27 @@ def cluster_file(local_cluster: ClusterRecord, tmp_path_factory: pytest.TempPath
     path = tmp_path_factory.mktemp("cf") / "cluster.json"
     local_cluster.write(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def model(local_cluster: ClusterRecord) -> str:
+    """The served model's name, as clients send it."""
+    return local_cluster.model
+
+
+@pytest.fixture(scope="module")
+def proxy(request: pytest.FixtureRequest, cluster_file: Path) -> Iterator[ProxyServer]:
+    """``agentkv proxy`` on the local pair, on a free port, one per module (its turns are short);
+    ``@pytest.mark.proxy(...)`` in the module's ``pytestmark`` sets ``ProxyConfig`` fields."""
+    from agentkv import AsyncCluster
+    from agentkv.proxy import ProxyConfig, ProxyServer
+
+    options: dict[str, Any] = {}
+    for mark in reversed(list(request.node.iter_markers("proxy"))):
+        options.update(mark.kwargs)
+
+    def make() -> AsyncCluster:
+        return AsyncCluster.from_file(cluster_file)
+
+    with ProxyServer(make, ProxyConfig(port=0, **options)) as server:
+        yield server

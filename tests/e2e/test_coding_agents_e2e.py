@@ -30,7 +30,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentkv import AsyncCluster
-from agentkv.local._config import ClusterRecord
 from agentkv.proxy import ProxyConfig, ProxyServer
 from agentkv.testing import CodingAgents, CodingAgentsUnavailableError, install_coding_agents
 
@@ -70,11 +69,6 @@ def proxy(cluster_file: Path) -> Iterator[ProxyServer]:
     config = ProxyConfig(port=0, default_max_tokens=DEFAULT_MAX_TOKENS)
     with ProxyServer(make, config) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def model(local_cluster: ClusterRecord) -> str:
-    return local_cluster.model
 
 
 def _env(home: Path, **extra: str) -> dict[str, str]:

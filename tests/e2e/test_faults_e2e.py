@@ -3,10 +3,15 @@ that cannot reach decode, a saved session, an expired handle. Answers always equ
 no-reuse run's; transcripts hold every message exactly once.
 
 These tests start their own two-pair cluster (once, ports 18900+) with a short decode TTL: they
-kill servers, which would break the shared pair the other e2e tests use. Before each test the
-cluster is healed the way ``agentkv up`` heals one (only dead servers start again, on their own
-ports), so every test begins with two healthy pairs. The servers run eager (no torch.compile):
-a restart then takes seconds, not minutes, and the answers are compared on the same servers.
+kill servers, which would break the shared pair the other e2e tests use. A test that kills a
+server begins with two healthy pairs: the cluster is healed the way ``agentkv up`` heals one
+(only dead servers start again, on their own ports). The tests that need one pair (a saved
+session, an expired handle, an unreachable side channel) run on the pairs that are whole while
+the dead servers start again in the background; the test that restarts a prefill itself runs
+first and the last server killed is not started again, so of the five servers the module kills
+it waits for three to restart, not five (each restart is ~40 s on 2 cores). The servers run
+eager (no torch.compile): a restart then takes seconds, not minutes, and the answers are
+compared on the same servers.
 
 Four more vLLM servers next to the shared pair do not fit a 2-core, 24 GiB CI machine, so the
 module runs only when ``AGENTKV_FAULT_E2E=1`` is set, which ``make test`` does in a second pytest
@@ -27,6 +32,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +41,7 @@ import pytest
 import agentkv
 from agentkv import CachePolicy, HandleState, Message, TurnResult
 from agentkv.local._config import ClusterRecord, LocalClusterConfig, PairRecord
-from agentkv.local._launch import start_cluster, stop_cluster
+from agentkv.local._launch import server_healthy, start_cluster, stop_cluster
 from agentkv.local._procs import stop_group
 
 pytestmark = [
@@ -56,10 +62,12 @@ QUESTIONS = ("Which parcel is on shelf 3?", "Who is on shelf 7?", "Which shelf h
 
 
 def _long_question(tag: str) -> str:
-    """~1.4k tokens no other test sends (a cached prefix would make the P leg instant)."""
+    """~0.5k tokens no other test sends (a cached prefix would make the P leg instant): seconds
+    of prefill on one core, ample time to see the server hold it and kill it, and no longer, as
+    the turn is prefilled twice more (its retry, and the cold reference)."""
     return f"Here is the {tag} inventory log of today, line by line:\n" + "\n".join(
         f"{i:04d} moved parcel {i * 53 % 997} from shelf {i % 40} to dock {i % 7}."
-        for i in range(90)
+        for i in range(30)
     ) + "\nWhich dock got the most parcels?"
 
 
@@ -70,8 +78,38 @@ def _progress(message: str) -> None:
     sys.stderr.write(f"[e2e faults] {message}\n")
 
 
+class _Healer:
+    """Starts the module's dead servers again, in a thread, while tests that need one pair run."""
+
+    def __init__(self, config: LocalClusterConfig) -> None:
+        self.config = config
+        self._pool = ThreadPoolExecutor(1)
+        self._healing: Future[ClusterRecord] | None = None
+
+    def begin(self) -> None:
+        """Start any dead server again without waiting for it (a no-op while a heal runs)."""
+        if self._healing is not None and self._healing.done():
+            self._healing.result()  # a heal that failed fails the test that needed it
+            self._healing = None
+        if self._healing is None:
+            self._healing = self._pool.submit(start_cluster, self.config, progress=_progress)
+
+    def heal(self) -> ClusterRecord:
+        """Every server alive and answering: the background heal finished, then a heal here."""
+        if self._healing is not None:
+            healing, self._healing = self._healing, None
+            healing.result()
+        return start_cluster(self.config, progress=_progress)
+
+    def close(self) -> None:
+        """Wait for a background heal, so the module's teardown stops what it started."""
+        if self._healing is not None:
+            self._healing.exception()
+        self._pool.shutdown()
+
+
 @pytest.fixture(scope="module")
-def own_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClusterConfig]:
+def healer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Healer]:
     config = LocalClusterConfig(
         pairs=2,
         cluster_file=tmp_path_factory.mktemp("faults") / "cluster.json",
@@ -80,17 +118,43 @@ def own_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluste
         decoder_kv_blocks_ttl=TTL_S,
         extra_args=("--enforce-eager",),
     )
-    start_cluster(config, progress=_progress)
+    healer = _Healer(config)
     try:
-        yield config
+        start_cluster(config, progress=_progress)
+        yield healer
     finally:
+        healer.close()
         stop_cluster(config, progress=_progress)
 
 
 @pytest.fixture
-def own_cluster(own_config: LocalClusterConfig) -> tuple[Path, ClusterRecord]:
+def own_config(healer: _Healer) -> LocalClusterConfig:
+    return healer.config
+
+
+@pytest.fixture
+def own_cluster(healer: _Healer) -> tuple[Path, ClusterRecord]:
     """The module's cluster with every server alive: the ones an earlier test killed restarted."""
-    return own_config.cluster_file, start_cluster(own_config, progress=_progress)
+    return healer.config.cluster_file, healer.heal()
+
+
+@pytest.fixture
+def whole_pairs(healer: _Healer, tmp_path: Path) -> Path:
+    """A cluster file of the module's pairs whose servers both answer now; dead servers start
+    again in the background meanwhile. For a test that needs one pair, not two."""
+    record = ClusterRecord.read(healer.config.cluster_file)
+    whole = tuple(
+        pair
+        for pair in record.pairs
+        if server_healthy(pair.prefill.url) and server_healthy(pair.decode.url)
+    )
+    if not whole:
+        record = healer.heal()
+        whole = record.pairs
+    healer.begin()
+    path = tmp_path / "whole-pairs.json"
+    replace(record, pairs=whole).write(path)
+    return path
 
 
 def _pair_of(record: ClusterRecord, session: agentkv.Session) -> PairRecord:
@@ -161,41 +225,35 @@ def _cold_answer(
         return s.send(question, **{**options, "extra_body": extra}).token_ids
 
 
-def test_a_saved_session_continues_in_a_new_cluster_and_reuses_its_handle(
-    own_cluster: tuple[Path, ClusterRecord], tmp_path: Path
+def test_a_restarted_prefill_pulls_the_kv_decode_kept_for_the_session(
+    own_config: LocalClusterConfig, own_cluster: tuple[Path, ClusterRecord]
 ) -> None:
-    cluster_file, _ = own_cluster
-    path = tmp_path / "session.json"
-    with agentkv.Cluster.from_file(cluster_file) as cluster:
-        s = cluster.session(max_tokens=24, policy=POLICY)
-        s.append(Message.system(SYSTEM))
-        first = [s.send(q).token_ids for q in QUESTIONS[:2]]
-        s.save(path)
-    with (
-        agentkv.Cluster.from_file(cluster_file) as cluster,
-        agentkv.Session.load(path, cluster) as s,
-    ):
-        third = s.send(QUESTIONS[2])
-    assert third.stats.handle_state is HandleState.ATTACHED
-    assert third.stats.reused_tokens >= third.stats.ideal_reused_tokens - 128  # block granular
-    assert [*first, third.token_ids] == _reference(cluster_file)
-
-
-def test_an_expired_handle_is_left_out_and_the_answer_is_unchanged(
-    own_cluster: tuple[Path, ClusterRecord],
-) -> None:
-    cluster_file, _ = own_cluster
+    """Prefill killed and restarted (``agentkv up`` heals it) between two turns, inside a
+    ``tool_wait`` longer than decode's TTL: the session stays on its pair, and the new prefill,
+    which never saw the session, pulls decode's pinned KV."""
+    cluster_file, record = own_cluster
     with (
         agentkv.Cluster.from_file(cluster_file) as cluster,
         cluster.session(max_tokens=24, policy=POLICY) as s,
     ):
         s.append(Message.system(SYSTEM))
         answers = [s.send(QUESTIONS[0]).token_ids]
-        time.sleep(TTL_S)  # past our deadline and decode's TTL
-        late = s.send(QUESTIONS[1])
-        answers.append(late.token_ids)
+        home = _pair_of(record, s)
+        # The restart outlasts the handle (decode's TTL is 40 s): hold it as a tool call would.
+        with s.tool_wait(expected_s=120, persist="pin") as wait:  # the pin, not the tier
+            stop_group(home.prefill.pid)
+            healed = start_cluster(own_config, progress=_progress)
+        assert wait.survived
+        assert _pair_of(healed, s).prefill.pid != home.prefill.pid
+        second = s.send(QUESTIONS[1])
+        answers.append(second.token_ids)
         answers.append(s.send(QUESTIONS[2]).token_ids)
-    assert late.stats.handle_state is HandleState.EXPIRED
+        assert s.pair.name == home.name
+    assert second.stats.handle_state is HandleState.ATTACHED
+    assert second.stats.retries == 0
+    # The new prefill's cache was empty, so all it reused came from decode. (``pulled_tokens``
+    # is the SDK's estimate, which assumes prefill still caches the last prompt: a lower bound.)
+    assert second.stats.reused_tokens >= second.stats.ideal_reused_tokens - 128  # block granular
     assert answers == _reference(cluster_file)
 
 
@@ -234,13 +292,51 @@ def test_a_server_killed_between_turns_moves_the_session_with_its_transcript_int
     assert moved.token_ids == _cold_answer(cluster_file, saved, QUESTIONS[1], {})
 
 
+def test_a_saved_session_continues_in_a_new_cluster_and_reuses_its_handle(
+    whole_pairs: Path, tmp_path: Path
+) -> None:
+    cluster_file = whole_pairs
+    path = tmp_path / "session.json"
+    with agentkv.Cluster.from_file(cluster_file) as cluster:
+        s = cluster.session(max_tokens=24, policy=POLICY)
+        s.append(Message.system(SYSTEM))
+        first = [s.send(q).token_ids for q in QUESTIONS[:2]]
+        s.save(path)
+    with (
+        agentkv.Cluster.from_file(cluster_file) as cluster,
+        agentkv.Session.load(path, cluster) as s,
+    ):
+        third = s.send(QUESTIONS[2])
+    assert third.stats.handle_state is HandleState.ATTACHED
+    assert third.stats.reused_tokens >= third.stats.ideal_reused_tokens - 128  # block granular
+    assert [*first, third.token_ids] == _reference(cluster_file)
+
+
+def test_an_expired_handle_is_left_out_and_the_answer_is_unchanged(
+    whole_pairs: Path,
+) -> None:
+    cluster_file = whole_pairs
+    with (
+        agentkv.Cluster.from_file(cluster_file) as cluster,
+        cluster.session(max_tokens=24, policy=POLICY) as s,
+    ):
+        s.append(Message.system(SYSTEM))
+        answers = [s.send(QUESTIONS[0]).token_ids]
+        time.sleep(TTL_S)  # past our deadline and decode's TTL
+        late = s.send(QUESTIONS[1])
+        answers.append(late.token_ids)
+        answers.append(s.send(QUESTIONS[2]).token_ids)
+    assert late.stats.handle_state is HandleState.EXPIRED
+    assert answers == _reference(cluster_file)
+
+
 def test_a_pull_from_an_unreachable_side_channel_recomputes_and_the_stats_say_so(
-    own_cluster: tuple[Path, ClusterRecord], tmp_path: Path
+    whole_pairs: Path, tmp_path: Path
 ) -> None:
     """The handle names a decode prefill never met, at a side channel nobody listens on: the
     NIXL handshake times out, ``kv_load_failure_policy=recompute`` makes prefill compute those
     tokens itself, and the turn answers in one attempt with nothing pulled."""
-    cluster_file, _ = own_cluster
+    cluster_file = whole_pairs
     path = tmp_path / "session.json"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -306,35 +402,3 @@ def test_a_server_killed_mid_turn_reruns_the_turn_on_the_other_pair(
     assert after.stats.handle_state is HandleState.ATTACHED
     assert roles == ["system", *["user", "assistant"] * 3]
     assert hit.token_ids == _cold_answer(cluster_file, saved, question, options)
-
-
-def test_a_restarted_prefill_pulls_the_kv_decode_kept_for_the_session(
-    own_config: LocalClusterConfig, own_cluster: tuple[Path, ClusterRecord]
-) -> None:
-    """Prefill killed and restarted (``agentkv up`` heals it) between two turns, inside a
-    ``tool_wait`` longer than decode's TTL: the session stays on its pair, and the new prefill,
-    which never saw the session, pulls decode's pinned KV."""
-    cluster_file, record = own_cluster
-    with (
-        agentkv.Cluster.from_file(cluster_file) as cluster,
-        cluster.session(max_tokens=24, policy=POLICY) as s,
-    ):
-        s.append(Message.system(SYSTEM))
-        answers = [s.send(QUESTIONS[0]).token_ids]
-        home = _pair_of(record, s)
-        # The restart outlasts the handle (decode's TTL is 40 s): hold it as a tool call would.
-        with s.tool_wait(expected_s=120, persist="pin") as wait:  # the pin, not the tier
-            stop_group(home.prefill.pid)
-            healed = start_cluster(own_config, progress=_progress)
-        assert wait.survived
-        assert _pair_of(healed, s).prefill.pid != home.prefill.pid
-        second = s.send(QUESTIONS[1])
-        answers.append(second.token_ids)
-        answers.append(s.send(QUESTIONS[2]).token_ids)
-        assert s.pair.name == home.name
-    assert second.stats.handle_state is HandleState.ATTACHED
-    assert second.stats.retries == 0
-    # The new prefill's cache was empty, so all it reused came from decode. (``pulled_tokens``
-    # is the SDK's estimate, which assumes prefill still caches the last prompt: a lower bound.)
-    assert second.stats.reused_tokens >= second.stats.ideal_reused_tokens - 128  # block granular
-    assert answers == _reference(cluster_file)

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
 import pytest
 
-from agentkv import AsyncCluster
-from agentkv.local._config import ClusterRecord
-from agentkv.proxy import ProxyConfig, ProxyServer
+from agentkv.proxy import ProxyServer
 
 pytestmark = pytest.mark.e2e
 
@@ -37,20 +34,6 @@ BASH = {
 }
 # temperature 0: the 135M model sampled at 1.0 may wander inside a JSON string.
 SAMPLING = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def proxy(cluster_file: Path) -> Iterator[ProxyServer]:
-    def make() -> AsyncCluster:
-        return AsyncCluster.from_file(cluster_file)
-
-    with ProxyServer(make, ProxyConfig(port=0)) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def model(local_cluster: ClusterRecord) -> str:
-    return local_cluster.model
 
 
 @pytest.fixture

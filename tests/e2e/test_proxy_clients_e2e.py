@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -22,9 +20,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
 
-from agentkv import AsyncCluster
-from agentkv.local._config import ClusterRecord
-from agentkv.proxy import ProxyConfig, ProxyServer
+from agentkv.proxy import ProxyServer
 
 pytestmark = pytest.mark.e2e
 
@@ -53,20 +49,6 @@ REUSE: dict[str, list[tuple[int, int]]] = {}  # client -> (cached, ideal) per tu
 def _report(name: str, cached: int, ideal: int) -> None:
     REUSE.setdefault(name, []).append((cached, ideal))
     sys.stderr.write(f"[reuse] {name}: cached {cached} of ideal {ideal}\n")
-
-
-@pytest.fixture(scope="module")
-def proxy(cluster_file: Path) -> Iterator[ProxyServer]:
-    def make() -> AsyncCluster:
-        return AsyncCluster.from_file(cluster_file)
-
-    with ProxyServer(make, ProxyConfig(port=0)) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def model(local_cluster: ClusterRecord) -> str:
-    return local_cluster.model
 
 
 def _ideal(previous: Any) -> int:

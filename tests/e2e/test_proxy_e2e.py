@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -19,15 +17,14 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
 from openai import BadRequestError, OpenAI
 
-from agentkv import AsyncCluster
 from agentkv.local._config import ClusterRecord
-from agentkv.proxy import ApiKeys, ProxyConfig, ProxyServer
+from agentkv.proxy import ApiKeys, ProxyServer
 
-pytestmark = pytest.mark.e2e
+KEYS = ApiKeys.parse("alice sk-alice\nbob sk-bob\n")
+pytestmark = [pytest.mark.e2e, pytest.mark.proxy(api_keys=KEYS)]
 
 BLOCK = 128  # vLLM's CPU backend block size
 MAX_TOKENS = 24
-KEYS = ApiKeys.parse("alice sk-alice\nbob sk-bob\n")
 QUESTIONS = (
     "Which parcel is on shelf 3?",
     "Who is the customer on shelf 7?",
@@ -43,20 +40,6 @@ def _system(topic: str) -> str:
         f"Shelf {i}: holds {topic} parcel {i * 37 % 101} for customer {chr(65 + i % 26)}{i}."
         for i in range(24)
     )
-
-
-@pytest.fixture(scope="module")
-def proxy(cluster_file: Path) -> Iterator[ProxyServer]:
-    def make() -> AsyncCluster:
-        return AsyncCluster.from_file(cluster_file)
-
-    with ProxyServer(make, ProxyConfig(port=0, api_keys=KEYS)) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def model(local_cluster: ClusterRecord) -> str:
-    return local_cluster.model
 
 
 def _client(proxy: ProxyServer, key: str = "sk-alice") -> OpenAI:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
 
 import pytest
 
@@ -32,15 +31,10 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-@pytest.fixture
-def fake() -> FakeCluster:
-    return FakeCluster(pairs=1, clock=ManualClock(), block_size=16, kv_recompute_threshold=0)
-
-
-@pytest.fixture
-def cluster(fake: FakeCluster) -> Iterator[Cluster]:
-    with Cluster.from_dict(fake.cluster_spec, transport=fake.transport, block_size=16) as c:
-        yield c
+pytestmark = [
+    pytest.mark.fake(pairs=1, block_size=16, kv_recompute_threshold=0),
+    pytest.mark.cluster(block_size=16),
+]
 
 
 def run_loop(llm: ChatAgentKV, steps: int) -> tuple[list[BaseMessage], AIMessage]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Annotated
 
 import pydantic
@@ -37,7 +37,7 @@ from agentkv._agent.tools import (
 )
 from agentkv._agent.toolset import ToolResult
 from agentkv._types import ToolCall, TurnResult
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 BLOCK = 16
 
@@ -72,18 +72,11 @@ def forced(name: str) -> NativeToolCalling:
     return NativeToolCalling(tool_choice=name)
 
 
-@pytest.fixture
-def fake(clock: ManualClock) -> FakeCluster:
+pytestmark = [
     # Pulls of any size, so every later turn reuses exactly the previous prompt + output.
-    return FakeCluster(pairs=1, clock=clock, block_size=BLOCK, kv_recompute_threshold=0)
-
-
-@pytest.fixture
-def cluster(fake: FakeCluster, clock: ManualClock) -> Iterator[Cluster]:
-    with Cluster.from_dict(
-        fake.cluster_spec, transport=fake.transport, clock=clock, block_size=BLOCK
-    ) as cluster:
-        yield cluster
+    pytest.mark.fake(pairs=1, block_size=BLOCK, kv_recompute_threshold=0),
+    pytest.mark.cluster(manual_clock=True, block_size=BLOCK),
+]
 
 
 def assert_every_later_turn_reuses_the_ideal(run: RunResult, fake: FakeCluster) -> None:

@@ -12,15 +12,7 @@ from agentkv.testing import FakeCluster
 WINDOW = 512
 
 
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(clock=clock, pairs=1, max_model_len=WINDOW)
-
-
-@pytest.fixture
-def cluster(fake):
-    with Cluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        yield cluster
+pytestmark = pytest.mark.fake(pairs=1, max_model_len=WINDOW)
 
 
 def _decode_requests(fake: FakeCluster) -> int:

@@ -11,26 +11,22 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentkv import Cluster, Message
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}  # enough for decode's KV to be pulled
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 
 
-@pytest.fixture
-def fake() -> FakeCluster:
-    clock = ManualClock()
-    fake = FakeCluster(pairs=1, clock=clock)
-    with (
-        Cluster.from_dict(
-            fake.cluster_spec, transport=fake.transport, clock=clock, block_size=16
-        ) as cluster,
-        cluster.session(**LONG) as session,  # type: ignore[arg-type]
-    ):
+pytestmark = [pytest.mark.fake(pairs=1), pytest.mark.cluster(manual_clock=True, block_size=16)]
+
+
+@pytest.fixture(autouse=True)
+def _two_turns(cluster: Cluster) -> None:
+    """What the metrics count: a session of two turns, the second pulling decode's KV."""
+    with cluster.session(**LONG) as session:  # type: ignore[arg-type]
         session.append(SYSTEM)
         session.send("What is the capital of France?")
         session.send("And Spain?")
-    return fake
 
 
 def _scrape(fake: FakeCluster, url: str, **headers: str) -> httpx2.Response:

@@ -1,22 +1,30 @@
-"""The fake's transport posts as the default transport does (``PostTransport``): the same
-answers and the same httpx2 errors as its httpx2 path, and the cluster's own client takes it, so
-a session on the fake cluster runs the code it runs against real servers, streamed or not."""
+"""The fake's transport is a ``Poster``, as the default one is: the same answers and the same
+agentkv errors as a user's httpx2 client on it (``HttpxPoster``), and a cluster posts through it,
+so a session on the fake cluster runs the code it runs against real servers, streamed or not."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import httpx2
 import pytest
 
 from agentkv import AsyncCluster, Message, TextDelta, TurnResult
+from agentkv._exceptions import (
+    ConnectError,
+    ConnectionLostError,
+    RequestTimeoutError,
+    TransportError,
+)
+from agentkv._wire.http import HttpxPoster
 from agentkv._wire.json import dumps
-from agentkv._wire.transport import PostTransport, Streamed
+from agentkv._wire.transport import Answer, Poster, Streamed, is_poster
 from agentkv.testing import FakeCluster
 
 TOKENIZE = {"model": "fake", "prompt": "agents reuse the cache", "add_special_tokens": False}
-HEADERS = [("content-type", "application/json"), ("x-agent", "a1")]
-PHASES: dict[str, float | None] = {"connect": 5.0, "read": 5.0, "write": 5.0, "pool": 5.0}
+HEADERS = {"x-agent": "a1"}
 
 
 TURN_PATHS = ("/tokenize", "/v1/chat/completions", "/v1/completions")
@@ -24,29 +32,34 @@ TURN_PATHS = ("/tokenize", "/v1/chat/completions", "/v1/completions")
 
 class PostsOnly(httpx2.AsyncBaseTransport):
     """The fake's transport with httpx2's path shut for a turn's posts (its render and legs):
-    only ``post`` and ``post_stream`` may carry them. (A lease's release, on close, is an
-    ``exchange``.)"""
+    only the ``Poster`` methods may carry them."""
 
     def __init__(self, fake: FakeCluster) -> None:
         self.inner = fake.transport
         self.posted: list[str] = []
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        if request.method == "POST" and request.url.path in TURN_PATHS:
-            raise AssertionError(f"httpx2's path was taken for POST {request.url}")
-        return await self.inner.handle_async_request(request)
+        raise AssertionError(f"httpx2's path was taken for {request.method} {request.url}")
 
     async def post(
-        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, float | None]
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        self,
+        url: str,
+        body: bytes,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Answer:
         self.posted.append(url)
-        return await self.inner.post(url, body, headers, phases)
+        return await self.inner.post(url, body, headers=headers, timeout_s=timeout_s)
 
     async def post_stream(
-        self, url: str, body: bytes, headers: list[tuple[str, str]], phases: dict[str, float | None]
+        self, url: str, body: bytes, *, headers: Mapping[str, str] | None = None
     ) -> Streamed:
         self.posted.append(url)
-        return await self.inner.post_stream(url, body, headers, phases)
+        return await self.inner.post_stream(url, body, headers=headers)
+
+    async def get(self, url: str, *, timeout_s: float | None = None) -> Answer:
+        return await self.inner.get(url, timeout_s=timeout_s)
 
 
 class Forwarding(httpx2.AsyncBaseTransport):
@@ -66,28 +79,22 @@ class Forwarding(httpx2.AsyncBaseTransport):
 
 
 async def _both(fake: FakeCluster, url: str, body: bytes) -> tuple[object, object]:
-    """The answer of ``post`` and of httpx2's path, as (status, content type, body) or the
-    exception's type."""
+    """The answer of the fake as a ``Poster`` and of a user's httpx2 client on it (through
+    ``HttpxPoster``), as (status, content type, body) or the exception's type."""
     results: list[object] = []
-    try:
-        status, headers, content = await fake.transport.post(url, body, HEADERS, PHASES)
-        results.append((status, dict(headers).get(b"content-type"), content))
-    except httpx2.HTTPError as exc:
-        results.append(type(exc))
-    async with httpx2.AsyncClient(transport=fake.transport) as client:
+    user = HttpxPoster(httpx2.AsyncClient(transport=fake.transport), owned=True)
+    for poster in (fake.transport, user):
         try:
-            response = await client.post(url, content=body, headers=dict(HEADERS))
-            content_type = response.headers.get("content-type")
-            results.append(
-                (response.status_code, content_type and content_type.encode(), response.content)
-            )
-        except httpx2.HTTPError as exc:
+            status, headers, content = await poster.post(url, body, headers=HEADERS)
+            results.append((status, dict(headers).get(b"content-type"), content))
+        except TransportError as exc:
             results.append(type(exc))
+    await user.aclose()
     return results[0], results[1]
 
 
-def test_the_fake_transport_is_a_post_transport() -> None:
-    assert isinstance(FakeCluster(pairs=1).transport, PostTransport)
+def test_the_fake_transport_is_a_poster() -> None:
+    assert is_poster(FakeCluster(pairs=1).transport)
 
 
 @pytest.mark.parametrize(
@@ -98,7 +105,7 @@ def test_the_fake_transport_is_a_post_transport() -> None:
         (dumps(TOKENIZE), "/v1/no-such-route"),
     ],
 )
-async def test_post_answers_as_httpx2s_path(body: bytes, path: str) -> None:
+async def test_post_answers_as_a_user_client_on_it_does(body: bytes, path: str) -> None:
     fake = FakeCluster(pairs=1)
     by_post, by_httpx2 = await _both(fake, fake.prefill(0).url + path, body)
     assert by_post == by_httpx2
@@ -108,13 +115,13 @@ async def test_post_answers_as_httpx2s_path(body: bytes, path: str) -> None:
 @pytest.mark.parametrize(
     ("arm", "expected"),
     [
-        ("timeout", httpx2.ReadTimeout),
-        ("reset", httpx2.RemoteProtocolError),
-        ("kill", httpx2.ConnectError),
-        ("unknown host", httpx2.ConnectError),
+        ("timeout", RequestTimeoutError),
+        ("reset", ConnectionLostError),
+        ("kill", ConnectError),
+        ("unknown host", ConnectError),
     ],
 )
-async def test_post_fails_as_httpx2s_path(arm: str, expected: type[Exception]) -> None:
+async def test_post_fails_as_a_user_client_on_it_does(arm: str, expected: type[Exception]) -> None:
     fake = FakeCluster(pairs=1)
     server = fake.prefill(0)
     url = server.url + "/tokenize"
@@ -127,23 +134,28 @@ async def test_post_fails_as_httpx2s_path(arm: str, expected: type[Exception]) -
     assert await _both(fake, url, dumps(TOKENIZE)) == (expected, expected)
 
 
-async def test_post_stream_answers_as_httpx2s_streamed_path() -> None:
+async def test_post_stream_answers_as_a_user_client_on_it_does() -> None:
     fake = FakeCluster(pairs=1)
     url = fake.decode(0).url + "/v1/chat/completions"
     body = dumps(
-        {"model": fake.model, "messages": [{"role": "user", "content": "Hi"}], "stream": True,
-         "max_tokens": 4}
+        {
+            "model": fake.model,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+            "max_tokens": 4,
+        }
     )
-    status, headers, stream = await fake.transport.post_stream(url, body, HEADERS, PHASES)
+    status, headers, stream = await fake.transport.post_stream(url, body, headers=HEADERS)
     streamed = b"".join([piece async for piece in stream])
     await stream.aclose()
-    async with (
-        httpx2.AsyncClient(transport=fake.transport) as client,
-        client.stream("POST", url, content=body, headers=dict(HEADERS)) as response,
-    ):
-        whole = await response.aread()
+    user = HttpxPoster(httpx2.AsyncClient(transport=fake.transport), owned=True)
+    answer = await user.post_stream(url, body, headers=HEADERS)
+    async with contextlib.aclosing(answer.body):
+        whole = b"".join([piece async for piece in answer.body])
+    await user.aclose()
     assert (status, dict(headers).get(b"content-type")) == (
-        response.status_code, response.headers["content-type"].encode()
+        answer.status,
+        dict(answer.headers).get(b"content-type"),
     )
     assert streamed.startswith(b"data: ")
     # The same events (their ids and times differ): as many, ending the same way.
@@ -179,11 +191,12 @@ async def test_a_session_posts_its_legs_through_post() -> None:
 
 
 async def test_a_wrapper_forwarding_post_sees_every_request() -> None:
-    """``post`` reached through ``__getattr__`` is not the wrapper's own: its
-    ``handle_async_request`` gets the turn's posts."""
+    """``post`` reached through ``__getattr__`` is not the wrapper's own: it is an httpx2
+    transport, and its ``handle_async_request`` gets the turn's posts."""
     fake = FakeCluster(pairs=1)
     transport = Forwarding(fake)
-    assert isinstance(transport, PostTransport)  # the protocol check alone would bypass it
+    assert isinstance(transport, Poster)  # the protocol check alone would bypass it
+    assert not is_poster(transport)
     async with (
         AsyncCluster.from_dict(fake.cluster_spec, transport=transport) as cluster,
         cluster.session(max_tokens=8) as session,
@@ -191,6 +204,6 @@ async def test_a_wrapper_forwarding_post_sees_every_request() -> None:
         session.append(Message.user("Hello"))
         await session.turn()
     assert "/tokenize" in transport.seen
-    assert transport.seen.count("/v1/chat/completions") + transport.seen.count(
-        "/v1/completions"
-    ) == 2
+    assert (
+        transport.seen.count("/v1/chat/completions") + transport.seen.count("/v1/completions") == 2
+    )

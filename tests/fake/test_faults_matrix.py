@@ -81,17 +81,18 @@ class KillAfter(httpx2.AsyncBaseTransport):
         return response
 
 
+pytestmark = pytest.mark.cluster(manual_clock=True, block_size=16, retry=FAST_RETRY)
+
+
 @pytest.fixture
 def killer(fake):
     return KillAfter(fake.transport)
 
 
 @pytest.fixture
-def cluster(fake, clock, killer):
-    with Cluster.from_dict(
-        fake.cluster_spec, transport=killer, clock=clock, block_size=16, retry=FAST_RETRY
-    ) as cluster:
-        yield cluster
+def transport(killer):
+    """The SDK reaches the fake through the killer."""
+    return killer
 
 
 def servers(fake, session):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from agentkv import AsyncCluster
 from agentkv.proxy import ProxyConfig, create_app
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 SCALARS = (
     st.none() | st.booleans() | st.integers(-(2**40), 2**40)
@@ -97,16 +97,15 @@ def bodies(draw: st.DrawFn) -> dict[str, Any]:
     return copy.deepcopy(body)
 
 
-@pytest.fixture(scope="module")
-def fake() -> FakeCluster:
-    return FakeCluster(pairs=1, clock=ManualClock(), kv_recompute_threshold=0)
+pytestmark = [pytest.mark.slow, pytest.mark.fake(pairs=1, kv_recompute_threshold=0)]
 
 
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(body=bodies())
-async def test_any_messages_body_is_answered_without_a_5xx(fake: FakeCluster,
+async def test_any_messages_body_is_answered_without_a_5xx(module_fake: FakeCluster,
                                                            body: dict[str, Any]) -> None:
+    fake = module_fake
     async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
         app = create_app(cluster, ProxyConfig())
         async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),

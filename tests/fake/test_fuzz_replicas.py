@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 from agentkv.proxy._redis_store import RedisSessions
 from agentkv.proxy._store import Claim, ClaimLostError, CommitFate, Stored
 from agentkv.testing import ManualClock
 from tests.fake.fuzz_replicas import Counters, MemoryStore, ReplicaMachine
+
+pytestmark = pytest.mark.slow  # a fuzzer: thousands of steps on the fake pair
 
 ReplicaMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("AGENTKV_FUZZ_EXAMPLES", "0")) or 80,

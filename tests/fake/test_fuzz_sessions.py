@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.fake.fuzz_sessions import Counters, SessionMachine, examples
+
+pytestmark = pytest.mark.slow  # a fuzzer: thousands of steps on the fake pair
 
 SessionMachine.TestCase.settings = settings(
     max_examples=examples(),

@@ -33,6 +33,8 @@ _SCRIPT = textwrap.dedent(
 )
 _ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.slow  # each case starts an interpreter (~2 s)
+
 
 def _run(setup: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

@@ -13,8 +13,7 @@ import openai
 import pytest
 
 import agentkv
-from agentkv import AsyncCluster, Cluster
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv import AsyncCluster
 
 SYSTEM = "You answer briefly. " + " ".join(f"Rule {i}: be kind to robot {i}." for i in range(30))
 QUESTIONS = ("Hello?", "Who is robot 4?", "And robot 9?", "Thanks, bye.")
@@ -32,24 +31,8 @@ WEATHER = {
 }
 
 
-@pytest.fixture
-def fake():
-    # No tool parser: tools go through agentkv's JSON protocol, as on the local pair.
-    return FakeCluster(
-        pairs=1, clock=ManualClock(), kv_recompute_threshold=0, tool_call_parser=None
-    )
-
-
-@pytest.fixture
-def cluster(fake):
-    with Cluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        yield cluster
-
-
-@pytest.fixture
-async def acluster(fake):
-    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        yield cluster
+# No tool parser: tools go through agentkv's JSON protocol, as on the local pair.
+pytestmark = pytest.mark.fake(pairs=1, kv_recompute_threshold=0, tool_call_parser=None)
 
 
 def _ideal(previous: openai.types.CompletionUsage) -> int:

@@ -13,7 +13,6 @@ import pytest
 
 import agentkv
 from agentkv import AsyncCluster, Cluster
-from agentkv.testing import FakeCluster, ManualClock
 
 SYSTEM = "You are a calculator."
 TASK = "Compute (17 + 25) * 3."  # the fake answers it with tool calls, call after call
@@ -30,11 +29,7 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-@pytest.fixture
-def fake():
-    return FakeCluster(
-        pairs=1, clock=ManualClock(), kv_recompute_threshold=0, tool_call_parser=None
-    )
+pytestmark = pytest.mark.fake(pairs=1, kv_recompute_threshold=0, tool_call_parser=None)
 
 
 def _assert_exact_reuse(session: Any) -> None:

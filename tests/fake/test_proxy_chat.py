@@ -19,17 +19,12 @@ SYSTEM = "You are a terse assistant. " + " ".join(f"Fact {i}: item {i} is blue."
 QUESTIONS = ("What colour is item 3?", "And item 7?", "Is item 12 red?", "Summarize.")
 
 
-@pytest.fixture
-async def cluster(fake):
-    async with AsyncCluster.from_dict(
-        fake.cluster_spec, transport=fake.transport, retry=RetryPolicy(max_attempts=1)
-    ) as cluster:
-        yield cluster
+pytestmark = pytest.mark.cluster(retry=RetryPolicy(max_attempts=1))
 
 
 @pytest.fixture
-def app(cluster):
-    return create_app(cluster, ProxyConfig())
+def app(acluster):
+    return create_app(acluster, ProxyConfig())
 
 
 @pytest.fixture
@@ -49,9 +44,9 @@ def openai_client(http):
     )
 
 
-def _prefill(cluster, fake, headers):
+def _prefill(acluster, fake, headers):
     """The fake prefill server of the pair that answered (named by ``x-agentkv-pair``)."""
-    pair = next(p for p in cluster.pairs if p.name == headers["x-agentkv-pair"])
+    pair = next(p for p in acluster.pairs if p.name == headers["x-agentkv-pair"])
     return fake.server(pair.prefill)
 
 
@@ -76,8 +71,8 @@ async def _conversation(client, model, *, session="s1", max_tokens=96):
 async def _sdk_reuse(*, max_tokens=96):
     """The same conversation on the SDK directly, on a fresh fake: reused tokens per turn."""
     fake = FakeCluster(pairs=2, clock=ManualClock())
-    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        session = cluster.session(session_id="direct", max_tokens=max_tokens)
+    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as acluster:
+        session = acluster.session(session_id="direct", max_tokens=max_tokens)
         session.append(Message.system(SYSTEM))
         results = [await session.send(q, temperature=None) for q in QUESTIONS]
         await session.aclose()
@@ -100,12 +95,12 @@ async def test_a_4_turn_conversation_reuses_exactly_what_the_sdk_does(openai_cli
     assert fake.wrong_reuse_events == 0
 
 
-async def test_cached_tokens_are_prefills_count_not_decodes(openai_client, fake, cluster):
+async def test_cached_tokens_are_prefills_count_not_decodes(openai_client, fake, acluster):
     """Decode counts KV it received as cached; the answer reports prefill's own count."""
     _, responses = await _conversation(openai_client, fake.model)
     _, last = responses[-1]
     assert 0 < last.usage.prompt_tokens_details.cached_tokens < last.usage.prompt_tokens
-    prefill_requests = _prefill(cluster, fake, responses[-1][0]).requests
+    prefill_requests = _prefill(acluster, fake, responses[-1][0]).requests
     assert prefill_requests[-1]["max_tokens"] == 1
 
 
@@ -122,7 +117,7 @@ async def test_later_turns_reuse_at_least_the_block_aligned_ideal(openai_client,
 
 
 async def test_an_edited_history_forks_and_never_sends_the_old_handle(
-    openai_client, fake, http, cluster
+    openai_client, fake, http, acluster
 ):
     messages, _ = await _conversation(openai_client, fake.model)
     edited = [*messages[:1], {"role": "user", "content": "What colour is item 4?"}, *messages[2:]]
@@ -132,7 +127,7 @@ async def test_an_edited_history_forks_and_never_sends_the_old_handle(
     )
     assert raw.headers["x-agentkv-forked"] == "1"
     assert raw.headers["x-agentkv-handle"] == "none"
-    prefill = _prefill(cluster, fake, raw.headers)
+    prefill = _prefill(acluster, fake, raw.headers)
     assert prefill.requests[-1]["kv_transfer_params"]["remote_block_ids"] is None
     assert fake.wrong_reuse_events == 0
     # The fork is now the session: the next extension of it reuses again.
@@ -215,12 +210,12 @@ async def test_a_streamed_conversation_reuses_like_a_plain_one(openai_client, fa
     assert fake.wrong_reuse_events == 0
 
 
-async def test_one_shot_requests_keep_no_session(openai_client, fake, http, cluster):
+async def test_one_shot_requests_keep_no_session(openai_client, fake, http, acluster):
     response = await openai_client.chat.completions.create(
         model=fake.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8
     )
     assert response.choices[0].message.content
-    assert sum(cluster.loads().values()) == 0
+    assert sum(acluster.loads().values()) == 0
     assert (await http.get("/healthz")).json()["sessions"] == 0
 
 
@@ -352,8 +347,8 @@ async def test_a_forged_stream_gets_a_json_400_not_an_event_stream(http):
     assert response.json()["error"]["param"] == "kv_transfer_params"
 
 
-async def test_oversized_bodies_get_413(cluster):
-    app = create_app(cluster, ProxyConfig(max_body_bytes=2048))
+async def test_oversized_bodies_get_413(acluster):
+    app = create_app(acluster, ProxyConfig(max_body_bytes=2048))
     async with httpx2.AsyncClient(
         transport=httpx2.ASGITransport(app=app), base_url="http://proxy"
     ) as client:

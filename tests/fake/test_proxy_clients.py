@@ -14,21 +14,18 @@ from openai import OpenAI
 
 from agentkv import AsyncCluster
 from agentkv.proxy import ProxyServer
-from agentkv.testing import FakeCluster, ManualClock
 
 SYSTEM = "You answer briefly. " + " ".join(f"Rule {i}: be kind to robot {i}." for i in range(30))
 QUESTIONS = ("Hello?", "Who is robot 4?", "And robot 9?", "Thanks, bye.")
 
 
-@pytest.fixture(scope="module")
-def fake():
-    return FakeCluster(pairs=1, clock=ManualClock(), kv_recompute_threshold=1)
+pytestmark = pytest.mark.fake(pairs=1, kv_recompute_threshold=1)
 
 
 @pytest.fixture(scope="module")
-def server(fake):
+def server(module_fake):
     def make() -> AsyncCluster:
-        return AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
+        return AsyncCluster.from_dict(module_fake.cluster_spec, transport=module_fake.transport)
 
     with ProxyServer(make) as server:
         yield server
@@ -42,7 +39,7 @@ def _session_turns(server, session_id, key="sk-test"):
     return response.json()["turns"]
 
 
-def test_the_openai_client_runs_a_4_turn_conversation_with_reuse(server, fake):
+def test_the_openai_client_runs_a_4_turn_conversation_with_reuse(server, module_fake):
     client = OpenAI(
         base_url=f"{server.url}/v1",
         api_key="sk-test",
@@ -54,7 +51,7 @@ def test_the_openai_client_runs_a_4_turn_conversation_with_reuse(server, fake):
     for question in QUESTIONS:
         messages.append({"role": "user", "content": question})
         raw = client.chat.completions.with_raw_response.create(
-            model=fake.model, messages=messages, max_tokens=64
+            model=module_fake.model, messages=messages, max_tokens=64
         )
         response = raw.parse()
         assert raw.headers["x-agentkv-pair"] == "pair-0"
@@ -65,16 +62,16 @@ def test_the_openai_client_runs_a_4_turn_conversation_with_reuse(server, fake):
     assert cached == [t["reused_tokens"] for t in turns]
     for turn in turns[1:]:
         assert turn["reused_tokens"] >= turn["ideal_reused_tokens"] // 16 * 16
-    assert fake.wrong_reuse_events == 0
+    assert module_fake.wrong_reuse_events == 0
 
 
-def test_the_openai_client_streams_a_conversation(server, fake):
+def test_the_openai_client_streams_a_conversation(server, module_fake):
     client = OpenAI(base_url=f"{server.url}/v1", api_key="sk-test", max_retries=0)
     messages = [{"role": "system", "content": SYSTEM}]
     for question in QUESTIONS:
         messages.append({"role": "user", "content": question})
         stream = client.chat.completions.create(
-            model=fake.model,
+            model=module_fake.model,
             messages=messages,
             max_tokens=64,
             stream=True,
@@ -86,12 +83,12 @@ def test_the_openai_client_streams_a_conversation(server, fake):
         messages.append({"role": "assistant", "content": text})
     turns = _session_turns(server, "openai-stream")
     assert [t["handle_state"] for t in turns] == ["none", "attached", "attached", "attached"]
-    assert fake.wrong_reuse_events == 0
+    assert module_fake.wrong_reuse_events == 0
 
 
-def test_langchain_chatopenai_runs_a_4_turn_conversation_with_reuse(server, fake):
+def test_langchain_chatopenai_runs_a_4_turn_conversation_with_reuse(server, module_fake):
     llm = ChatOpenAI(
-        model=fake.model,
+        model=module_fake.model,
         base_url=f"{server.url}/v1",
         api_key="sk-test",
         max_tokens=64,
@@ -109,10 +106,10 @@ def test_langchain_chatopenai_runs_a_4_turn_conversation_with_reuse(server, fake
     assert [t["handle_state"] for t in turns] == ["none", "attached", "attached", "attached"]
     last = history[-1]
     assert last.usage_metadata["input_token_details"]["cache_read"] == turns[-1]["reused_tokens"]
-    assert fake.wrong_reuse_events == 0
+    assert module_fake.wrong_reuse_events == 0
 
 
-def test_langchain_streams_and_echoes_tool_calls_without_forking(server, fake):
+def test_langchain_streams_and_echoes_tool_calls_without_forking(server, module_fake):
     """LangChain re-serializes tool arguments; the echo still matches the generated call."""
 
     @tool
@@ -121,7 +118,7 @@ def test_langchain_streams_and_echoes_tool_calls_without_forking(server, fake):
         return f"robot {robot} is friendly"
 
     llm = ChatOpenAI(
-        model=fake.model,
+        model=module_fake.model,
         base_url=f"{server.url}/v1",
         api_key="sk-test",
         max_tokens=64,
@@ -139,4 +136,4 @@ def test_langchain_streams_and_echoes_tool_calls_without_forking(server, fake):
     turns = _session_turns(server, "langchain-tools")
     assert len(turns) == 2
     assert turns[1]["handle_state"] == "attached"
-    assert fake.wrong_reuse_events == 0
+    assert module_fake.wrong_reuse_events == 0

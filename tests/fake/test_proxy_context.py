@@ -8,17 +8,17 @@ import httpx2
 import pytest
 import structlog
 
-from agentkv import AsyncCluster, RetryPolicy
+from agentkv import RetryPolicy
 from agentkv.proxy import ProxyConfig, create_app
-from agentkv.testing import FakeCluster
 
 WINDOW = 512
 CLAMPED = "x-agentkv-max-tokens-clamped"
 
 
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(clock=clock, pairs=1, max_model_len=WINDOW)
+pytestmark = [
+    pytest.mark.fake(pairs=1, max_model_len=WINDOW),
+    pytest.mark.cluster(retry=RetryPolicy(max_attempts=1)),
+]
 
 
 @pytest.fixture(params=[False], ids=["clamp"])
@@ -27,17 +27,14 @@ def refuse(request):
 
 
 @pytest.fixture
-async def http(fake, refuse):
-    async with AsyncCluster.from_dict(
-        fake.cluster_spec, transport=fake.transport, retry=RetryPolicy(max_attempts=1)
-    ) as cluster:
-        app = create_app(cluster, ProxyConfig(refuse_oversized_max_tokens=refuse))
-        async with httpx2.AsyncClient(
-            transport=httpx2.ASGITransport(app=app),
-            base_url="http://proxy",
-            headers={"Authorization": "Bearer sk-test"},
-        ) as client:
-            yield client
+async def http(acluster, refuse):
+    app = create_app(acluster, ProxyConfig(refuse_oversized_max_tokens=refuse))
+    async with httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=app),
+        base_url="http://proxy",
+        headers={"Authorization": "Bearer sk-test"},
+    ) as client:
+        yield client
 
 
 def _chat(max_tokens: int, *, text: str = "hello", stream: bool = False) -> dict:

@@ -17,7 +17,7 @@ import pytest
 import agentkv
 from agentkv import AsyncCluster, Cluster
 from agentkv.proxy import ProxyConfig, create_app
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 SYSTEM = "You are a coding agent. " + " ".join(f"Rule {i}: keep file {i} tidy." for i in range(30))
 BILLING = "x-anthropic-billing-header: cc_version=2.1.328.{}; cc_entrypoint=sdk-cli;"
@@ -34,10 +34,12 @@ BASH = {
 }
 
 
-def _fake(parser: str | None = None) -> FakeCluster:
-    return FakeCluster(
-        pairs=1, clock=ManualClock(), kv_recompute_threshold=0, tool_call_parser=parser
-    )
+NO_PARSER = pytest.param({"tool_call_parser": None}, id="no-parser")
+HERMES = pytest.param({"tool_call_parser": "hermes"}, id="parser")
+pytestmark = [
+    pytest.mark.fake(pairs=1, kv_recompute_threshold=0),
+    pytest.mark.fake_variants(NO_PARSER, HERMES),
+]
 
 
 class Proxy:
@@ -60,19 +62,13 @@ def config() -> ProxyConfig:
     return ProxyConfig()
 
 
-@pytest.fixture(params=[None, "hermes"], ids=["no-parser", "parser"])
-def fake(request: pytest.FixtureRequest) -> FakeCluster:
-    return _fake(request.param)
-
-
 @pytest.fixture
-async def proxy(fake, config):
-    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        app = create_app(cluster, config)
-        async with httpx2.AsyncClient(
-            transport=httpx2.ASGITransport(app=app), base_url="http://proxy"
-        ) as http:
-            yield Proxy(fake, app, http)
+async def proxy(fake, acluster, config):
+    app = create_app(acluster, config)
+    async with httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=app), base_url="http://proxy"
+    ) as http:
+        yield Proxy(fake, app, http)
 
 
 def _ideal(previous: anthropic.types.Message) -> int:
@@ -85,7 +81,7 @@ def _blocks(text: str) -> list[dict[str, Any]]:
     return [{"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 async def test_create_answers_in_anthropics_shape(proxy):
     message = await proxy.sdk.messages.create(
         model=proxy.fake.model,
@@ -118,7 +114,7 @@ async def test_create_answers_in_anthropics_shape(proxy):
     assert message.usage.output_tokens > 0
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 async def test_text_blocks_then_a_string_extend_the_session_at_the_ideal(proxy):
     """Claude Code sends a message as text blocks, then as a plain string with cache_control
     moved: the same chat message, so turn 2 reuses turn 1's KV whole."""
@@ -150,7 +146,7 @@ async def test_text_blocks_then_a_string_extend_the_session_at_the_ideal(proxy):
     assert proxy.fake.wrong_reuse_events == 0
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 async def test_the_session_id_comes_from_metadata_user_id(proxy):
     user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": "cc-meta"})
     kwargs: dict[str, Any] = {"model": proxy.fake.model, "max_tokens": 16, "system": SYSTEM}
@@ -168,7 +164,7 @@ async def test_the_session_id_comes_from_metadata_user_id(proxy):
     assert (await raw.parse()).usage.cache_read_input_tokens == _ideal(first)
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 async def test_a_subagent_is_a_thread_of_its_own_beside_its_parent(proxy):
     """Claude Code's subagent sends its parent's session id and an agent id, with another
     billing suffix and its own system prompt, while the parent's turn runs: each continues its
@@ -264,7 +260,7 @@ async def test_a_tool_loop_extends_the_session_exactly(proxy, stream):
     assert proxy.fake.wrong_reuse_events == 0
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 @pytest.mark.parametrize(
     ("choice", "reason"),
     [({"type": "any"}, "tool_use"), ({"type": "none"}, None)],
@@ -300,7 +296,7 @@ def _events(text: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 async def test_a_stream_sends_anthropics_events_in_order(proxy):
     body = {
         "model": proxy.fake.model,
@@ -329,7 +325,7 @@ async def test_a_stream_sends_anthropics_events_in_order(proxy):
     assert text == message.content[0].text == "".join(d["text"] for d in deltas)
 
 
-@pytest.mark.parametrize("fake", ["hermes"], indirect=True)
+@pytest.mark.parametrize("fake", [HERMES], indirect=True)
 async def test_count_tokens_is_the_first_turns_prompt(proxy):
     request: dict[str, Any] = {
         "model": proxy.fake.model,
@@ -363,7 +359,7 @@ async def _first_turns(proxy: Proxy) -> list[int]:
     return cached
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 async def test_the_billing_line_is_dropped_so_sessions_share_their_prefix(proxy):
     first, second = await _first_turns(proxy)
     assert first == 0
@@ -376,7 +372,7 @@ async def test_the_billing_line_is_dropped_so_sessions_share_their_prefix(proxy)
     )
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 @pytest.mark.parametrize("config", [ProxyConfig(drop_system_blocks=())])
 async def test_without_the_rule_the_billing_line_keeps_sessions_apart(proxy):
     first, second = await _first_turns(proxy)
@@ -456,7 +452,7 @@ BAD_BODIES = [
 ]
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 @pytest.mark.parametrize("body", BAD_BODIES)
 async def test_a_malformed_body_is_a_400_in_anthropics_shape_and_commits_nothing(proxy, body):
     response = await proxy.http.post(
@@ -470,7 +466,7 @@ async def test_a_malformed_body_is_a_400_in_anthropics_shape_and_commits_nothing
     assert (await proxy.http.get("/v1/sessions/bad", headers={"x-api-key": "k"})).status_code == 404
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 async def test_errors_before_the_body_is_read_are_anthropics_too(proxy):
     invalid = await proxy.http.post("/v1/messages", content=b"{not json")
     assert invalid.status_code == 400
@@ -497,8 +493,8 @@ async def test_errors_before_the_body_is_read_are_anthropics_too(proxy):
         )
 
 
-async def test_api_keys_are_read_from_x_api_key_too(tmp_path):
-    fake = _fake()
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
+async def test_api_keys_are_read_from_x_api_key_too(fake, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("alice sk-alice\n")
     config = ProxyConfig(api_keys=agentkv.proxy.ApiKeys.from_file(keys))
@@ -518,9 +514,9 @@ async def test_api_keys_are_read_from_x_api_key_too(tmp_path):
             assert message.content
 
 
-async def test_agentkv_async_anthropic_serves_messages_in_process():
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
+async def test_agentkv_async_anthropic_serves_messages_in_process(fake):
     """``agentkv.AsyncAnthropic`` is the anthropic SDK's client, on the proxy's own app."""
-    fake = _fake()
     cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport)
     async with cluster, agentkv.AsyncAnthropic(cluster, session_id="s", max_retries=0) as sdk:
         assert isinstance(sdk, anthropic.AsyncAnthropic)
@@ -539,8 +535,8 @@ async def test_agentkv_async_anthropic_serves_messages_in_process():
         assert second.usage.cache_read_input_tokens == _ideal(first)
 
 
-def test_agentkv_anthropic_is_the_sync_twin():
-    fake = _fake()
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
+def test_agentkv_anthropic_is_the_sync_twin(fake):
     cluster = Cluster.from_dict(fake.cluster_spec, transport=fake.transport)
     with cluster, agentkv.Anthropic(cluster, max_retries=0) as sdk:
         assert isinstance(sdk, anthropic.Anthropic)
@@ -556,7 +552,7 @@ def test_agentkv_anthropic_is_the_sync_twin():
         )
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_stop_sequence_is_named_in_the_answer(proxy, stream):
     request: dict[str, Any] = {
@@ -579,7 +575,7 @@ async def test_a_stop_sequence_is_named_in_the_answer(proxy, stream):
     assert message.content[0].text == reference[: reference.index(stop)]
 
 
-@pytest.mark.parametrize("fake", [None], indirect=True)
+@pytest.mark.parametrize("fake", [NO_PARSER], indirect=True)
 async def test_cache_diagnostics_name_what_broke_the_prefix(proxy):
     """With Anthropic's cache-diagnosis beta, an answer says whether the request extended the
     message it names (``null``), and if not, what changed and how many input tokens missed."""

@@ -19,6 +19,8 @@ from openai import OpenAI
 
 from agentkv.testing import FakeCluster, ManualClock
 
+pytestmark = pytest.mark.slow
+
 SYSTEM = "You answer briefly. " + " ".join(f"Rule {i}: be kind to robot {i}." for i in range(30))
 QUESTIONS = ("Hello?", "Who is robot 4?", "And robot 9?", "Thanks, bye.", "Robot 12?")
 AUTH = {"Authorization": "Bearer sk-test"}

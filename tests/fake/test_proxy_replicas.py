@@ -29,9 +29,7 @@ SYSTEM = "You answer briefly. " + " ".join(f"Rule {i}: be kind to robot {i}." fo
 QUESTIONS = ("Hello?", "Who is robot 4?", "And robot 9?", "Thanks, bye.", "One more?", "Bye!")
 
 
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(pairs=2, clock=clock, kv_recompute_threshold=1)
+pytestmark = pytest.mark.fake(kv_recompute_threshold=1)
 
 
 class SlowTransport(httpx2.AsyncBaseTransport):

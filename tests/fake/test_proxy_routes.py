@@ -5,23 +5,13 @@ from __future__ import annotations
 import httpx2
 import pytest
 
-from agentkv import AsyncCluster
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._config import key_digest
-from agentkv.testing import FakeCluster, ManualClock
 
 LONG = {"max_tokens": 60, "min_tokens": 40}
 
 
-@pytest.fixture
-def fake():
-    return FakeCluster(pairs=1, clock=ManualClock())
-
-
-@pytest.fixture
-async def cluster(fake):
-    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        yield cluster
+pytestmark = pytest.mark.fake(pairs=1)
 
 
 def _client(app) -> httpx2.AsyncClient:
@@ -48,8 +38,8 @@ async def _turn(client, messages, *, route=None, stream=False):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_the_route_header_sends_the_turn_to_decode_alone(cluster, fake, stream):
-    app = create_app(cluster, ProxyConfig())
+async def test_the_route_header_sends_the_turn_to_decode_alone(acluster, fake, stream):
+    app = create_app(acluster, ProxyConfig())
     async with _client(app) as client:
         history = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
         await _turn(client, history)
@@ -65,8 +55,8 @@ async def test_the_route_header_sends_the_turn_to_decode_alone(cluster, fake, st
     assert fake.wrong_reuse_events == 0
 
 
-async def test_a_bad_route_header_is_a_400(cluster, fake):
-    app = create_app(cluster, ProxyConfig())
+async def test_a_bad_route_header_is_a_400(acluster, fake):
+    app = create_app(acluster, ProxyConfig())
     async with _client(app) as client:
         response = await client.post(
             "/v1/chat/completions",
@@ -78,8 +68,8 @@ async def test_a_bad_route_header_is_a_400(cluster, fake):
     assert fake.decode(0).requests == []
 
 
-async def test_the_responses_api_takes_the_route_header(cluster, fake):
-    app = create_app(cluster, ProxyConfig())
+async def test_the_responses_api_takes_the_route_header(acluster, fake):
+    app = create_app(acluster, ProxyConfig())
     async with _client(app) as client:
         first = await client.post(
             "/v1/responses", json={"input": "Tell me about Paris, in detail please.", **_out()}

@@ -17,21 +17,13 @@ from agentkv.testing import FakeCluster, ManualClock
 KEYS = ApiKeys.parse("alice sk-alice\nbob sk-bob\n")
 
 
-@pytest.fixture
-def fake():
-    # A clock of its own: advancing the proxy's idle clock (``clock``) must not expire handles.
-    return FakeCluster(pairs=2, clock=ManualClock())
+# A clock of its own: advancing the proxy's idle clock (``clock``) must not expire handles.
+pytestmark = pytest.mark.fake(own_clock=True)
 
 
-@pytest.fixture
-async def cluster(fake):
-    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        yield cluster
-
-
-def _prefill(cluster, fake, headers):
+def _prefill(acluster, fake, headers):
     """The fake prefill server of the pair that answered (named by ``x-agentkv-pair``)."""
-    pair = next(p for p in cluster.pairs if p.name == headers["x-agentkv-pair"])
+    pair = next(p for p in acluster.pairs if p.name == headers["x-agentkv-pair"])
     return fake.server(pair.prefill)
 
 
@@ -54,8 +46,8 @@ async def _turn(client, session_id, messages, **body):
     return response
 
 
-async def test_requests_without_a_known_key_get_401(cluster):
-    app = create_app(cluster, ProxyConfig(api_keys=KEYS))
+async def test_requests_without_a_known_key_get_401(acluster):
+    app = create_app(acluster, ProxyConfig(api_keys=KEYS))
     body = {"messages": [{"role": "user", "content": "Hi"}]}
     for key in (None, "sk-mallory"):
         async with _client(app, key) as client:
@@ -74,9 +66,9 @@ async def test_requests_without_a_known_key_get_401(cluster):
         assert (await client.get("/metrics")).status_code == 200
 
 
-async def test_the_same_session_id_under_two_keys_is_two_sessions(cluster, fake):
+async def test_the_same_session_id_under_two_keys_is_two_sessions(acluster, fake):
     """Bob's "s" never sees, extends or pulls Alice's "s" KV."""
-    app = create_app(cluster, ProxyConfig(api_keys=KEYS))
+    app = create_app(acluster, ProxyConfig(api_keys=KEYS))
     async with _client(app, "sk-alice") as alice, _client(app, "sk-bob") as bob:
         alice_history = [{"role": "user", "content": "My secret is 1234. Remember it."}]
         await _turn(alice, "s", alice_history)
@@ -86,7 +78,7 @@ async def test_the_same_session_id_under_two_keys_is_two_sessions(cluster, fake)
         assert response.headers["x-agentkv-handle"] == "none"
         assert "x-agentkv-forked" not in response.headers
         # Bob's request carried no handle at all, let alone Alice's.
-        prefill = _prefill(cluster, fake, response.headers)
+        prefill = _prefill(acluster, fake, response.headers)
         assert prefill.requests[-1]["kv_transfer_params"]["remote_block_ids"] is None
         response = await _turn(alice, "s", alice_history)
         assert response.headers["x-agentkv-handle"] == "attached"
@@ -99,16 +91,16 @@ async def test_the_same_session_id_under_two_keys_is_two_sessions(cluster, fake)
     assert fake.wrong_reuse_events == 0
 
 
-async def test_without_configured_keys_sessions_are_still_scoped_by_the_key_presented(cluster):
-    app = create_app(cluster, ProxyConfig())
+async def test_without_configured_keys_sessions_are_still_scoped_by_the_key_presented(acluster):
+    app = create_app(acluster, ProxyConfig())
     async with _client(app, "sk-one") as one, _client(app, "sk-two") as two:
         await _turn(one, "shared", [{"role": "user", "content": "Hi"}])
         assert (await two.get("/v1/sessions/shared")).status_code == 404
         assert (await one.get("/v1/sessions/shared")).status_code == 200
 
 
-async def test_get_reports_the_sessions_turns(cluster):
-    app = create_app(cluster, ProxyConfig())
+async def test_get_reports_the_sessions_turns(acluster):
+    app = create_app(acluster, ProxyConfig())
     async with _client(app, "k") as client:
         history = [{"role": "system", "content": "Be brief. " * 40}]
         for question in ("Hi", "And?", "Then?"):
@@ -123,19 +115,19 @@ async def test_get_reports_the_sessions_turns(cluster):
     assert data["totals"]["reused_tokens"] == sum(t["reused_tokens"] for t in data["turns"])
 
 
-async def test_delete_closes_the_session_and_frees_its_place(cluster, fake):
-    app = create_app(cluster, ProxyConfig())
+async def test_delete_closes_the_session_and_frees_its_place(acluster, fake):
+    app = create_app(acluster, ProxyConfig())
     async with _client(app, "k") as client:
         history = [{"role": "user", "content": "Hi"}]
         await _turn(client, "d", history)
         entry = await app.state.registry.lookup("key-" + _digest("k"), "d")
         session = entry.session
-        assert sum(cluster.loads().values()) == 1
+        assert sum(acluster.loads().values()) == 1
         response = await client.delete("/v1/sessions/d")
         assert response.json() == {"id": "d", "object": "agentkv.session.deleted", "deleted": True}
         assert session.closed
         assert session.handle is None
-        assert sum(cluster.loads().values()) == 0
+        assert sum(acluster.loads().values()) == 0
         assert (await client.get("/v1/sessions/d")).status_code == 404
         assert (await client.delete("/v1/sessions/d")).status_code == 404
         # The id can be used again: a new session, no handle.
@@ -144,8 +136,8 @@ async def test_delete_closes_the_session_and_frees_its_place(cluster, fake):
         assert response.headers["x-agentkv-handle"] == "none"
 
 
-async def test_idle_sessions_expire_and_release_their_handles(cluster, clock):
-    app = create_app(cluster, ProxyConfig(session_idle_timeout_s=60), clock=clock)
+async def test_idle_sessions_expire_and_release_their_handles(acluster, clock):
+    app = create_app(acluster, ProxyConfig(session_idle_timeout_s=60), clock=clock)
     registry = app.state.registry
     async with _client(app, "k") as client:
         history = [{"role": "user", "content": "Hi"}]
@@ -165,12 +157,12 @@ async def test_idle_sessions_expire_and_release_their_handles(cluster, clock):
         history.append({"role": "user", "content": "Still there?"})
         response = await _turn(client, "busy", history)
         assert response.headers["x-agentkv-handle"] == "none"
-    assert sum(cluster.loads().values()) == 1
+    assert sum(acluster.loads().values()) == 1
     assert app.state.metrics.value("agentkv_proxy_sessions_closed_total", reason="idle") == 2
 
 
-async def test_a_flood_of_sessions_stays_bounded_evicting_the_oldest_idle_first(cluster, clock):
-    app = create_app(cluster, ProxyConfig(max_sessions=5), clock=clock)
+async def test_a_flood_of_sessions_stays_bounded_evicting_the_oldest_idle_first(acluster, clock):
+    app = create_app(acluster, ProxyConfig(max_sessions=5), clock=clock)
     async with _client(app, "k") as client:
         for i in range(40):
             clock.advance(1)
@@ -183,12 +175,12 @@ async def test_a_flood_of_sessions_stays_bounded_evicting_the_oldest_idle_first(
         await _turn(client, "flood-new", [{"role": "user", "content": "Hi"}])
         assert (await client.get("/v1/sessions/flood-35")).status_code == 200
         assert (await client.get("/v1/sessions/flood-36")).status_code == 404
-    assert sum(cluster.loads().values()) == 5
+    assert sum(acluster.loads().values()) == 5
     assert app.state.metrics.value("agentkv_proxy_sessions_closed_total", reason="evicted") == 36
 
 
-async def test_a_full_registry_of_busy_sessions_answers_503(cluster):
-    registry = SessionRegistry(cluster, max_sessions=2, idle_timeout_s=60, metrics=ProxyMetrics())
+async def test_a_full_registry_of_busy_sessions_answers_503(acluster):
+    registry = SessionRegistry(acluster, max_sessions=2, idle_timeout_s=60, metrics=ProxyMetrics())
     first = await registry.checkout("p", "a")
     await registry.checkout("p", "b")
     with pytest.raises(ProxyError) as info:
@@ -200,8 +192,8 @@ async def test_a_full_registry_of_busy_sessions_answers_503(cluster):
     assert len(registry) == 2
 
 
-async def test_concurrent_requests_on_one_session_run_one_after_the_other(cluster, fake):
-    app = create_app(cluster, ProxyConfig())
+async def test_concurrent_requests_on_one_session_run_one_after_the_other(acluster, fake):
+    app = create_app(acluster, ProxyConfig())
     async with _client(app, "k") as client:
         base = [{"role": "user", "content": "Hi"}]
         await _turn(client, "c", base)
@@ -222,8 +214,8 @@ async def test_concurrent_requests_on_one_session_run_one_after_the_other(cluste
     assert fake.wrong_reuse_events == 0
 
 
-async def test_a_stream_the_client_abandons_commits_nothing_and_frees_the_session(cluster):
-    app = create_app(cluster, ProxyConfig())
+async def test_a_stream_the_client_abandons_commits_nothing_and_frees_the_session(acluster):
+    app = create_app(acluster, ProxyConfig())
     history = [{"role": "user", "content": "Hi"}]
     async with _client(app, "k") as client:
         await _turn(client, "abandon", history)
@@ -291,8 +283,8 @@ async def test_one_shot_requests_ask_decode_to_pin_nothing(stream):
     """No session id: no next turn. The D leg says so (a final turn), so decode pins nothing and
     no release call is needed (one that a lost connection would skip)."""
     fake = FakeCluster(pairs=1, clock=ManualClock())
-    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        app = create_app(cluster, ProxyConfig())
+    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as acluster:
+        app = create_app(acluster, ProxyConfig())
         async with _client(app) as client:
             response = await client.post(
                 "/v1/chat/completions",
@@ -307,9 +299,9 @@ def _salts(server) -> list[object]:
     return [body.get("cache_salt") for body in server.requests]
 
 
-async def test_each_key_gets_its_own_prefix_cache_salt_on_both_legs(cluster, fake):
+async def test_each_key_gets_its_own_prefix_cache_salt_on_both_legs(acluster, fake):
     """No key's requests can hit (and so time) another key's cached prefix (issue 15.7)."""
-    app = create_app(cluster, ProxyConfig(api_keys=KEYS))
+    app = create_app(acluster, ProxyConfig(api_keys=KEYS))
     async with _client(app, "sk-alice") as alice, _client(app, "sk-bob") as bob:
         await _turn(alice, "a", [{"role": "user", "content": "Shared system prompt. Hi"}])
         await _turn(alice, "a2", [{"role": "user", "content": "Shared system prompt. Hi"}])
@@ -320,15 +312,15 @@ async def test_each_key_gets_its_own_prefix_cache_salt_on_both_legs(cluster, fak
     assert len(set(legs)) == 2  # one salt per key, the same on every leg of that key
 
 
-async def test_the_prefix_cache_can_be_shared_across_keys_when_asked(cluster, fake):
-    app = create_app(cluster, ProxyConfig(api_keys=KEYS, isolate_prefix_caches=False))
+async def test_the_prefix_cache_can_be_shared_across_keys_when_asked(acluster, fake):
+    app = create_app(acluster, ProxyConfig(api_keys=KEYS, isolate_prefix_caches=False))
     async with _client(app, "sk-alice") as alice:
         await _turn(alice, "a", [{"role": "user", "content": "Hi"}])
     assert [s for server in fake.servers for s in _salts(server)] == [None, None]
 
 
-async def test_metrics_can_be_put_behind_the_api_keys(cluster):
-    app = create_app(cluster, ProxyConfig(api_keys=KEYS, metrics_need_key=True))
+async def test_metrics_can_be_put_behind_the_api_keys(acluster):
+    app = create_app(acluster, ProxyConfig(api_keys=KEYS, metrics_need_key=True))
     async with _client(app) as anonymous, _client(app, "sk-alice") as alice:
         assert (await anonymous.get("/metrics")).status_code == 401
         assert (await alice.get("/metrics")).status_code == 200

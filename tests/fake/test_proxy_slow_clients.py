@@ -24,7 +24,7 @@ from structlog.testing import capture_logs
 import agentkv
 from agentkv import AsyncCluster, Cluster
 from agentkv.proxy import ProxyConfig, ProxyServer
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 TIMEOUT_S = 0.5
 HEADER_TIMEOUT_S = 0.5
@@ -32,9 +32,7 @@ RATE = 20_000  # bytes/s
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture
-def fake() -> FakeCluster:
-    return FakeCluster(pairs=1, clock=ManualClock())
+pytestmark = pytest.mark.fake(pairs=1)
 
 
 def _server(fake: FakeCluster, *, max_connections: int | None = None) -> ProxyServer:

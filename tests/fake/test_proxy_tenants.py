@@ -18,16 +18,13 @@ from agentkv.proxy._redis_store import RedisSessions
 from agentkv.proxy._registry import SessionRegistry
 from agentkv.proxy._responses_store import ResponseStore, StoredResponse
 from agentkv.proxy._salt import CacheSalts
-from agentkv.testing import FakeCluster, ManualClock
 
 KEYS = ApiKeys.parse("alice sk-alice\nbob sk-bob\ncarol sk-carol\n")
 SECRET = "tenants-test-secret"
 AUTH = {name: {"Authorization": f"Bearer sk-{name}"} for name in ("alice", "bob", "carol")}
 
 
-@pytest.fixture
-def fake():
-    return FakeCluster(pairs=2, clock=ManualClock(), kv_recompute_threshold=1)
+pytestmark = pytest.mark.fake(kv_recompute_threshold=1)
 
 
 class PrefillFailsFor(httpx2.AsyncBaseTransport):

@@ -16,7 +16,7 @@ import pytest
 from agentkv import AsyncCluster
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._redis_store import RedisSessions
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import ManualClock
 
 SYSTEM = "You are a coding agent. " + " ".join(f"Rule {i}: keep diffs small." for i in range(20))
 TOOLS = [
@@ -31,9 +31,7 @@ TOOLS = [
 ]
 
 
-@pytest.fixture
-def fake():
-    return FakeCluster(pairs=4, clock=ManualClock())
+pytestmark = pytest.mark.fake(pairs=4)
 
 
 class SlowTransport(httpx2.AsyncBaseTransport):
@@ -49,10 +47,9 @@ class SlowTransport(httpx2.AsyncBaseTransport):
 
 
 @pytest.fixture
-async def cluster(fake):
-    transport = SlowTransport(fake.transport, 0.05)
-    async with AsyncCluster.from_dict(fake.cluster_spec, transport=transport) as cluster:
-        yield cluster
+def transport(fake):
+    """Every request 50 ms late: threads that waited behind one another would add up."""
+    return SlowTransport(fake.transport, 0.05)
 
 
 def _client(app) -> httpx2.AsyncClient:
@@ -84,10 +81,10 @@ def _agent(agent_id: str, parent: str | None = None) -> dict[str, str]:
     return headers
 
 
-async def test_a_parent_and_its_subagents_run_concurrently_each_on_its_own_thread(cluster, fake):
+async def test_a_parent_and_its_subagents_run_concurrently_each_on_its_own_thread(acluster, fake):
     """Same session id, other agent ids, in flight together: all succeed, none forks another,
     each reuses its own history on its next turn, all on the session's pair."""
-    app = create_app(cluster, ProxyConfig())
+    app = create_app(acluster, ProxyConfig())
     main = _conversation("Refactor the parser.")
     subs = {"a1": _conversation("Find the parser's tests."), "a2": _conversation("Read lexer.py")}
     async with _client(app) as client:
@@ -129,9 +126,9 @@ async def test_a_parent_and_its_subagents_run_concurrently_each_on_its_own_threa
     assert fake.wrong_reuse_events == 0
 
 
-async def test_threads_do_not_wait_behind_each_other(cluster):
+async def test_threads_do_not_wait_behind_each_other(acluster):
     """A subagent's turn runs while its parent's does: together they take about one turn."""
-    app = create_app(cluster, ProxyConfig())
+    app = create_app(acluster, ProxyConfig())
     async with _client(app) as client:
         solo = asyncio.get_running_loop().time()
         await _turn(client, CC, _conversation("warm up"))
@@ -146,10 +143,10 @@ async def test_threads_do_not_wait_behind_each_other(cluster):
     assert together < 2.5 * one_turn
 
 
-async def test_a_title_request_under_the_main_threads_id_is_a_side_thread(cluster, fake):
+async def test_a_title_request_under_the_main_threads_id_is_a_side_thread(acluster, fake):
     """OpenCode's title request (another system prompt, same x-session-id) neither forks the
     main thread nor waits for it; the main thread's next turn reuses its own KV."""
-    app = create_app(cluster, ProxyConfig())
+    app = create_app(acluster, ProxyConfig())
     headers = {"x-session-id": "oc-1", "x-session-affinity": "oc-1"}
     main = _conversation("Add a --verbose flag.")
     title = _conversation("Add a --verbose flag.", system="Generate a short title.")
@@ -179,8 +176,8 @@ async def _break(client, headers, messages):
     return before
 
 
-async def test_prefix_breaks_are_counted_by_reason_with_the_tokens_lost(cluster):
-    app = create_app(cluster, ProxyConfig())
+async def test_prefix_breaks_are_counted_by_reason_with_the_tokens_lost(acluster):
+    app = create_app(acluster, ProxyConfig())
     metrics = app.state.metrics
 
     def breaks(reason):
@@ -224,10 +221,10 @@ async def test_threads_in_a_shared_store_continue_on_another_replica(fake, redis
     clock = ManualClock()
     replicas = []
     for _ in range(2):
-        cluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport, clock=clock)
+        acluster = AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport, clock=clock)
         store = RedisSessions.from_url(redis_url, lease_s=5.0)
-        app = create_app(cluster, ProxyConfig(), clock=clock, store=store)
-        replicas.append((cluster, store, app, _client(app)))
+        app = create_app(acluster, ProxyConfig(), clock=clock, store=store)
+        replicas.append((acluster, store, app, _client(app)))
     a, b = (r[3] for r in replicas)
     try:
         main = _conversation("Plan the change.")
@@ -244,9 +241,9 @@ async def test_threads_in_a_shared_store_continue_on_another_replica(fake, redis
         stored = (await a.get("/v1/sessions/cc-1~agent:x1")).json()
         assert (stored["thread"], stored["messages"]) == ("agent:x1", 5)
     finally:
-        for cluster, store, app, client in replicas:
+        for acluster, store, app, client in replicas:
             await app.state.registry.close_all()
             await client.aclose()
             await store.aclose()
-            await cluster.aclose()
+            await acluster.aclose()
     assert fake.wrong_reuse_events == 0

@@ -8,24 +8,15 @@ import httpx2
 import pytest
 import structlog
 
-from agentkv import AsyncCluster, HandleState
+from agentkv import HandleState
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._config import key_digest
-from agentkv.testing import FakeCluster, ManualClock
 
 LONG = {"max_tokens": 96, "min_tokens": 70}
 
 
-@pytest.fixture
-def fake():
-    # A clock of its own: advancing the proxy's idle clock (``clock``) must not expire handles.
-    return FakeCluster(pairs=1, clock=ManualClock(), tier=True)
-
-
-@pytest.fixture
-async def cluster(fake):
-    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        yield cluster
+# A clock of its own: advancing the proxy's idle clock (``clock``) must not expire handles.
+pytestmark = pytest.mark.fake(pairs=1, own_clock=True, tier=True)
 
 
 ALLOWED = ProxyConfig(allow_client_offload=True)
@@ -59,9 +50,9 @@ async def _entry(app, session_id, key="k"):
 
 
 async def test_the_offload_header_always_offloads_the_turn_and_the_next_turn_loads_it(
-    cluster, fake
+    acluster, fake
 ):
-    app = create_app(cluster, ALLOWED)
+    app = create_app(acluster, ALLOWED)
     async with _client(app) as client:
         history = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
         await _turn(client, "s", history, offload="always")
@@ -76,8 +67,8 @@ async def test_the_offload_header_always_offloads_the_turn_and_the_next_turn_loa
     assert fake.wrong_reuse_events == 0
 
 
-async def test_a_streamed_turn_with_the_offload_header_offloads_too(cluster, fake):
-    app = create_app(cluster, ALLOWED)
+async def test_a_streamed_turn_with_the_offload_header_offloads_too(acluster, fake):
+    app = create_app(acluster, ALLOWED)
     async with _client(app) as client:
         history = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
         await _turn(client, "s", history, offload="always", stream=True)
@@ -85,8 +76,8 @@ async def test_a_streamed_turn_with_the_offload_header_offloads_too(cluster, fak
 
 
 @pytest.mark.parametrize("config", [ProxyConfig(), ALLOWED], ids=["default", "allowed"])
-async def test_a_bad_offload_header_is_a_400(cluster, config):
-    app = create_app(cluster, config)
+async def test_a_bad_offload_header_is_a_400(acluster, config):
+    app = create_app(acluster, config)
     async with _client(app) as client:
         response = await client.post(
             "/v1/chat/completions",
@@ -99,9 +90,9 @@ async def test_a_bad_offload_header_is_a_400(cluster, config):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_by_default_a_client_s_offload_header_writes_nothing_and_the_answer_says_so(
-    cluster, fake, stream
+    acluster, fake, stream
 ):
-    app = create_app(cluster, ProxyConfig())
+    app = create_app(acluster, ProxyConfig())
     async with _client(app) as client:
         history = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
         response = await _turn(client, "s", history, offload="always", stream=stream)
@@ -113,9 +104,9 @@ async def test_by_default_a_client_s_offload_header_writes_nothing_and_the_answe
         assert "x-agentkv-offload-ignored" not in plain.headers  # no header, nothing to notice
 
 
-async def test_client_offloads_are_rate_limited_per_principal(cluster, fake, clock):
+async def test_client_offloads_are_rate_limited_per_principal(acluster, fake, clock):
     app = create_app(
-        cluster,
+        acluster,
         ProxyConfig(allow_client_offload=True, client_offload_per_minute=2),
         clock=clock,
     )
@@ -141,8 +132,8 @@ async def test_client_offloads_are_rate_limited_per_principal(cluster, fake, clo
         assert fake.tier.usage().entries == 4
 
 
-async def test_one_key_flooding_the_tier_evicts_only_its_own_entries(cluster, fake):
-    app = create_app(cluster, ProxyConfig(allow_client_offload=True,
+async def test_one_key_flooding_the_tier_evicts_only_its_own_entries(acluster, fake):
+    app = create_app(acluster, ProxyConfig(allow_client_offload=True,
                                           client_offload_per_minute=100))
     prompt = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
     async with _client(app, "alice") as alice, _client(app, "mallory") as mallory:
@@ -160,8 +151,8 @@ async def test_one_key_flooding_the_tier_evicts_only_its_own_entries(cluster, fa
     assert fake.wrong_reuse_events == 0
 
 
-async def test_the_sweep_offloads_a_session_idle_past_offload_idle_s_once(cluster, fake, clock):
-    app = create_app(cluster, ProxyConfig(offload_idle_s=120), clock=clock)
+async def test_the_sweep_offloads_a_session_idle_past_offload_idle_s_once(acluster, fake, clock):
+    app = create_app(acluster, ProxyConfig(offload_idle_s=120), clock=clock)
     registry = app.state.registry
     async with _client(app) as client:
         history = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
@@ -182,8 +173,8 @@ async def test_the_sweep_offloads_a_session_idle_past_offload_idle_s_once(cluste
     assert fake.wrong_reuse_events == 0
 
 
-async def test_without_offload_idle_s_the_sweep_keeps_the_pin(cluster, fake, clock):
-    app = create_app(cluster, ProxyConfig(offload_idle_s=None), clock=clock)
+async def test_without_offload_idle_s_the_sweep_keeps_the_pin(acluster, fake, clock):
+    app = create_app(acluster, ProxyConfig(offload_idle_s=None), clock=clock)
     async with _client(app) as client:
         await _turn(client, "s", [{"role": "user", "content": "Hi there, tell me a story."}])
         clock.advance(500)
@@ -191,8 +182,8 @@ async def test_without_offload_idle_s_the_sweep_keeps_the_pin(cluster, fake, clo
         assert fake.decode(0).leased_handles == 1
 
 
-async def test_a_persist_over_its_key_s_share_is_refused_and_loses_nothing(cluster, fake):
-    app = create_app(cluster, ALLOWED)
+async def test_a_persist_over_its_key_s_share_is_refused_and_loses_nothing(acluster, fake):
+    app = create_app(acluster, ALLOWED)
     prompt = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
     async with _client(app, "alice") as alice, _client(app, "mallory") as mallory:
         await _turn(alice, "a", list(prompt), offload="always")
@@ -214,8 +205,8 @@ async def test_a_persist_over_its_key_s_share_is_refused_and_loses_nothing(clust
 
 
 @pytest.mark.parametrize("value", ["disk", "always"])
-async def test_the_old_header_still_offloads_and_is_counted_as_deprecated(cluster, fake, value):
-    app = create_app(cluster, ALLOWED)
+async def test_the_old_header_still_offloads_and_is_counted_as_deprecated(acluster, fake, value):
+    app = create_app(acluster, ALLOWED)
     async with _client(app) as client:
         history = [{"role": "user", "content": "Tell me about Paris, in detail please."}]
         await _turn(client, "s", history, offload=value, header="X-AgentKV-Persist")
@@ -226,8 +217,8 @@ async def test_the_old_header_still_offloads_and_is_counted_as_deprecated(cluste
     assert metrics.value("agentkv_proxy_deprecated_names_total", old="X-AgentKV-Persist") == 2
 
 
-async def test_the_old_header_is_logged_once_not_per_request(cluster):
-    app = create_app(cluster, ProxyConfig())
+async def test_the_old_header_is_logged_once_not_per_request(acluster):
+    app = create_app(acluster, ProxyConfig())
     with structlog.testing.capture_logs() as logs:
         async with _client(app) as client:
             for sid in ("a", "b", "c"):
@@ -238,8 +229,8 @@ async def test_the_old_header_is_logged_once_not_per_request(cluster):
     assert deprecated[0]["log_level"] == "warning"
 
 
-async def test_the_new_values_never_and_the_old_value_pin_keep_the_pin(cluster, fake):
-    app = create_app(cluster, ALLOWED)
+async def test_the_new_values_never_and_the_old_value_pin_keep_the_pin(acluster, fake):
+    app = create_app(acluster, ALLOWED)
     async with _client(app) as client:
         await _turn(client, "a", [{"role": "user", "content": "Hi, a story please."}],
                     offload="never")
@@ -251,8 +242,8 @@ async def test_the_new_values_never_and_the_old_value_pin_keep_the_pin(cluster, 
                                    old="X-AgentKV-Persist") == 1
 
 
-async def test_an_ignored_ask_under_the_old_name_is_answered_under_both_names(cluster):
-    app = create_app(cluster, ProxyConfig())
+async def test_an_ignored_ask_under_the_old_name_is_answered_under_both_names(acluster):
+    app = create_app(acluster, ProxyConfig())
     async with _client(app) as client:
         old = await _turn(client, "s", [{"role": "user", "content": "Hi, a story please."}],
                           offload="disk", header="X-AgentKV-Persist")
@@ -264,8 +255,8 @@ async def test_an_ignored_ask_under_the_old_name_is_answered_under_both_names(cl
     assert "x-agentkv-persist-ignored" not in new.headers
 
 
-async def test_old_and_new_headers_that_disagree_are_a_400(cluster):
-    app = create_app(cluster, ALLOWED)
+async def test_old_and_new_headers_that_disagree_are_a_400(acluster):
+    app = create_app(acluster, ALLOWED)
     async with _client(app) as client:
         response = await client.post(
             "/v1/chat/completions",

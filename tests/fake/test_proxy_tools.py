@@ -13,7 +13,7 @@ from openai import AsyncOpenAI
 
 from agentkv import AsyncCluster, InvalidMessageError, Message
 from agentkv.proxy import ProxyConfig, create_app
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 WEATHER = {
     "type": "function",
@@ -31,27 +31,26 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 SYSTEM = "You are a weather assistant. " + " ".join(f"City {i} is far." for i in range(30))
 
 
-@pytest.fixture(params=[None, "hermes"], ids=["no-parser", "parser"])
-def fake(request):
-    fake = FakeCluster(
-        pairs=1, clock=ManualClock(), tool_call_parser=request.param, kv_recompute_threshold=0
-    )
-    fake.parser = request.param
-    return fake
+pytestmark = [
+    pytest.mark.fake(pairs=1, kv_recompute_threshold=0),
+    pytest.mark.fake_variants(
+        pytest.param({"tool_call_parser": None}, id="no-parser"),
+        pytest.param({"tool_call_parser": "hermes"}, id="parser"),
+    ),
+]
 
 
 @pytest.fixture
-async def client(fake):
-    async with AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        app = create_app(cluster, ProxyConfig())
-        async with httpx2.AsyncClient(
-            transport=httpx2.ASGITransport(app=app), base_url="http://proxy"
-        ) as http:
-            yield AsyncOpenAI(base_url="http://proxy/v1", api_key="k", http_client=http)
+async def client(acluster):
+    app = create_app(acluster, ProxyConfig())
+    async with httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=app), base_url="http://proxy"
+    ) as http:
+        yield AsyncOpenAI(base_url="http://proxy/v1", api_key="k", http_client=http)
 
 
 def _mode(fake: FakeCluster) -> str:
-    return "native" if fake.parser else "json"
+    return "native" if fake.tool_call_parser else "json"
 
 
 async def test_models_say_how_tools_are_served(client, fake):
@@ -100,7 +99,7 @@ async def test_a_two_step_tool_loop_extends_the_session_exactly(client, fake, ch
         tool_calls = [c.model_dump() for c in response.choices[0].message.tool_calls]
         assistant = response.choices[0].message.model_dump(exclude_none=True)
     named = isinstance(choice, dict)
-    assert finish == ("stop" if named and fake.parser else "tool_calls")
+    assert finish == ("stop" if named and fake.tool_call_parser else "tool_calls")
     assert tool_calls
     for call in tool_calls:
         assert call["id"]
@@ -113,7 +112,7 @@ async def test_a_two_step_tool_loop_extends_the_session_exactly(client, fake, ch
         model=fake.model,
         messages=messages,
         tools=[WEATHER],
-        tool_choice="none" if fake.parser is None else "required",
+        tool_choice="none" if fake.tool_call_parser is None else "required",
         max_tokens=32,
         extra_headers=headers,
     )
@@ -125,7 +124,7 @@ async def test_a_two_step_tool_loop_extends_the_session_exactly(client, fake, ch
 
 
 async def test_auto_gives_calls_or_an_answer_as_openai_shapes_them(client, fake):
-    if fake.parser is None:
+    if fake.tool_call_parser is None:
         response = await client.chat.completions.create(
             model=fake.model,
             messages=[{"role": "user", "content": "Weather in Oslo?"}],

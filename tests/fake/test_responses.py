@@ -13,8 +13,7 @@ import structlog
 from openai.types.responses import Response
 
 import agentkv
-from agentkv import AsyncCluster, Cluster
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv import Cluster
 
 INSTRUCTIONS = "You answer briefly. " + " ".join(
     f"Rule {i}: be kind to robot {i}." for i in range(30)
@@ -32,19 +31,12 @@ WEATHER = {
 }
 
 
-@pytest.fixture
-def fake():
-    return FakeCluster(
-        pairs=1, clock=ManualClock(), kv_recompute_threshold=0, tool_call_parser=None
-    )
+pytestmark = pytest.mark.fake(pairs=1, kv_recompute_threshold=0, tool_call_parser=None)
 
 
 @pytest.fixture
-async def client(fake):
-    async with (
-        AsyncCluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster,
-        agentkv.AsyncOpenAI(cluster, max_retries=0) as client,
-    ):
+async def client(acluster):
+    async with agentkv.AsyncOpenAI(acluster, max_retries=0) as client:
         yield client
 
 

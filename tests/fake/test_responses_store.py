@@ -17,7 +17,6 @@ from agentkv import AsyncCluster
 from agentkv.proxy import ProxyConfig, create_app
 from agentkv.proxy._redis_store import RedisSessions
 from agentkv.proxy._responses_store import ENTRY_BYTES, ResponseIds, ResponseStore, StoredResponse
-from agentkv.testing import FakeCluster
 
 INSTRUCTIONS = "You answer briefly. " + " ".join(
     f"Rule {i}: be kind to robot {i}." for i in range(30)
@@ -26,9 +25,7 @@ INSTRUCTIONS = "You answer briefly. " + " ".join(
 NOTE = " ".join(f"Robot {i} says hello in a long sentence of its own." for i in range(5))
 
 
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(pairs=1, clock=clock, kv_recompute_threshold=0, tool_call_parser=None)
+pytestmark = pytest.mark.fake(pairs=1, kv_recompute_threshold=0, tool_call_parser=None)
 
 
 class Proxy:

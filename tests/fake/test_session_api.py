@@ -25,12 +25,6 @@ from agentkv import (
 from agentkv.testing import FakeCluster, ManualClock
 
 
-@pytest.fixture
-def cluster(fake):
-    with Cluster.from_dict(fake.cluster_spec, transport=fake.transport) as cluster:
-        yield cluster
-
-
 def test_a_closed_session_refuses_everything(cluster):
     s = cluster.session()
     s.close()

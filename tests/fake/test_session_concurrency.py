@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from agentkv import AsyncCluster, HandleState, Message
 from agentkv.testing import FakeCluster, ManualClock
 
@@ -12,6 +14,7 @@ from agentkv.testing import FakeCluster, ManualClock
 LONG = {"max_tokens": 90, "extra_body": {"min_tokens": 70}}
 
 
+@pytest.mark.slow
 async def test_500_concurrent_async_sessions_without_error():
     # A KV cache small enough that blocks freed by closed sessions go to others while they run
     # (and some turns meet a full cache: 500, retried without the handle).

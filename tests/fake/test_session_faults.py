@@ -29,12 +29,7 @@ LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0, jitter_s=0)
 
 
-@pytest.fixture
-def cluster(fake, clock):
-    with Cluster.from_dict(
-        fake.cluster_spec, transport=fake.transport, clock=clock, block_size=16, retry=FAST_RETRY
-    ) as cluster:
-        yield cluster
+pytestmark = pytest.mark.cluster(manual_clock=True, block_size=16, retry=FAST_RETRY)
 
 
 def servers(fake, session):

@@ -19,21 +19,11 @@ from agentkv import (
     SessionClosedError,
     SessionLoadError,
 )
-from agentkv.testing import FakeCluster, ManualClock
+from agentkv.testing import FakeCluster
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 QUESTIONS = ["What is the capital of France?", "And what about Spain?", "Which is bigger?"]
 FAST_RETRY = RetryPolicy(initial_backoff_s=0, jitter_s=0)
-
-
-@pytest.fixture
-def clock():
-    return ManualClock()
-
-
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(pairs=2, clock=clock)
 
 
 def open_cluster(fake, clock):

@@ -27,22 +27,18 @@ QUESTIONS = [
 LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
 
 
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(pairs=1, clock=clock)
+ONE_ATTEMPT = RetryPolicy(max_attempts=1)
+pytestmark = [
+    pytest.mark.fake(pairs=1),
+    pytest.mark.cluster(manual_clock=True, block_size=16, retry=ONE_ATTEMPT),
+]
 
 
 def open_cluster(fake, clock, **kwargs):
-    kwargs.setdefault("retry", RetryPolicy(max_attempts=1))
+    kwargs.setdefault("retry", ONE_ATTEMPT)
     return Cluster.from_dict(
         fake.cluster_spec, transport=fake.transport, clock=clock, block_size=16, **kwargs
     )
-
-
-@pytest.fixture
-def cluster(fake, clock):
-    with open_cluster(fake, clock) as cluster:
-        yield cluster
 
 
 def events(logs, name):

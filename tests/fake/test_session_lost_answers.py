@@ -12,7 +12,16 @@ import asyncio
 import httpx2
 import pytest
 
-from agentkv import AsyncCluster, Cluster, Message, RetryPolicy
+from agentkv import (
+    AsyncCluster,
+    Cluster,
+    ConnectionLostError,
+    MalformedResponseError,
+    Message,
+    RequestTimeoutError,
+    RetryPolicy,
+    ServerError,
+)
 from agentkv._wire.hints import REQUEST_TAG_PREFIX, request_tag
 from agentkv.testing import FakeCluster
 
@@ -20,9 +29,7 @@ SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sente
 LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
 
 
-@pytest.fixture
-def fake(clock):
-    return FakeCluster(pairs=1, clock=clock)
+pytestmark = pytest.mark.fake(pairs=1)
 
 
 def open_cluster(fake, clock, attempts=1):
@@ -49,13 +56,21 @@ def test_every_d_leg_is_sent_with_a_request_id_of_the_sdks_choosing(fake, clock)
         assert s.handle.request_id.startswith(f"chatcmpl-{ids[1]}-")
 
 
-@pytest.mark.parametrize("fault", ["timeout", "reset", "malformed_json", "truncated_json"])
-def test_a_d_leg_whose_answer_is_lost_leaves_no_pin(fake, clock, fault):
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        pytest.param("timeout", RequestTimeoutError, id="timeout"),
+        pytest.param("reset", ConnectionLostError, id="reset"),
+        pytest.param("malformed_json", MalformedResponseError, id="malformed_json"),
+        pytest.param("truncated_json", MalformedResponseError, id="truncated_json"),
+    ],
+)
+def test_a_d_leg_whose_answer_is_lost_leaves_no_pin(fake, clock, fault, error):
     with open_cluster(fake, clock) as cluster, cluster.session() as s:
         s.append(SYSTEM)
         s.send("What is the capital of France?", **LONG)
         fake.decode(0).fail_next(fault)
-        with pytest.raises(Exception):  # noqa: B017, PT011 - each fault's own typed error
+        with pytest.raises(error):
             s.send("And of Spain?", **LONG)
         s.close()
     assert fake.decode(0).pinned_handles == 0
@@ -149,9 +164,15 @@ async def test_a_turn_cancelled_after_decode_finished_leaves_no_pin(fake, clock)
         assert fake.decode(0).pinned_handles == 0
 
 
-@pytest.mark.parametrize("fault", ["status", "malformed_json"])
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        pytest.param("status", ServerError, id="status"),
+        pytest.param("malformed_json", MalformedResponseError, id="malformed_json"),
+    ],
+)
 def test_a_handle_carried_by_a_p_leg_that_prefill_answered_with_an_error_is_released(
-    fake, clock, fault
+    fake, clock, fault, error
 ):
     """Prefill answered: it is done with the handle (it pulled it or never will); the SDK
     dropped it as consumed, so decode would keep it for its whole TTL."""
@@ -160,7 +181,7 @@ def test_a_handle_carried_by_a_p_leg_that_prefill_answered_with_an_error_is_rele
         s.send("What is the capital of France?", **LONG)
         assert fake.decode(0).pinned_handles == 1
         fake.prefill(0).fail_next(fault, status=503)
-        with pytest.raises(Exception):  # noqa: B017, PT011 - ServerError / MalformedResponseError
+        with pytest.raises(error):
             s.send("And of Spain?", **LONG)
         assert fake.decode(0).pinned_handles == 0
         assert fake.wrong_reuse_events == 0

@@ -26,17 +26,15 @@ QUESTIONS = [
 ]
 
 
+NO_BACKOFF = RetryPolicy(initial_backoff_s=0, jitter_s=0)
+pytestmark = pytest.mark.cluster(manual_clock=True, block_size=16, retry=NO_BACKOFF)
+
+
 def open_cluster(fake, clock, **kwargs):
-    kwargs.setdefault("retry", RetryPolicy(initial_backoff_s=0, jitter_s=0))
+    kwargs.setdefault("retry", NO_BACKOFF)
     return Cluster.from_dict(
         fake.cluster_spec, transport=fake.transport, clock=clock, block_size=16, **kwargs
     )
-
-
-@pytest.fixture
-def cluster(fake, clock):
-    with open_cluster(fake, clock) as cluster:
-        yield cluster
 
 
 def servers(fake, session):

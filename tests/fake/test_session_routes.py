@@ -20,6 +20,7 @@ from agentkv import (
     Message,
     RetryPolicy,
     RoutePolicy,
+    ServerError,
 )
 from agentkv.testing import FakeCluster
 
@@ -175,7 +176,7 @@ def test_a_failed_decode_turn_frees_the_handle_and_changes_nothing(clock):
         s.send(QUESTIONS[0])
         version = len(s.transcript.messages)
         fake.decode(0).fail_next("status", status=500)
-        with pytest.raises(Exception, match=r"500|failed"):
+        with pytest.raises(ServerError, match=r"500|failed"):
             s.send(QUESTIONS[1], route="decode")
         assert len(s.transcript.messages) == version
         assert s.handle is None  # single use: a failed turn never sends it again

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 _BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 

@@ -74,6 +74,7 @@ def test_isa_env_keeps_an_existing_python_path() -> None:
     assert env["VLLM_CACHE_ROOT"] == "/c/agentkv-isa-avx2"
 
 
+@pytest.mark.slow
 def test_the_isa_limit_reaches_torch_in_a_new_interpreter() -> None:
     """The sitecustomize masks the flags torch (and so vLLM) reads, before anything imports."""
     pytest.importorskip("torch")

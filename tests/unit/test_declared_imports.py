@@ -7,6 +7,7 @@ breaks the day that something stops depending on it.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import re
 import sys
@@ -67,8 +68,15 @@ def imported() -> dict[str, set[str]]:
     return found
 
 
+@functools.cache
+def _installed() -> dict[str, list[str]]:
+    """Module -> distributions: one scan of every installed distribution (~1 s), not one per
+    module (the test took 29 s that way)."""
+    return importlib.metadata.packages_distributions()
+
+
 def distributions(module: str) -> set[str]:
-    installed = importlib.metadata.packages_distributions().get(module, [])
+    installed = _installed().get(module, [])
     return {_normal(d) for d in installed} | DISTRIBUTIONS.get(module, {_normal(module)})
 
 

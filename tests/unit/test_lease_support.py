@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx2
 
 from agentkv._wire.hints import INFO_PATH, ServerInfo
+from agentkv._wire.http import HttpxPoster
 from agentkv._wire.lease_calls import RECHECK_UNSUPPORTED_S, LeaseCalls
 
 DECODE = "http://decode:8000"
@@ -35,7 +36,7 @@ class Clock:
 async def test_a_no_is_asked_again_after_a_while_so_a_restarted_decode_is_found() -> None:
     server, clock = Server(), Clock()
     async with httpx2.AsyncClient(transport=httpx2.MockTransport(server)) as client:
-        calls = LeaseCalls(client, clock=clock)
+        calls = LeaseCalls(HttpxPoster(client), clock=clock)
         assert await calls.supported(DECODE) is False
         assert await calls.supported(DECODE) is False
         assert server.asked == 1  # cached meanwhile
@@ -52,7 +53,7 @@ async def test_a_decode_marked_down_is_asked_again_when_back() -> None:
     server, clock = Server(), Clock()
     server.extension = True
     async with httpx2.AsyncClient(transport=httpx2.MockTransport(server)) as client:
-        calls = LeaseCalls(client, clock=clock)
+        calls = LeaseCalls(HttpxPoster(client), clock=clock)
         assert await calls.supported(DECODE) is True
         server.extension = False  # came back as stock vLLM
         calls.forget(DECODE)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from agentkv._client.cluster import _parse_spec
+from agentkv._client.cluster_spec import parse_spec
 from agentkv.connector._plugin import plugin_env
 from agentkv.local._config import LocalClusterConfig
 from agentkv.local._launch import kv_transfer_config, plan_servers
@@ -148,7 +148,7 @@ def test_the_cluster_file_names_every_server_of_the_pools():
     decode = _workload("StatefulSet", "decode")
     config_map = next(d for d in _documents() if d["kind"] == "ConfigMap")
     spec = json.loads(config_map["data"]["cluster.json"])
-    pairs, model, extra = _parse_spec(spec, "cluster.json")
+    pairs, model, extra = parse_spec(spec, "cluster.json")
     served = _flags(_container(prefill)["args"])["--served-model-name"]
     assert model == served == _flags(_container(decode)["args"])["--served-model-name"]
     namespace = prefill["metadata"]["namespace"]

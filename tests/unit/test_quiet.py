@@ -10,6 +10,7 @@ import pytest
 from agentkv.connector import _quiet
 
 
+@pytest.mark.slow
 def test_a_spinning_reader_naps_instead_of_keeping_the_core_busy() -> None:
     zmq = pytest.importorskip("zmq")
     shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")

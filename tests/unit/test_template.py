@@ -21,6 +21,7 @@ from chatml_toy import (
 from agentkv import MalformedResponseError, Message, TemplateError, ToolCall
 from agentkv._prompt.template import ChatTemplate, ServerRenderer, tools_key
 from agentkv._prompt.transcript import Transcript
+from agentkv._wire.http import HttpxPoster
 
 SYSTEM = Message.system("You are terse.")
 USER = Message.user("Capital of France?")
@@ -218,7 +219,7 @@ async def test_server_renderer_posts_vllm_tokenize_chat_shape():
         return httpx2.Response(200, json={"count": 3, "max_model_len": 8192, "tokens": [1, 2, 3]})
 
     async with httpx2.AsyncClient(transport=httpx2.MockTransport(handler)) as client:
-        renderer = ServerRenderer(client, "http://p:8000/", model="m")
+        renderer = ServerRenderer(HttpxPoster(client), "http://p:8000/", model="m")
         assert await renderer.render([USER], tools=TOOLS, add_generation_prompt=True) == [1, 2, 3]
     path, body = seen[0]
     assert path == "/tokenize"
@@ -237,7 +238,7 @@ async def test_server_renderer_posts_vllm_tokenize_chat_shape():
 async def test_server_renderer_rejects_malformed_answers(answer):
     transport = httpx2.MockTransport(lambda request: httpx2.Response(200, json=answer))
     async with httpx2.AsyncClient(transport=transport) as client:
-        renderer = ServerRenderer(client, "http://p:8000", model="m")
+        renderer = ServerRenderer(HttpxPoster(client), "http://p:8000", model="m")
         with pytest.raises(MalformedResponseError):
             await renderer.render([USER], tools=None, add_generation_prompt=True)
 

@@ -119,7 +119,13 @@ def kernel() -> Kernel:
     spec = importlib.util.find_spec("vllm")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("vLLM is not installed")
-    library = Path(next(iter(spec.submodule_search_locations))) / "_C.abi3.so"
+    # The build vLLM itself loads on this CPU (``CpuPlatform.import_kernels``): ``_C`` needs
+    # AVX512-BF16, and on an AVX2 CPU loading it kills the process (SIGILL), no exception.
+    if torch.cpu._is_avx512_supported():
+        build = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    else:
+        build = "_C_AVX2"
+    library = Path(next(iter(spec.submodule_search_locations))) / f"{build}.abi3.so"
     try:
         if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
             torch.ops.load_library(str(library))
@@ -250,6 +256,7 @@ def test_a_offloaded_entry_loads_back_byte_for_byte_into_another_servers_blocks(
     assert pair.p.finished("p-1") == TierLoadReport(tokens=len(TOKENS), reason="ok")
 
 
+@pytest.mark.slow  # imports vLLM for its CPU kernel (~8 s)
 def test_the_last_block_is_written_with_zeros_past_the_tokens_and_its_valid_slots_load_exactly(
     tmp_path: Path, kernel: Kernel,
 ) -> None:
@@ -292,6 +299,7 @@ def test_the_last_block_is_written_with_zeros_past_the_tokens_and_its_valid_slot
                                                    strict=True)] == [True, True]
 
 
+@pytest.mark.slow  # imports vLLM for its CPU kernel (~8 s)
 def test_the_kernel_keeps_keys_transposed_which_is_why_the_tier_asks_it_where_slots_are(
     kernel: Kernel,
 ) -> None:

@@ -311,6 +311,7 @@ def test_tool_order_and_key_order_do_not_change_the_serialized_specs():
     assert list(first[0]["function"]) == ["description", "name", "parameters"]
 
 
+@pytest.mark.slow
 def test_the_spec_bytes_are_the_same_in_another_process():
     """A prefix rendered by one worker must match another's: no hash-seed or import-order drift."""
     code = (
@@ -404,6 +405,7 @@ def test_each_kind_of_failure_becomes_a_result_the_model_can_read():
     assert not any(r.ok for r in (unknown, invalid, raised, late))
 
 
+@pytest.mark.slow
 def test_a_sync_tool_that_hangs_times_out_without_blocking_the_loop():
     release = threading.Event()
 

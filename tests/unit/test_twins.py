@@ -17,8 +17,9 @@ import agentkv
 RENAMED = {"aclose": "close", "__aenter__": "__enter__", "__aexit__": "__exit__"}
 # Members one twin has on purpose, with the reason.
 ASYNC_ONLY = {
-    # An asyncio client, bound to the sync twin's private loop thread: no use to sync callers.
+    # Asyncio clients, bound to the sync twin's private loop thread: no use to sync callers.
     ("AsyncCluster", "http_client"),
+    ("AsyncCluster", "poster"),
 }
 # Twins whose constructors differ on purpose (the sync one wraps an async one).
 OWN_CONSTRUCTORS = {"Session", "AsyncSession"}
