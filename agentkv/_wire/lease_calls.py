@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-
 from agentkv import _constants as defaults
 from agentkv._exceptions import TransportError
 from agentkv._log import get_logger
