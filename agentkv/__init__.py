@@ -44,9 +44,10 @@ from agentkv._agent.tools import (
 )
 from agentkv._agent.toolset import ToolResult, ToolSet
 from agentkv._client.cluster import AsyncCluster, Cluster
-from agentkv._client.leasing import ToolWait
+from agentkv._client.offload import OffloadMode
 from agentkv._client.pool import ClusterOptions
 from agentkv._client.session import AsyncSession, Session
+from agentkv._client.tool_wait import ToolWait
 from agentkv._exceptions import (
     AgentKVError,
     BadRequestError,
@@ -136,6 +137,7 @@ __all__ = [
     "ModelReply",
     "NativeToolCalling",
     "NoHealthyPairError",
+    "OffloadMode",
     "OpenAI",
     "Pair",
     "PersistMode",

@@ -33,6 +33,8 @@ The rest is not public, and is here for a reason each:
 - ``get_logger``/``configure_logging``: the quiet loggers every module logs through (events go
   to the stdlib logger ``agentkv`` and its children), and what the CLIs and the vLLM plugin call
   to print them.
+- ``kv``: a session's reusable KV as one value (``agentkv._client.kv``): the proxy's shared store
+  reads it (is it pinned, on which pair) where it hands sessions between replicas.
 - the hint and file-tier wire values and routes: the benchmark's legs, ``agentkv status`` and the
   protocol-faithful fakes in ``agentkv.testing`` speak them. (The vLLM side, ``agentkv.connector``,
   is the protocol's other end and imports ``agentkv._wire`` itself.)
@@ -40,7 +42,9 @@ The rest is not public, and is here for a reason each:
 
 from agentkv._agent.tool_calling import JsonToolCalling
 from agentkv._agent.tools import ToolDefinitionError, ToolSpec
+from agentkv._client import kv
 from agentkv._client.cluster import AsyncCluster, Cluster
+from agentkv._client.offload import OffloadMode, as_offload
 from agentkv._client.portal import Portal
 from agentkv._client.session import AsyncSession
 from agentkv._exceptions import (
@@ -145,6 +149,7 @@ __all__ = [
     "LeaseRef",
     "MalformedResponseError",
     "Message",
+    "OffloadMode",
     "OffloadRequest",
     "OffloadResult",
     "Pair",
@@ -178,9 +183,11 @@ __all__ = [
     "TurnResult",
     "TurnStats",
     "UpstreamStatusError",
+    "as_offload",
     "configure_logging",
     "dumps",
     "get_logger",
+    "kv",
     "lease_error",
     "listening_socket",
     "loads",

@@ -32,8 +32,8 @@ Set per session or turn (``route="auto"``), the default is ``pull``: today's pat
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Literal, TypeAlias, get_args
 
 from agentkv._exceptions import ConfigError
@@ -64,28 +64,43 @@ def check_route(route: object) -> Route:
 class RouteCostModel:
     """Time to the first token of an append of ``new`` tokens to ``held`` tokens of KV on decode.
 
-    ::
+    Each piece has a fixed cost and a cost per token apart, because on GPUs the fixed costs
+    decide (``docs/benchmarks.md``, "Calibration")::
 
-        pull_s(held, new)     = 2 * leg_s + (held + new) * bytes_per_token / transfer_bytes_per_s
-                                + new / prefill_tokens_per_s
+        prefill_s(held, new)  = prefill_fixed_s + new / prefill_tokens_per_s
+                                + prefill_s_per_token2 * ((held + new)**2 - held**2)
+        transfer_s(tokens)    = transfer_fixed_s + tokens * bytes_per_token / transfer_bytes_per_s
+                                (0 for no tokens)
+        pull_s(held, new)     = 2 * leg_s + transfer_s(held) + transfer_s(new)
+                                + prefill_s(held, new)
+        recompute_s(held, new)
+                              = 2 * leg_s + prefill_s(0, held + new) + transfer_s(held + new)
+        decode_local_s(held, new)
+                              = decode_fixed_s + (new + held % block) / decode_tokens_per_s
+                                + decode_s_per_token2 * ((held + new)**2 - (held - held % block)**2)
         decode_s(held, new, queued)
-                              = leg_s + (queued + new + held % block) / decode_tokens_per_s
+                              = leg_s + queued / decode_tokens_per_s + decode_local_s(held, new)
 
-    ``leg_s`` is one request's fixed cost (HTTP, scheduling, the answer's head); a pull moves the
-    history to prefill and the new blocks back (prefill's own cache may hold part of the
-    history: counting all of it over-prices the pull, never the local route); ``queued`` is
-    decode's local prefill already in flight, computed before this one. Decode's prefix cache
-    matches whole blocks only, so the local route also recomputes the history's last partial
-    block (``held % block``), which a pull carries over.
+    ``leg_s`` is one request's fixed cost (HTTP, scheduling, the answer's head), and
+    ``prefill_fixed_s`` what a P leg costs beyond it (prefill's own step); a pull moves the
+    history to prefill and the new blocks back, each a handover with its own fixed cost
+    (``transfer_fixed_s``: vLLM's P->D handover takes ~197 ms p50 of which the bytes ~29 ms,
+    vllm#51919); a recompute computes the whole prompt (attention makes it superlinear:
+    ``prefill_s_per_token2``) and hands all of it over (prefill's own cache may hold part of the
+    history: counting all of it over-prices both, never the local route); ``queued`` is decode's
+    local prefill already in flight, computed before this one. Decode's prefix cache matches whole
+    blocks only, so the local route also recomputes the history's last partial block
+    (``held % block``), which a pull carries over. ``decode_local_s`` is also what the local
+    prefill costs decode's other sessions: their next token waits once for it.
 
-    The rates are the local pair's (SmolLM2-135M in bf16 on a 2-core Zen 4 EPYC; cold prefill of
+    The defaults are the local pair's (SmolLM2-135M in bf16 on a 2-core Zen 4 EPYC; cold prefill of
     2,134 tokens ran at 407-438 tokens/s in ``docs/bench/routes-epyc-zen4.json``'s first turns):
     prefill and decode are the same hardware there, so the rates are equal. ``leg_s`` and the
     transfer rate are assumptions, not measured apart (the tier's NIXL write rate stands in for
-    the pull); on that pair the routes measured level with an idle decode, and ``auto`` is
-    decided by ``RoutePolicy.decode_max_tokens`` first. On a GPU deployment both rates are tens
-    of times higher, a decode GPU's local prefill of a few hundred tokens costs milliseconds,
-    and ``leg_s`` and the transfer stay: the local route wins by more.
+    the pull), and the fixed and quadratic terms are 0; on that pair the routes measured level
+    with an idle decode, and ``auto`` is decided by ``RoutePolicy.decode_max_tokens`` first. On a
+    GPU deployment every rate is tens of times off: ``agentkv calibrate`` measures them on the
+    servers and writes them into the cluster file (``route_cost``), which the cluster reads.
     """
 
     leg_s: float = 0.03
@@ -95,22 +110,103 @@ class RouteCostModel:
     bytes_per_token: int = 23_040
     # The servers' KV block size when the cluster does not say (vLLM's CPU backend; GPUs: 16).
     block_size: int = 128
+    transfer_fixed_s: float = 0.0
+    prefill_s_per_token2: float = 0.0
+    decode_fixed_s: float = 0.0
+    decode_s_per_token2: float = 0.0
+    prefill_fixed_s: float = 0.0
 
     def __post_init__(self) -> None:
         rates = (self.prefill_tokens_per_s, self.decode_tokens_per_s, self.transfer_bytes_per_s)
         sizes = (self.bytes_per_token, self.block_size)
         if not all(math.isfinite(r) and r > 0 for r in rates) or min(sizes) <= 0:
             raise ConfigError("the route cost model's rates and sizes must be positive")
-        if not (math.isfinite(self.leg_s) and self.leg_s >= 0):
-            raise ConfigError(f"leg_s must not be negative, got {self.leg_s}")
+        for name in ("leg_s", "transfer_fixed_s", "prefill_s_per_token2", "decode_fixed_s",
+                     "decode_s_per_token2", "prefill_fixed_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must not be negative, got {value!r}")
+
+    @classmethod
+    def from_wire(cls, raw: object, *, source: str = "route_cost") -> RouteCostModel:
+        """From a cluster file's ``route_cost`` object (``agentkv calibrate`` writes it); keys
+        it does not know are refused, so that a typo is not silently the default."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{source}: 'route_cost' must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown route_cost keys {', '.join(map(str, unknown))}")
+        try:
+            return cls(**{str(k): v for k, v in raw.items()})
+        except TypeError as exc:
+            raise ConfigError(f"{source}: route_cost is malformed: {exc}") from exc
+
+    def to_wire(self) -> dict[str, float | int]:
+        """The fields, for a cluster file (``from_wire`` reads them back)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def prefill_s(self, *, held: int, new: int) -> float:
+        """Prefill's compute of ``new`` tokens after ``held`` cached ones."""
+        quad = self.prefill_s_per_token2 * ((held + new) ** 2 - held**2)
+        return self.prefill_fixed_s + new / self.prefill_tokens_per_s + quad
+
+    def transfer_s(self, tokens: int) -> float:
+        """One handover of ``tokens`` tokens' KV (none: free)."""
+        if tokens <= 0:
+            return 0.0
+        return self.transfer_fixed_s + tokens * self.bytes_per_token / self.transfer_bytes_per_s
 
     def pull_s(self, *, held: int, new: int) -> float:
-        moved = (held + new) * self.bytes_per_token / self.transfer_bytes_per_s
-        return 2 * self.leg_s + moved + new / self.prefill_tokens_per_s
+        return (2 * self.leg_s + self.transfer_s(held) + self.transfer_s(new)
+                + self.prefill_s(held=held, new=new))
+
+    def recompute_s(self, *, held: int, new: int) -> float:
+        return 2 * self.leg_s + self.prefill_s(held=0, new=held + new) + self.transfer_s(held + new)
+
+    def decode_local_s(self, *, held: int, new: int, block: int | None = None) -> float:
+        """Decode's own compute of ``new`` tokens and the history's partial last block: also
+        the one-time wait it puts on the next token of decode's other sessions."""
+        tail = held % (block or self.block_size)
+        quad = self.decode_s_per_token2 * ((held + new) ** 2 - (held - tail) ** 2)
+        return self.decode_fixed_s + (new + tail) / self.decode_tokens_per_s + quad
 
     def decode_s(self, *, held: int, new: int, queued: int = 0, block: int | None = None) -> float:
-        tail = held % (block or self.block_size)
-        return self.leg_s + (queued + new + tail) / self.decode_tokens_per_s
+        return (self.leg_s + queued / self.decode_tokens_per_s
+                + self.decode_local_s(held=held, new=new, block=block))
+
+    def pull_beats_local_above(
+        self, *, held: int, limit: int, block: int | None = None
+    ) -> int | None:
+        """The fewest new tokens (up to ``limit``) whose pull is faster than decode computing
+        them, after ``held`` tokens; ``None``: decode is faster for every append up to it."""
+        return _first_true(
+            lambda n: self.pull_s(held=held, new=n) < self.decode_s(held=held, new=n, block=block),
+            limit,
+        )
+
+    def pull_beats_recompute_above(self, *, new: int, limit: int) -> int | None:
+        """The fewest held tokens (up to ``limit``) whose pull, with ``new`` tokens appended,
+        is faster than recomputing the whole prompt; ``None`` if none is."""
+        return _first_true(
+            lambda h: self.pull_s(held=h, new=new) < self.recompute_s(held=h, new=new), limit
+        )
+
+
+def _first_true(holds: Callable[[int], bool], limit: int) -> int | None:
+    """The smallest ``n`` in ``[1, limit]`` where ``holds(n)``, for a condition that turns true
+    once: on a doubling grid, then by bisection below the first grid point where it holds."""
+    if limit < 1:
+        return None
+    low, high = 0, 1
+    while not holds(high):
+        if high >= limit:
+            return None
+        low, high = high, min(2 * high, limit)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if holds(middle) else (middle, high)
+    return high
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,7 +234,8 @@ class RoutePolicy:
             measured within the 10% they may pay. A GPU decode computes hundreds of tokens in a
             few milliseconds: the same measurement there (``benchmarks/route_itl.py``) sets a
             higher one.
-        cost: the cost model ``auto`` compares the routes by.
+        cost: the cost model ``auto`` compares the routes by: the local pair's defaults, or
+            what ``agentkv calibrate`` measured (a cluster file's ``route_cost``).
     """
 
     decode_max_tokens: int = 512

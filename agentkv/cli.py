@@ -1,4 +1,5 @@
-"""The ``agentkv`` command line: ``up``, ``down``, ``status``, ``demo``, ``proxy``, ``bench``.
+"""The ``agentkv`` command line: ``up``, ``down``, ``status``, ``demo``, ``proxy``, ``bench``,
+``calibrate``.
 
 Environment variables are read here and nowhere else (``AGENTKV_CLUSTER``, ``AGENTKV_CPU_ISA``);
 everything below the CLI takes typed config objects.
@@ -146,6 +147,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_agent_demo(_cluster_file(args), out=sys.stdout)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from agentkv.bench._calibrate_cli import cmd_calibrate as run_calibrate
+
+    return run_calibrate(args, cluster_file=_cluster_file(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log every turn to stderr")
@@ -208,11 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--turns", type=int, default=4, help="turns of the --chat demo")
     demo.set_defaults(func=cmd_demo)
 
+    from agentkv.bench._calibrate_cli import add_parser as add_calibrate
     from agentkv.bench._cli import add_parser as add_bench
     from agentkv.proxy._cli import add_parser as add_proxy
 
     add_proxy(sub)
     add_bench(sub)
+    add_calibrate(sub).set_defaults(func=cmd_calibrate)
 
     prep = sub.add_parser("prepare-model", help="prepare a local model into the cache")
     prep.add_argument("--model", choices=sorted(MODELS), default=DEFAULT_MODEL)

@@ -33,6 +33,7 @@ import httpx2
 
 import agentkv
 from agentkv import CachePolicy, HandleState, Message
+from agentkv._client import kv
 from agentkv.local._config import ClusterRecord, LocalClusterConfig
 from agentkv.local._cpu import read_cpu_info
 from agentkv.local._launch import start_cluster, stop_cluster
@@ -144,8 +145,8 @@ def _wrong_kv_drift(cluster_file: Path, server: str, model: str) -> dict[str, An
         donor.send("Which book is in row 3?")
         assert donor.handle is not None
         # Deliberately wrong: the donor's KV behind the victim's prompt.
-        victim._state.handle = donor.handle
-        donor._state.handle = None
+        victim._state.apply(kv.Step(kv.Pinned(handle=donor.handle)))
+        donor._state.apply(kv.detached(donor._state.kv))
         result = victim.send(QUESTIONS[1])
         assert result.stats.handle_state is HandleState.ATTACHED
         prompt = _prompt_of(victim, result)

@@ -2,7 +2,7 @@
 
 A session with a long history (CONTEXT tokens) is pinned on decode; another session streams a
 long answer on the same decode; while it streams, the first session persists its turn-end KV
-to the file tier (``session.persist()``: decode writes the pinned blocks and fsyncs them).
+to the file tier (``session.offload()``: decode writes the pinned blocks and fsyncs them).
 Printed: how long the persist took, how many of the streaming session's tokens arrived while it
 ran, and the streaming session's longest gap between tokens during the persist against its
 median gap outside it. Before issue 39's item 7 the write ran on decode's engine thread: no
@@ -59,7 +59,7 @@ async def _round(cluster: AsyncCluster, context: int, answer: int) -> dict[str, 
     async def persist() -> bool:
         await started.wait()
         window.append(time.perf_counter())
-        ref = await big.persist()
+        ref = await big.offload()
         window.append(time.perf_counter())
         return ref is not None
 

@@ -37,11 +37,12 @@ from agentkv._agent.events import (
 from agentkv._agent.tool_calling import AUTO, FINAL, REQUIRED, JsonToolCalling, ToolCalling
 from agentkv._agent.tools import Tool
 from agentkv._agent.toolset import ToolResult, ToolSet
+from agentkv._client import kv
 from agentkv._client.cluster import AsyncCluster, Cluster
+from agentkv._client.offload import OffloadMode
 from agentkv._client.portal import Portal
 from agentkv._client.session import AsyncSession, Session, TurnOverrides
 from agentkv._log import get_logger
-from agentkv._policy import PersistMode
 from agentkv._types import Message, MessageLike, TextDelta, TurnResult
 from agentkv._wire.fields import check_extra_body
 
@@ -107,7 +108,7 @@ class _AgentCore:
         self.expected_tool_s = expected_tool_s if expected_tool_s is not None else tool_timeout_s
         # A timeout bounds a tool call, it does not predict it: only an expected duration the
         # caller gave may send the pin to the file tier (CachePolicy.decide_tier).
-        self._persist: PersistMode = "auto" if expected_tool_s is not None else "pin"
+        self._offload: OffloadMode = "auto" if expected_tool_s is not None else "never"
         self.force_final_answer = force_final_answer
         self._extra_body = dict(extra_body or {})
         check_extra_body(self._extra_body)  # fail at construction, not on the first turn
@@ -195,7 +196,7 @@ class _AgentCore:
         async with AsyncExitStack() as waiting:
             if self.expected_tool_s is not None:
                 await waiting.enter_async_context(
-                    session.tool_wait(expected_s=self.expected_tool_s, persist=self._persist)
+                    session.tool_wait(expected_s=self.expected_tool_s, offload=self._offload)
                 )
             async for position, tool_result in self.tools.run_many(
                 reply.calls, parallel=self.parallel_tool_calls, timeout_s=self.tool_timeout_s
@@ -205,7 +206,7 @@ class _AgentCore:
         done = tuple(r for r in results if r is not None)
         session.append(*(self.tool_calling.result_message(r) for r in done))
         tools_s = time.perf_counter() - started
-        overdue = session.policy.overdue_s(session.handle, now=_clock(session)())
+        overdue = kv.overdue_s(session._kv, policy=session.policy, now=_clock(session)())
         if overdue is not None:
             logger.warning(
                 "agentkv.handle_expired_during_tools",

@@ -113,6 +113,11 @@ class _Twin(Generic[SessionT]):
         return self._pool.block_size
 
     @property
+    def max_model_len(self) -> int | None:
+        """The servers' context in tokens, once a turn's rendering or the cluster file said it."""
+        return self._pool.max_model_len
+
+    @property
     def prefill_weights(self) -> PrefillWeights:
         return self._pool.prefill_weights
 

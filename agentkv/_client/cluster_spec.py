@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from agentkv._client.pool import ClusterOptions
 from agentkv._exceptions import ConfigError
 from agentkv._policy import CachePolicy
+from agentkv._route import RouteCostModel, RoutePolicy
 from agentkv._types import Pair
 from agentkv._wire.json import JSONDecodeError, loads
 
@@ -49,12 +51,18 @@ def parse_spec(spec: object, source: str) -> tuple[list[Pair], str, ClusterOptio
     if "max_model_len" in spec:  # agentkv up records it; the pool validates it
         extra["max_model_len"] = spec["max_model_len"]
     threshold = spec.get("kv_recompute_threshold")
+    policy: dict[str, Any] = {}
     if threshold is not None:
         # The servers' own threshold: handles are worth attaching down to it (the local pair
         # pulls whatever prefill lacks: 1), not only down to vLLM's default 64.
         if type(threshold) is not int or threshold < 0:
             raise ConfigError(f"{source}: 'kv_recompute_threshold' must be a non-negative integer")
-        extra["policy"] = CachePolicy(recompute_threshold=threshold)
+        policy["recompute_threshold"] = threshold
+    if "route_cost" in spec:  # measured by `agentkv calibrate`: what `route="auto"` decides by
+        policy["route"] = RoutePolicy(cost=RouteCostModel.from_wire(spec["route_cost"],
+                                                                    source=source))
+    if policy:
+        extra["policy"] = CachePolicy(**policy)
     if "pairs" not in spec and ("prefill" in spec or "decode" in spec):
         prefills = _servers(spec.get("prefill"), "prefill", source)
         decodes = _servers(spec.get("decode"), "decode", source)

@@ -6,25 +6,20 @@ import contextlib
 import math
 import os
 import uuid
+import warnings
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from typing import Any, Literal, Protocol, Unpack
 
-from agentkv._client.leasing import (
-    ToolWait,
-    begin_wait,
-    delete_tier,
-    end_wait,
-    extend_handle,
-    persist_handle,
-    release_handle,
-    release_pinned,
-)
-from agentkv._client.persist import load_state, restore, restore_bytes
+from agentkv._client import kv, leasing
+from agentkv._client import tool_wait as waits
+from agentkv._client.offload import OffloadMode, check_offload
 from agentkv._client.pool import PairPool
+from agentkv._client.save_file import load_state, restore, restore_bytes
 from agentkv._client.session_base import SessionBase, as_message, merge_options
 from agentkv._client.state import SessionState
+from agentkv._client.tool_wait import ToolWait
 from agentkv._client.turn import TurnRunner
-from agentkv._policy import CachePolicy, PersistMode, check_persist_mode
+from agentkv._policy import CachePolicy, PersistMode
 from agentkv._prompt.transcript import Transcript
 from agentkv._types import (
     Message,
@@ -85,8 +80,9 @@ class AsyncSession(SessionBase):
         self,
         *,
         final: bool = False,
-        persist: PersistMode = "auto",
+        offload: OffloadMode = "auto",
         request_secret: str | None = None,
+        persist: PersistMode | None = None,
         **overrides: Unpack[TurnOverrides],
     ) -> TurnResult:
         """Send the pending messages and return the assistant's answer.
@@ -98,9 +94,8 @@ class AsyncSession(SessionBase):
         ``final=True`` says no turn follows: decode (with agentkv's extension) pins nothing for a
         next one. The session stays open; a further turn just recomputes.
 
-        ``persist="disk"`` says the next turn is far off: right after this one, the turn-end KV
-        is persisted to decode's file tier and decode's pin freed (``persist()``); ``"auto"``
-        and ``"pin"`` keep the pin.
+        ``offload="always"``: the next turn is far off, so the turn-end KV goes to decode's file
+        tier right after this one (``offload()``); ``"auto"`` and ``"never"`` keep the pin.
 
         ``request_secret`` tags the turn's D leg (``X-Request-Id``) for a caller that records it
         elsewhere before the turn, as a proxy replica does in its session store: should the
@@ -108,7 +103,7 @@ class AsyncSession(SessionBase):
         decode pinned for it. By default each D leg gets a fresh secret of its own.
         """
         options = merge_options(self._state.options, overrides)
-        check_persist_mode(persist)
+        mode = check_offload(offload, persist)
         await self._close_abandoned()
         self._check_turnable()
         self._state.begin_turn()
@@ -119,7 +114,7 @@ class AsyncSession(SessionBase):
                 options,
                 stream=False,
                 final=final,
-                persist=persist,
+                offload=mode,
                 request_secret=request_secret,
             )
             result = None
@@ -142,18 +137,19 @@ class AsyncSession(SessionBase):
         /,
         *,
         final: bool = False,
-        persist: PersistMode = "auto",
+        offload: OffloadMode = "auto",
         request_secret: str | None = None,
+        persist: PersistMode | None = None,
         **overrides: Unpack[TurnOverrides],
     ) -> TurnResult:
         """Append ``message`` (text is a user message) and run a turn; on failure, un-append it."""
         self._check_open()
-        check_persist_mode(persist)
+        mode = check_offload(offload, persist)
         keep = len(self._state.transcript.pending)
         self.append(Message.user(message) if isinstance(message, str) else message)
         try:
             return await self.turn(
-                final=final, persist=persist, request_secret=request_secret, **overrides
+                final=final, offload=mode, request_secret=request_secret, **overrides
             )
         except BaseException:
             # Only this message: others appended while the turn ran stay queued.
@@ -164,8 +160,9 @@ class AsyncSession(SessionBase):
         self,
         *,
         final: bool = False,
-        persist: PersistMode = "auto",
+        offload: OffloadMode = "auto",
         request_secret: str | None = None,
+        persist: PersistMode | None = None,
         **overrides: Unpack[TurnOverrides],
     ) -> AsyncIterator[TextDelta | TurnResult]:
         """Run a turn: ``TextDelta`` pieces as decode produces them, then the ``TurnResult``.
@@ -177,11 +174,11 @@ class AsyncSession(SessionBase):
         yielded. ``request_secret`` as for ``turn()``.
         """
         options = merge_options(self._state.options, overrides)
-        check_persist_mode(persist)
+        mode = check_offload(offload, persist)
         self._check_turnable(abandoned_ok=True)
         holder: list[AsyncGenerator[TextDelta | TurnResult, None]] = []
         stream = self._stream(
-            options, final=final, persist=persist, holder=holder, request_secret=request_secret
+            options, final=final, offload=mode, holder=holder, request_secret=request_secret
         )
         holder.append(stream)
         return stream
@@ -196,7 +193,7 @@ class AsyncSession(SessionBase):
         options: SessionOptions,
         *,
         final: bool,
-        persist: PersistMode,
+        offload: OffloadMode,
         holder: list[AsyncGenerator[TextDelta | TurnResult, None]],
         request_secret: str | None,
     ) -> AsyncGenerator[TextDelta | TurnResult, None]:
@@ -212,7 +209,7 @@ class AsyncSession(SessionBase):
                 options,
                 stream=True,
                 final=final,
-                persist=persist,
+                offload=offload,
                 request_secret=request_secret,
             )
             async with contextlib.aclosing(runner.events()) as events:
@@ -224,59 +221,61 @@ class AsyncSession(SessionBase):
                 state.stream = None
 
     async def extend_handle(self, ttl_s: float) -> float | None:
-        """Ask decode to keep the stored handle at least ``ttl_s`` more seconds.
-
-        Returns the handle's new deadline (session clock), or ``None`` when nothing was extended:
-        no handle, a decode without agentkv's extension, a failed call, or a handle decode no
-        longer holds (it is then dropped, and the next turn says why). Never raises for the
-        server's sake. ``tool_wait()`` decides the TTL for you.
+        """Ask decode to keep the pin at least ``ttl_s`` more seconds: the handle's new deadline
+        (session clock), or ``None``: no pin, a stock decode, a failed call, or a pin decode no
+        longer holds (then dropped; the next turn says why). Never raises for the server's sake.
         """
         self._check_open()
         if not (math.isfinite(ttl_s) and ttl_s > 0):
             raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s}")
-        return await extend_handle(self._pool, self._state, ttl_s, reason="explicit")
+        return await leasing.extend(self._pool, self._state, ttl_s, reason="explicit")
 
-    async def persist(self) -> TierRef | None:
-        """Persist the stored handle to decode's file tier now, and free decode's pin.
+    async def offload(self) -> TierRef | None:
+        """Offload the pin to decode's file tier now, and free decode's memory; the tier
+        reference (also ``session.tier``), which the next turn's prefill loads, or ``None``: no
+        pin, no extension or tier on decode, a failed write or call (the pin then stays).
 
-        Returns the tier reference (also ``session.tier``), or ``None`` when nothing was
-        persisted: no handle, a decode without agentkv's extension or without a tier, a failed
-        write or call (the pin then stays as it was). Never raises for the server's sake. The
-        next turn's prefill loads the persisted KV from the tier.
-
-        >>> ref = await session.persist()  # the user went for lunch  # doctest: +SKIP
+        >>> ref = await session.offload()  # the user went for lunch  # doctest: +SKIP
         """
         self._check_open()
-        with self._state.holding("persist"):
-            return await persist_handle(self._pool, self._state, reason="explicit")
+        with self._state.holding("offload"):
+            return await leasing.offload(self._pool, self._state, reason="explicit")
+
+    async def persist(self) -> TierRef | None:
+        """Deprecated name of ``offload()``."""
+        warnings.warn("session.persist() is deprecated: use offload()", DeprecationWarning, 2)
+        return await self.offload()
 
     async def unpin(self) -> Literal["persisted", "released"] | None:
         """Free the decode memory this session's next turn would reuse, now.
 
-        Persisted to decode's file tier where it has one (the next turn loads it back), else
-        released (the next turn recomputes its history, from prefill's prefix cache where it
-        still holds it). ``None`` when nothing was pinned or the release failed. For an idle
-        session while decode's memory is nearly full (the proxy's pressure relief). Never
-        raises for the server's sake.
+        Offloaded to decode's file tier where it has one, else released (the next turn
+        recomputes). ``None`` when nothing was pinned or the release failed. For an idle session
+        while decode's memory is nearly full (the proxy's pressure relief).
         """
         self._check_open()
         with self._state.holding("unpin"):
-            if await persist_handle(self._pool, self._state, reason="unpin") is not None:
+            if await leasing.offload(self._pool, self._state, reason="unpin") is not None:
                 return "persisted"
-            return "released" if await release_pinned(self._pool, self._state) else None
+            return "released" if await leasing.unpin(self._pool, self._state) else None
 
     @contextlib.asynccontextmanager
     async def tool_wait(
-        self, *, expected_s: float, persist: PersistMode = "auto"
+        self,
+        *,
+        expected_s: float,
+        offload: OffloadMode = "auto",
+        persist: PersistMode | None = None,
     ) -> AsyncIterator[ToolWait]:
         """Wrap a tool call (or any pause between turns) of about ``expected_s`` seconds.
 
         On entry the policy decides what the handle does during the wait
-        (``CachePolicy.decide_tier``): with ``persist="auto"``, a wait of at least
-        ``policy.persist_after_s`` on a decode with a file tier persists it there (decode's
-        memory is freed; the next turn loads it back in milliseconds); ``"disk"`` always
-        persists where a tier exists, ``"pin"`` never does. A kept pin is extended when the
-        wait would outlast its deadline (``decide_extend``). On exit the yielded ``ToolWait``
+        (``CachePolicy.decide_tier``): with ``offload="auto"``, a wait of at least
+        ``policy.persist_after_s`` on a decode with a file tier offloads it there (decode's
+        memory is freed; the next turn loads it back in milliseconds); ``"always"`` always
+        offloads where a tier exists, ``"never"`` never does (``persist=``, ``"pin"`` and
+        ``"disk"``: the old words, deprecated). A kept pin is extended when the wait would
+        outlast its deadline (``decide_extend``). On exit the yielded ``ToolWait``
         says whether the handle (or its tier entry) survived, and so does the next turn's
         ``handle_reason``. Never raises for the server's sake.
 
@@ -286,12 +285,12 @@ class AsyncSession(SessionBase):
         (True, True)
         """
         self._check_open()
-        check_persist_mode(persist)
-        wait = await begin_wait(self._pool, self._state, expected_s=expected_s, persist=persist)
+        mode = check_offload(offload, persist, stacklevel=4)
+        wait = await waits.begin_wait(self._pool, self._state, expected_s=expected_s, mode=mode)
         try:
             yield wait
         finally:
-            end_wait(self._pool, self._state, wait)
+            waits.end_wait(self._pool, self._state, wait)
 
     def fork(
         self,
@@ -323,43 +322,24 @@ class AsyncSession(SessionBase):
         return child
 
     async def aclose(self) -> None:
-        """Close the session: release its handle on decode and free its place on the pair.
-
-        The release (agentkv's extension only) is best effort: a decode that cannot be reached
-        keeps the pin until its TTL, and the close still succeeds.
-        """
-        state = self._state
+        """Close the session: release its pin (or delete its tier entry) and free its place on
+        the pair. Best effort: an unreachable decode keeps the pin until its TTL."""
+        state, pool = self._state, self._pool
         if state.closed:
             return
         await self._close_abandoned()
         state.close()
-        # Releases of this session's lost D legs, still in flight: done before close returns.
-        pool = self._pool
-        await pool.leases.settle()
-        handle, state.handle = state.handle, None
-        tier = state.take_tier()
+        await pool.leases.settle()  # releases of lost D legs still in flight: done first
         pool.release(state.pair)
-        if (
-            handle is not None
-            and not pool.closed
-            and state.policy.decide_release(handle, now=pool.clock())
-        ):
-            await release_handle(pool, state, handle, reason="close")
-        if tier is not None and not pool.closed:
-            await delete_tier(pool, state, tier[0], pair=tier[1], reason="close")
+        await leasing.close(pool, state)
 
     def detach(self) -> None:
-        """Close this copy of the session without releasing its handle on decode.
-
-        For a session that lives on elsewhere: another process (a proxy replica sharing
-        sessions) holds its snapshot and will send or release the handle (or delete its tier
-        entry). Frees this copy's place on its pair; idempotent.
-        """
+        """Close this copy without releasing its KV, for a session that lives on elsewhere (a
+        proxy replica's snapshot will send or release it). Frees its place; idempotent."""
         state = self._state
         if not state.closed:
             state.close()
-            state.handle = None
-            state.take_tier()
+            state.apply(kv.detached(state.kv))
             self._pool.release(state.pair)
 
     async def __aenter__(self) -> AsyncSession:
@@ -395,7 +375,7 @@ def open_session(
 
 
 def load_session(pool: PairPool, path: str | os.PathLike[str]) -> AsyncSession:
-    """The session saved at ``path``, placed on ``pool`` (see ``_persist.load_state``)."""
+    """The session saved at ``path``, placed on ``pool`` (see ``save_file.load_state``)."""
     return AsyncSession(load_state(path, pool), pool=pool)
 
 
@@ -407,7 +387,7 @@ def restore_session(
     drop_handle: str | None = None,
 ) -> AsyncSession:
     """The session from a ``snapshot()`` dict or ``snapshot_bytes()``, placed on ``pool`` (see
-    ``_persist.restore``)."""
+    ``save_file.restore``)."""
     if isinstance(data, bytes):
         state = restore_bytes(data, pool, confirmed=confirmed, drop_handle=drop_handle)
     else:

@@ -8,10 +8,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from agentkv._client.persist import save_state
-from agentkv._client.persist import snapshot as snapshot_state
-from agentkv._client.persist import snapshot_bytes as snapshot_state_bytes
+from agentkv._client import kv
 from agentkv._client.pool import PairPool
+from agentkv._client.save_file import save_state
+from agentkv._client.save_file import snapshot as snapshot_state
+from agentkv._client.save_file import snapshot_bytes as snapshot_state_bytes
 from agentkv._client.state import SessionState
 from agentkv._exceptions import (
     InvalidMessageError,
@@ -98,6 +99,11 @@ class SessionBase:
         tokens; that turn makes it obsolete (it is then deleted), and so does closing the session.
         """
         return self._state.tier
+
+    @property
+    def _kv(self) -> kv.KV:
+        """What the next turn may reuse (``kv``), for agentkv's own loops (agent, proxy)."""
+        return self._state.kv
 
     @property
     def policy(self) -> CachePolicy:
@@ -280,9 +286,7 @@ class SessionBase:
         continued from it may consume or release the pin while this one lives on. Like a loaded
         handle, it is claimed from decode before this session attaches it (one claim call, after
         a copy only); of all the holders, exactly one claim succeeds."""
-        state = self._state
-        if state.handle is not None and state.handle.leased:
-            state.unconfirmed = state.handle
+        self._state.apply(kv.handed_out(self._state.kv))
 
     def _check_open(self) -> None:
         state = self._state

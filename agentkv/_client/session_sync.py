@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
+from agentkv._client import kv
 from agentkv._client.portal import Portal
 from agentkv._client.session_async import AsyncSession
 from agentkv._client.session_base import SessionBase
@@ -128,6 +129,7 @@ class Session(SessionBase):
     send = _blocking(AsyncSession.send)
     stream = _iterating(AsyncSession.stream)
     extend_handle = _blocking(AsyncSession.extend_handle)
+    offload = _blocking(AsyncSession.offload)
     persist = _blocking(AsyncSession.persist)
     unpin = _blocking(AsyncSession.unpin)
     tool_wait = _holding(AsyncSession.tool_wait)
@@ -137,8 +139,7 @@ class Session(SessionBase):
         """Close the session: forget its handle and free its place on the pair."""
         if self._pool.closed:
             self._state.close()  # the loop thread is gone; so is everything it held
-            self._state.handle = None
-            self._state.take_tier()
+            self._state.apply(kv.detached(self._state.kv))
         elif not self._state.closed:
             self._portal.call(self._inner.aclose())
 
@@ -146,7 +147,7 @@ class Session(SessionBase):
         """Close this copy without releasing its handle (see ``AsyncSession.detach``)."""
         if self._pool.closed:
             self._state.close()  # the loop thread is gone; so is everything it held
-            self._state.handle = None
+            self._state.apply(kv.detached(self._state.kv))
         elif not self._state.closed:
 
             async def _detach() -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import hashlib
-from array import array
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agentkv._client import kv
+from agentkv._client.kv import tokens_digest
 from agentkv._client.turn_log import TurnLog
 from agentkv._exceptions import PrefixDivergedError, SessionBusyError, SessionLoadError
 from agentkv._log import turn_logger
@@ -24,17 +24,11 @@ from agentkv._prompt.template import tools_key
 from agentkv._prompt.transcript import Transcript, TurnPrompt
 from agentkv._route import TakenRoute
 from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TurnStats
-from agentkv._wire.decode_answer import no_handle_cause
 from agentkv._wire.handoff import DecodeResult, PrefillResult, TurnRequest
 from agentkv._wire.json import dumps, json_fragment
 from agentkv._wire.tier import TierRef
 
 __all__ = ["SessionState", "TurnOutcome", "pulled_estimate", "tokens_digest"]
-
-
-def tokens_digest(tokens: Iterable[int]) -> str:
-    """A digest of exact token ids: what a tier entry holds, checked against the next prompt."""
-    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,10 +87,9 @@ class SessionState:
     __slots__ = (
         "fingerprint",
         "fingerprint_ok",
-        "handle",
         "ideal_base",
+        "kv",
         "last_prefill",
-        "lost",
         "options",
         "pair",
         "phase",
@@ -104,14 +97,9 @@ class SessionState:
         "prefilled",
         "session_id",
         "stream",
-        "tier",
-        "tier_digest",
-        "tier_pair",
         "tools_key",
         "transcript",
         "turns",
-        "unconfirmed",
-        "wait_note",
         "wire",
         "wire_count",
     )
@@ -134,9 +122,9 @@ class SessionState:
         # serialized once: every D leg carries the whole conversation.
         self.wire = _json_items(m.to_openai() for m in transcript.messages)
         self.wire_count = len(transcript.messages)
-        self.handle: KVHandle | None = None
-        # Why there is no handle, when one was lost (expired, consumed by a failed turn, ...).
-        self.lost: tuple[HandleState, str] | None = None
+        # What the next turn may reuse: nothing, a pin or a tier entry. Written only with what a
+        # transition of ``kv`` returns (``apply``).
+        self.kv: kv.KV = kv.NO_KV
         self.turns = TurnLog()
         # Tokens a perfect handle would give the next turn (previous prompt + generated - 1).
         self.ideal_base = 0
@@ -146,11 +134,6 @@ class SessionState:
         self.last_prefill: str | None = None
         # The tools rendered into the transcript's first prompt; later turns must match.
         self.tools_key: str | None = None
-        # What the last tool wait did to the handle, for the next turn's handle_reason.
-        self.wait_note: str | None = None
-        # A handle read from a save file: decode may have freed (and reused) its blocks since, so
-        # it is attached only once decode confirms the lease (``TurnRunner`` asks).
-        self.unconfirmed: KVHandle | None = None
         # The tokenizer and chat template the transcript's token ids come from (see
         # ``ChatTemplate.fingerprint``); checked against the servers' once per session.
         self.fingerprint: str | None = None
@@ -159,13 +142,23 @@ class SessionState:
         # stopped iterating, it is closed by the next call rather than by garbage collection.
         self.stream: AsyncGenerator[Any, None] | None = None
         self.phase = Lifecycle.IDLE
-        # The session's persisted turn-end KV on the file tier, in place of a released handle:
-        # the reference, the pair whose decode persisted it (the delete goes there), and a
-        # digest of the exact tokens it holds (a prompt that does not start with them never
-        # carries it).
-        self.tier: TierRef | None = None
-        self.tier_pair: str | None = None
-        self.tier_digest: str | None = None
+
+    # --- the reusable KV ---------------------------------------------------------------------
+
+    def apply(self, step: kv.Step) -> kv.Effects:
+        """Take a transition's new value; its effects, for the executor (``leasing.run``)."""
+        self.kv = step.kv
+        return step.effects
+
+    @property
+    def handle(self) -> KVHandle | None:
+        """The pin's handle, if the session holds one."""
+        return kv.handle_of(self.kv)
+
+    @property
+    def tier(self) -> TierRef | None:
+        """The tier entry's reference, if the session holds one."""
+        return kv.tier_of(self.kv)
 
     # --- the lifecycle -----------------------------------------------------------------------
 
@@ -207,41 +200,11 @@ class SessionState:
         elif self.phase is Lifecycle.RUNNING:
             self.phase = Lifecycle.CLOSING
 
-    def move_to(self, pair: Pair) -> None:
+    def move_to(self, pair: Pair, *, now: float) -> kv.Effects:
+        """Move to ``pair`` (its prefill's cache holds nothing of ours); the KV's effects."""
         self.pair = pair
         self.prefilled = 0
-        self.drop_handle(HandleState.INVALIDATED, f"the session moved to pair {pair.name}")
-        if self.tier is not None and self.tier_pair != pair.name:
-            # Another host's tier cannot be read here.
-            self.take_tier()
-            self.lost = (HandleState.INVALIDATED, f"the session moved to pair {pair.name}")
-
-    def set_tier(self, ref: TierRef, *, pair: str) -> None:
-        """The handle was persisted as ``ref`` by ``pair``'s decode (and its pin freed)."""
-        self.tier, self.tier_pair = ref, pair
-        self.tier_digest = tokens_digest(self.transcript.token_ids[: ref.n_tokens])
-        self.lost = None
-
-    def take_tier(self) -> tuple[TierRef, str] | None:
-        """Forget the tier entry; the reference and its pair, for the delete."""
-        ref, pair = self.tier, self.tier_pair
-        self.tier = self.tier_pair = self.tier_digest = None
-        return None if ref is None or pair is None else (ref, pair)
-
-    def tier_matches(self, prompt: Sequence[int]) -> bool:
-        """Whether ``prompt`` starts with exactly the tokens the tier entry holds."""
-        ref = self.tier
-        return (
-            ref is not None
-            and len(prompt) >= ref.n_tokens
-            and tokens_digest(prompt[: ref.n_tokens]) == self.tier_digest
-        )
-
-    def drop_handle(self, state: HandleState, reason: str) -> None:
-        """Forget the handle (if any), remembering why for the next turn's stats."""
-        if self.handle is not None:
-            self.handle = None
-            self.lost = (state, reason)
+        return self.apply(kv.moved(self.kv, pair=pair.name, policy=self.policy, now=now))
 
     def check_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> None:
         """``PrefixDivergedError`` unless ``tools`` are those rendered into the first prompt."""
@@ -280,7 +243,7 @@ class SessionState:
         )
 
     def commit(self, outcome: TurnOutcome, *, block_size: int | None) -> TurnStats:
-        """Record a successful turn (transcript, handle, stats, log event).
+        """Record a successful turn (transcript, stats, log event); the KV is ``kv.committed``'s.
 
         ``block_size`` is the servers' KV block size, when known (it sharpens ``pulled_tokens``).
         """
@@ -293,9 +256,7 @@ class SessionState:
             finish_reason=result.finish_reason,
         )
         self.tools_key = tools_key(outcome.tools)
-        added = _json_items(
-            [*(m.to_openai() for m in prompt.messages), result.message.to_openai()]
-        )
+        added = _json_items([*(m.to_openai() for m in prompt.messages), result.message.to_openai()])
         self.wire = b",".join((self.wire, added)) if self.wire else added
         self.wire_count += len(prompt.messages) + 1
         prompt_len = len(prompt)
@@ -344,20 +305,6 @@ class SessionState:
             max_tokens_clamped_from=outcome.max_tokens_clamped_from,
         )
         self.turns.append(stats)
-        self.handle = result.handle
-        self.wait_note = None
-        if result.handle is not None:
-            self.lost = None
-        elif final:
-            self.lost = (HandleState.NONE, "the previous turn was final: decode pinned nothing")
-        else:
-            cause = no_handle_cause(result.finish_reason, result.stop_reason)
-            self.lost = (
-                HandleState.NONE,
-                f"the previous turn ended on a {cause.replace('_', ' ')}: vLLM kept no KV for it"
-                if cause is not None
-                else "decode returned no handle",
-            )
         self.ideal_base = prompt_len + len(result.token_ids) - 1
         log = turn_logger()
         if log is None:

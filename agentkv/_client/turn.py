@@ -21,10 +21,8 @@ Retry rules (each attempt is a whole P leg + D leg, so a decode failure re-runs 
   (or refused), a prompt that leaves no room is a ``ContextLengthError``, and so is a server's
   own 400 about the context.
 
-With agentkv's extension on decode, the D leg carries a persist hint (``CachePolicy.
-decide_persist``: pin for the next turn, or nothing on a final turn), and a leased handle the
-policy does not attach (below the recompute threshold, diverged) is released rather than left
-pinned until its TTL.
+What the turn does with the session's KV is ``kv``'s to decide (take, commit, ...), and the
+legs' HTTP calls are ``turn_legs``'; this module directs the attempt and its retries.
 """
 
 from __future__ import annotations
@@ -32,50 +30,35 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_exponential, wait_random
 
-from agentkv._client.leasing import (
-    delete_tier_soon,
-    persist_handle,
-    release_handle,
-    release_lost,
-    release_soon,
-)
+from agentkv._client import kv, leasing
+from agentkv._client.offload import OffloadMode
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState, TurnOutcome
-from agentkv._client.turn_handle import confirm_loaded, release_unsent, take_handle
+from agentkv._client.turn_legs import TurnLegs
 from agentkv._exceptions import (
     BadRequestError,
     ConnectError,
     InvalidMessageError,
-    MalformedResponseError,
     ServerError,
     TransportError,
-    UpstreamStatusError,
 )
 from agentkv._log import get_logger
-from agentkv._policy import PersistMode
 from agentkv._prompt.transcript import TurnPrompt
-from agentkv._types import HandleState, KVHandle, Pair, SessionOptions, TextDelta, TurnResult
+from agentkv._types import HandleState, Pair, SessionOptions, TextDelta, TurnResult
 from agentkv._window import context_error, fit_max_tokens
-from agentkv._wire.decode_answer import StreamAccumulator, parse_decode, unexplained
 from agentkv._wire.handoff import (
-    DECODE_ECHO,
     DecodeResult,
     PrefillResult,
     TurnRequest,
     decode_body,
-    parse_prefill,
-    prefill_body,
 )
-from agentkv._wire.hints import new_request_secret, request_tag
-from agentkv._wire.http import post_json, stream_events
 from agentkv._wire.json import json_fragment
-from agentkv._wire.tier import TierRef
 
 __all__ = ["TurnRunner"]
 
@@ -86,7 +69,7 @@ logger = get_logger("agentkv")
 _CHAT_PATH = "/v1/chat/completions"
 
 
-class TurnRunner:
+class TurnRunner(TurnLegs):
     """Runs one turn of a session; ``events()`` yields text deltas (streaming) then the result.
 
     The one place that directs a turn: it reads the session's state, calls the pool for every
@@ -102,7 +85,7 @@ class TurnRunner:
         *,
         stream: bool,
         final: bool = False,
-        persist: PersistMode = "auto",
+        offload: OffloadMode = "auto",
         request_secret: str | None = None,
     ) -> None:
         self._pool = pool
@@ -111,7 +94,7 @@ class TurnRunner:
         self._options = options
         self._stream = stream
         self._final = final
-        self._persist = persist
+        self._offload = offload
         self._started = time.perf_counter()
         self._attempts = 0
         self._yielded = False
@@ -180,12 +163,8 @@ class TurnRunner:
         self._attempts += 1
         pair = await pool.pair_for(state.session_id, state.pair)
         if pair is not state.pair:
-            handle, tier, tier_pair = state.handle, state.tier, state.tier_pair
-            state.move_to(pair)
             # The old pair's decode may be alive (its prefill was the one that failed).
-            await release_unsent(self._pool, self._state, handle, reason="moved")
-            if tier is not None and tier_pair is not None and state.tier is None:
-                delete_tier_soon(pool, state, tier, pair=tier_pair, reason="moved")
+            await leasing.run(pool, state, state.move_to(pair, now=pool.clock()))
         try:
             async with contextlib.aclosing(self._legs(pair)) as events:
                 async for event in events:
@@ -200,25 +179,27 @@ class TurnRunner:
             pool.mark_down(pair, reason=str(exc))
             # A server that refused a connection may come back restarted, its block ids reused
             # by other requests: a handle into it is never safe again.
-            handle = state.handle
-            state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} was unreachable")
-            # Never sent (prefill refused before the P leg carried it): decode may still pin it.
-            await release_unsent(self._pool, self._state, handle, reason="pair_unreachable")
+            await self._pair_failed(f"pair {pair.name} was unreachable", "pair_unreachable")
             raise
         except (TransportError, ServerError):
             # Lost, timed out or 5xx mid-turn (a vLLM API server whose engine died answers 500
             # before it exits): a server that died under the turn is found now (the probe marks
             # the pair down), so the retry moves instead of running into it again.
             if not await pool.probe(pair):
-                handle = state.handle
-                state.drop_handle(HandleState.INVALIDATED, f"pair {pair.name} stopped answering")
                 # Unsent; the one that stopped answering may be the pair's prefill.
-                await release_unsent(self._pool, self._state, handle, reason="pair_down")
+                await self._pair_failed(f"pair {pair.name} stopped answering", "pair_down")
             if pool.pooled and self._prefill_name is not None:
                 await pool.probe_prefill(self._prefill_name)
             raise
         finally:
             self._prefill_name = None  # a retry chooses again, by the load it then sees
+
+    async def _pair_failed(self, detail: str, reason: str) -> None:
+        state, pool = self._state, self._pool
+        step = kv.pair_failed(
+            state.kv, detail=detail, reason=reason, policy=state.policy, now=pool.clock()
+        )
+        await leasing.run(pool, state, state.apply(step))
 
     def _context_error(self, exc: BadRequestError) -> Exception | None:
         if self._prompt is None:
@@ -252,67 +233,6 @@ class TurnRunner:
         )
         return dataclasses.replace(request, max_tokens=given)
 
-    async def _p_leg(
-        self,
-        pair: Pair,
-        request: TurnRequest,
-        ids: object,
-        sent: KVHandle | None,
-        length: int,
-        *,
-        tier: TierRef | None = None,
-    ) -> tuple[PrefillResult, str]:
-        """The P leg on a prefill chosen by load, and that prefill's name; a handle the leg
-        carried and no prefill will read is released on decode."""
-        # Outstanding tokens: what the prefill computes (the handle's tokens are pulled).
-        covered = sent.num_tokens if sent is not None else tier.n_tokens if tier else 0
-        cost = max(1, length - covered)
-        try:
-            prefill = await self._on_prefill(
-                pair, lambda url: self._prefill(url, request, ids, sent, tier=tier), cost=cost
-            )
-        except ConnectError:
-            # No prefill got the P leg, so none read the handle: free it on decode.
-            await release_unsent(self._pool, self._state, sent, reason="prefill_unreachable")
-            raise
-        except (UpstreamStatusError, MalformedResponseError):
-            # Prefill answered, so it is done with the handle: it pulled the blocks (decode then
-            # freed them, and the release finds nothing) or never will. A lost P leg (timeout,
-            # reset) may still be reading: its handle is left to decode's TTL.
-            await release_unsent(self._pool, self._state, sent, reason="prefill_failed")
-            raise
-        assert self._prefill_name is not None
-        return prefill, self._prefill_name
-
-    async def _on_prefill(
-        self, pair: Pair, call: Callable[[str], Awaitable[T]], *, cost: int = 0
-    ) -> T:
-        """Run ``call`` on a prefill chosen now; in a pool, another prefill if it refuses.
-
-        ``cost`` (tokens) counts as the prefill's load while ``call`` runs. It is added in the
-        same step as the choice, with no await between: turns that start together see each
-        other's load instead of all choosing the same idle prefill.
-        """
-        state, pool = self._state, self._pool
-        tried: set[str] = set()
-        key = f"{state.session_id}/{state.transcript.version + 1}"
-        while True:
-            name = pool.choose_prefill(key, pair, warm=state.last_prefill, exclude=tried)
-            self._prefill_name = name
-            pool.prefill_begin(name, cost)
-            try:
-                return await call(pool.prefill_url(name))
-            except ConnectError as exc:
-                if not pool.pooled:
-                    raise
-                pool.mark_prefill_down(name, reason=str(exc))
-                tried.add(name)
-                logger.warning(
-                    "agentkv.prefill_refused", session_id=state.session_id, prefill=name
-                )
-            finally:
-                pool.prefill_end(name, cost)
-
     async def _prompt_for(self, pair: Pair) -> TurnPrompt:
         # Built once per turn: every server serves the same model, so the tokens hold on any.
         if self._prompt is None:
@@ -338,16 +258,17 @@ class TurnRunner:
         self._request = request
         # Asked once per decode server, then cached: whether to send hints at all.
         supported = await pool.leases.supported(pair.decode)
-        await confirm_loaded(pool, state, supported, len(prompt))
-        taken = take_handle(
-            pool, state, prompt, pair=pair, route=self._options.route,
-            agentkv_decode=supported is True,
+        facts = kv.RouteFacts(
+            route=self._options.route,
+            decode_queued=pool.decode_queued(pair),
+            decode_running=pool.decode_running(pair),
+            block_size=pool.block_size,
+            local_ok=supported is True,  # no turn is computed on a decode without agentkv
         )
+        taken = await leasing.take(pool, state, prompt.token_ids, facts, supported=supported)
         sent, handle_state, reason, tier = taken.sent, taken.state, taken.reason, taken.tier
         route = taken.route
         self._handle_state = handle_state
-        if taken.unsent is not None:
-            await release_handle(pool, state, taken.unsent, reason=handle_state.value)
         ids = json_fragment(prompt.json_ids())
 
         t_prefill = self._t_prefill = time.perf_counter()
@@ -364,9 +285,9 @@ class TurnRunner:
 
         issued_at = pool.clock()
         # A stock decode ignores the hint; one known to be stock gets the request it expects.
-        hint = None if supported is False else state.policy.decide_persist(final=self._final)
+        hint = None if supported is False else kv.pin_hint(state.policy, final=self._final)
         body = decode_body(request, prompt_ids=ids, prefill=prefill, stream=self._stream, hint=hint)
-        releasable = supported is True and hint is not None and hint.persist
+        releasable = supported is True and hint is not None and hint.pin
         # Tokens decode computes itself (the decode route), counted as its load meanwhile.
         local = len(prompt) - (sent.num_tokens if sent else 0) if prefill is None else 0
         result: DecodeResult | None = None
@@ -384,22 +305,37 @@ class TurnRunner:
             # Prefill answered (above), so the handle it carried is done with: free it if the
             # pull did not (cancelled or a stream left early too, hence in the background). On
             # the decode route nobody reads it: it is freed the same way.
-            if sent is not None and state.policy.decide_release(sent, now=pool.clock()):
-                release_soon(pool, state, sent, reason="decode_failed")
+            leasing.start(
+                pool,
+                state,
+                kv.release_sent(
+                    sent,
+                    reason="decode_failed",
+                    policy=state.policy,
+                    now=pool.clock(),
+                    background=True,
+                ),
+            )
             raise
         finally:
             pool.decode_end(pair, local)
         if result is None:  # pragma: no cover - _decode ends with the result or raises
             raise RuntimeError("decode leg ended without a result")
         t_end = time.perf_counter()
-        if (
-            prefill is None
-            and sent is not None
-            and state.policy.decide_release(sent, now=pool.clock())
-        ):
+        if prefill is None:
             # The decode route read the old handle's blocks from decode's cache; the new turn's
             # pin holds them now, so the old pin is only in the way.
-            release_soon(pool, state, sent, reason="decode_route")
+            leasing.start(
+                pool,
+                state,
+                kv.release_sent(
+                    sent,
+                    reason="decode_route",
+                    policy=state.policy,
+                    now=pool.clock(),
+                    background=True,
+                ),
+            )
         # The first token's time, from the first leg's start: all of it on the servers
         # (non-streamed, the whole answer arrives at once).
         server_ttft = self._ttft if self._ttft is not None else t_end - t_prefill
@@ -434,18 +370,20 @@ class TurnRunner:
         """Hand the state what the turn changed; then what the result asks of the new handle."""
         state, pool, result = self._state, self._pool, outcome.result
         stats = state.commit(outcome, block_size=pool.block_size)
-        # The turn's own KV supersedes a persisted one: its entry is obsolete.
-        obsolete = state.take_tier()
-        if obsolete is not None:
-            delete_tier_soon(pool, state, obsolete[0], pair=obsolete[1], reason="used")
-        if state.closed and state.handle is not None:
-            # Closed while this turn ran: nobody will send the new handle.
-            handle, state.handle = state.handle, None
-            if state.policy.decide_release(handle, now=pool.clock()):
-                await release_handle(pool, state, handle, reason="closed_during_turn")
-        elif self._persist == "disk" and state.handle is not None:
+        step = kv.committed(
+            state.kv,
+            handle=result.handle,
+            final=self._final,
+            finish_reason=result.finish_reason,
+            stop_reason=result.stop_reason,
+            closed=state.closed,
             # Asked for: the next turn is far off. The pin stays if the write fails.
-            await persist_handle(pool, state, reason="turn")
+            offload=self._offload == "always",
+            policy=state.policy,
+            now=pool.clock(),
+        )
+        if effects := state.apply(step):
+            await leasing.run(pool, state, effects)
         return TurnResult(
             message=result.message,
             token_ids=result.token_ids,
@@ -454,98 +392,3 @@ class TurnRunner:
             logprobs=result.logprobs,
             stop_sequence=result.stop_reason if isinstance(result.stop_reason, str) else None,
         )
-
-    async def _decode(
-        self,
-        pair: Pair,
-        request: TurnRequest,
-        body: bytes,
-        *,
-        issued_at: float,
-        releasable: bool,
-    ) -> AsyncGenerator[TextDelta | DecodeResult, None]:
-        """The D leg: text deltas (streaming), then the parsed answer."""
-        state = self._state
-        decode_url = pair.decode + _CHAT_PATH
-        dates = {"issued_at": issued_at, "deadline": state.policy.deadline(issued_at)}
-
-        def lease_deadline(ttl_s: float) -> float:  # from the TTL decode granted
-            return state.policy.lease_deadline(sent_at=issued_at, ttl_s=ttl_s)
-
-        summary = request.summary("decode")
-        client = self._pool.poster
-        # A request id of our choosing (vLLM honours X-Request-Id): if the answer, and with it
-        # the handle, never reaches us, its secret still releases what decode pinned for it.
-        secret = self._request_secret or new_request_secret()
-        headers = {"X-Request-Id": request_tag(secret)}
-        self._ttft = None
-        result: DecodeResult | None = None
-        refused = False
-        try:
-            if self._stream:
-                acc = StreamAccumulator(url=decode_url)
-                chunks = stream_events(
-                    client, decode_url, body, summary=summary, headers=headers, unread=DECODE_ECHO
-                )
-                async with contextlib.aclosing(chunks):
-                    async for chunk in chunks:
-                        text = acc.feed(chunk)
-                        if self._ttft is None and (text or acc.has_tokens):
-                            self._ttft = time.perf_counter() - self._t_prefill
-                        if text:
-                            first = not self._yielded
-                            self._yielded = True
-                            yield self._delta(text, first=first)
-                result = acc.result(pair=pair.name, **dates, lease_deadline=lease_deadline)
-            else:
-                data = await post_json(
-                    client, decode_url, body, summary=summary, headers=headers, unread=DECODE_ECHO
-                )
-                result = parse_decode(
-                    data, url=decode_url, pair=pair.name, **dates, lease_deadline=lease_deadline
-                )
-        except ConnectError:
-            refused = True  # decode never got the leg
-            raise
-        finally:
-            # Lost (timeout, reset), unreadable, cancelled, or a stream left early: decode may
-            # have finished and pinned the turn's KV for a handle nobody will ever send.
-            if releasable and not refused and (result is None or unexplained(result)):
-                release_lost(
-                    self._pool,
-                    state,
-                    pair.decode,
-                    secret,
-                    reason="no_handle" if result is not None else "answer_lost",
-                )
-        yield result
-
-    def _delta(self, text: str, *, first: bool) -> TextDelta:
-        """A stream's text; the first piece also says the handle decision and any clamp."""
-        if not first:
-            return TextDelta(text=text)
-        clamped = self._clamped_from
-        return TextDelta(
-            text=text,
-            handle_state=self._handle_state,
-            max_tokens=self._request.max_tokens if clamped is not None and self._request else None,
-            max_tokens_clamped_from=clamped,
-        )
-
-    async def _prefill(
-        self,
-        base: str,
-        request: TurnRequest,
-        ids: object,
-        sent: KVHandle | None,
-        *,
-        tier: TierRef | None = None,
-    ) -> PrefillResult:
-        url = base + _CHAT_PATH
-        data = await post_json(
-            self._pool.poster,
-            url,
-            prefill_body(request, prompt_ids=ids, handle=sent, tier=tier),
-            summary=request.summary("prefill"),
-        )
-        return parse_prefill(data, url=url)

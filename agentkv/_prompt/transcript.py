@@ -284,7 +284,7 @@ class Transcript:
         generated: Iterable[int] = (),
         views: Mapping[int, Message] | None = None,
     ) -> Transcript:
-        """Rebuild a saved transcript (``_client.persist``); ``ValueError`` if inconsistent."""
+        """Rebuild a saved transcript (``_client.save_file``); ``ValueError`` if inconsistent."""
         if len(spans) != len(messages):
             raise ValueError("a saved transcript needs one span per message")
         start = 0

@@ -92,7 +92,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--pause", choices=PAUSES,
                    help="what the SDK modes but tier do with decode's pin at a pause: 'extend' "
                    "it to cover the pause (an unlimited pin), or 'tool-wait' as an agent does, "
-                   "session.tool_wait(persist='auto') until the next turn: the SDK's policy "
+                   "session.tool_wait(offload='auto') until the next turn: the SDK's policy "
                    "keeps the pin or moves it to decode's file tier when the pause is long or "
                    f"decode's KV memory is full ({_default('pause')})")
     p.add_argument("--serial-modes", action=argparse.BooleanOptionalAction, default=None,

@@ -71,7 +71,7 @@ Pause: TypeAlias = Literal["extend", "tool-wait"]
 PAUSES: tuple[Pause, ...] = ("extend", "tool-wait")
 """What the SDK modes (but ``tier``, which always offloads) do with their pin at a pause:
 ``extend`` it to cover the pause whatever it costs decode (the reference "unlimited pin"), or
-``tool-wait``: what an agent does, ``session.tool_wait(expected_s=..., persist="auto")`` held
+``tool-wait``: what an agent does, ``session.tool_wait(expected_s=..., offload="auto")`` held
 open until the next turn, so that the SDK's policy (``CachePolicy.decide_tier``) keeps, extends
 or offloads the pin, reading decode's KV usage when only memory pressure could decide."""
 

@@ -181,14 +181,14 @@ class SdkRunner:
     async def pause(self, expected_s: float) -> Held:
         session = self._session
         if self._mode is Mode.TIER:
-            await session.persist()
+            await session.offload()
         elif self._mode in SDK_ROUTES and self._pause == "tool-wait":
             # As an agent waits on its tool: the SDK's policy keeps the pin (extended if the
             # pause outlasts it) or offloads it to decode's tier, when the pause is long or
             # decode's memory is full. The wait spans the pause, so it stays open until the
             # next turn.
             await self._waits.enter_async_context(
-                session.tool_wait(expected_s=expected_s, persist="auto")
+                session.tool_wait(expected_s=expected_s, offload="auto")
             )
         elif self._mode in SDK_ROUTES and session.handle is not None:
             # The reference "unlimited pin": decode keeps the KV however long the pause.

@@ -40,7 +40,7 @@ METHOD = {
     "agentkv": "agentkv SDK with the default CachePolicy; one cache_salt per session on both "
     "legs; the pin extended to cover each pause",
     "tier": "as agentkv, but at each pause the turn-end KV is offloaded to decode's file tier "
-    "(session.persist(): decode's pin freed) and the next turn's prefill loads it from there",
+    "(session.offload(): decode's pin freed) and the next turn's prefill loads it from there",
     "pauses": "think time after every turn but the last, times time_scale in real time; the SDK "
     "is told the full length",
     "aggregated": "streamed chat completions to the prefill server alone; one cache_salt per "
@@ -65,7 +65,7 @@ METHOD = {
 # Replaces METHOD's entries with pause="tool-wait" and with serial_modes.
 TOOL_WAIT_METHOD = {
     "agentkv": "agentkv SDK with the default CachePolicy; one cache_salt per session on both "
-    "legs; each pause is session.tool_wait(expected_s=pause, persist='auto'), open until the "
+    "legs; each pause is session.tool_wait(expected_s=pause, offload='auto'), open until the "
     "next turn: the policy keeps the pin (extended if the pause outlasts it) or offloads it to "
     "decode's file tier (a pause >= persist_after_s, or decode's KV usage >= persist_kv_usage)",
 }

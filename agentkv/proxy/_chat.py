@@ -32,6 +32,7 @@ from agentkv._core import (
     TextDelta,
     TurnOverrides,
     TurnResult,
+    as_offload,
     dumps,
     get_logger,
 )
@@ -394,7 +395,7 @@ class ChatService:
             # A one-shot request (no session id) has no next turn: decode pins nothing.
             result = await checkout.session.turn(
                 final=checkout.entry is None,
-                persist=offload,
+                offload=as_offload(offload),
                 request_secret=checkout.request_secret,
                 **overrides,
             )
@@ -573,7 +574,7 @@ class ChatService:
         try:
             events = session.stream(
                 final=checkout.entry is None,
-                persist=offload,
+                offload=as_offload(offload),
                 request_secret=checkout.request_secret,
                 **overrides,
             )

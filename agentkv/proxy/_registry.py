@@ -313,7 +313,7 @@ class SessionRegistry(SharedSessions):
             entry.users += 1
             try:
                 async with entry.lock:
-                    if not entry.closed and await session.persist() is not None:
+                    if not entry.closed and await session.offload() is not None:
                         offloaded += 1
             finally:
                 entry.users -= 1

@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from agentkv._core import AsyncCluster, AsyncSession, get_logger
+from agentkv._core import AsyncCluster, AsyncSession, get_logger, kv
 from agentkv.proxy._bounds import StoreBounds
 from agentkv.proxy._entry import Key, SessionEntry, split_key, store_key
 from agentkv.proxy._errors import ProxyError
@@ -231,8 +231,7 @@ class SharedSessions(StoreBounds):
         if entry.closed:
             return
         if pinned is None:
-            handle, session = entry.session.handle, entry.session
-            pinned = handle is not None and handle.leased and session.tier is None
+            pinned = kv.leased_pin(entry.session._kv) is not None
         started = time.perf_counter()
         data = entry.to_bytes(wall=self._wall())
         # The token ids only grow from turn to turn: the commit sends the new ones when the
@@ -383,7 +382,7 @@ class SharedSessions(StoreBounds):
             self._release_orphans(entry, claim)
             self._take(entry, claim)
             session = entry.session
-            handle = session.handle
+            handle = kv.handle_of(session._kv)
             elsewhere = pairs is not None and (handle is None or handle.pair not in pairs)
             if claim.version == 0 or elsewhere:
                 await store.release(claim)  # removed meanwhile, or not where memory is short
@@ -396,10 +395,10 @@ class SharedSessions(StoreBounds):
             renewer = entry.renewer = asyncio.ensure_future(self._renew(entry, claim))
             done: str | None = None
             try:
-                if not session.closed and handle is not None and session.tier is None:
+                if not session.closed and handle is not None:
                     if pairs is not None:
                         done = await session.unpin()
-                    elif await session.persist() is not None:
+                    elif await session.offload() is not None:
                         done = "persisted"
             except BaseException:
                 renewer.cancel()  # the claim's lease runs out on its own, as before

@@ -215,7 +215,7 @@ def _cold_answer(
     prefills in other chunks, and bf16 rounding then flips close greedy choices.)
     """
     data = json.loads(saved.read_text())
-    data["handle"] = None
+    data["kv"] = {"kind": "none", "reason": "none", "detail": "no stored handle", "note": None}
     saved.write_text(json.dumps(data))
     extra = {**options.get("extra_body", {}), **_salt("cold")}
     with (
@@ -240,7 +240,7 @@ def test_a_restarted_prefill_pulls_the_kv_decode_kept_for_the_session(
         answers = [s.send(QUESTIONS[0]).token_ids]
         home = _pair_of(record, s)
         # The restart outlasts the handle (decode's TTL is 40 s): hold it as a tool call would.
-        with s.tool_wait(expected_s=120, persist="pin") as wait:  # the pin, not the tier
+        with s.tool_wait(expected_s=120, offload="never") as wait:  # the pin, not the tier
             stop_group(home.prefill.pid)
             healed = start_cluster(own_config, progress=_progress)
         assert wait.survived
@@ -350,8 +350,8 @@ def test_a_pull_from_an_unreachable_side_channel_recomputes_and_the_stats_say_so
         answers = [first.send(QUESTIONS[0]).token_ids]
         first.save(path)
         data = json.loads(path.read_text())
-        handle = data["handle"]
-        # Save files hold the handle's typed fields (format 3): the P leg is rendered from them.
+        handle = data["kv"]["handle"]
+        # Save files hold the handle's typed fields (format 3 on): the P leg is rendered from them.
         handle["engine_id"] = "agentkv-e2e-unreachable"
         handle["port"] = dead_port
         path.write_text(json.dumps(data))

@@ -19,6 +19,7 @@ import pytest
 
 import agentkv
 from agentkv import CachePolicy, HandleState, Message
+from agentkv._client import kv
 from agentkv.local._config import ClusterRecord
 from agentkv.testing import logprob_drift, teacher_forced_logprobs, tie_gap
 
@@ -263,7 +264,9 @@ def test_a_deliberately_wrong_handle_fails_the_drift_check(local_cluster: Cluste
             donor.send("Which book is in row 3?")
             assert donor.handle is not None
             donor_tokens = len(donor.transcript.token_ids)
-            victim._state.handle, donor._state.handle = donor.handle, None
+            # Deliberately wrong: the donor's pin behind the victim's prompt.
+            victim._state.apply(kv.Step(kv.Pinned(handle=donor.handle)))
+            donor._state.apply(kv.detached(donor._state.kv))
             wrong = victim.send(QUESTIONS[1])
             assert wrong.stats.handle_state is HandleState.ATTACHED
             prompt = _prompt_of(victim, wrong)

@@ -56,7 +56,7 @@ def test_a_session_persisted_in_a_pause_resumes_from_the_tier_at_the_ideal(
     with agentkv.Cluster.from_file(cluster_file, policy=SHORT_PIN) as cluster:
         session = cluster.session(max_tokens=24)
         session.append(Message.system(SYSTEM))
-        first = session.send(questions[0], persist="disk")
+        first = session.send(questions[0], offload="always")
         ref = session.tier
         assert ref is not None, "the turn's KV was not persisted"
         assert session.handle is None  # decode's pin is freed
@@ -86,7 +86,7 @@ def test_a_saved_session_resumes_from_the_tier_in_another_process(
         session = cluster.session(max_tokens=24)
         session.append(Message.system(SYSTEM))
         first = session.send(questions[0])
-        ref = session.persist()
+        ref = session.offload()
         assert ref is not None
         session.save(path)
         session.detach()  # the process goes away; the file lives on
@@ -130,7 +130,7 @@ async def test_decode_streams_other_sessions_while_it_writes_the_tier(cluster_fi
         async def persist() -> agentkv.TierRef | None:
             await started.wait()
             window.append(time.perf_counter())
-            ref = await big.persist()
+            ref = await big.offload()
             window.append(time.perf_counter())
             return ref
 

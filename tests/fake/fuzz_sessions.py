@@ -10,7 +10,7 @@ Concurrent rules (issue 26): their operations run at once on the machine's one e
 
 * two or three holders of one save file (two loads; a load beside the original, which also
   sends; both loads and the original) send their first turns together;
-* ``session.persist()`` races a turn of the same session (either order of start);
+* ``session.offload()`` races a turn of the same session (either order of start);
 * a tool wait that persists the handle to the file tier races a copy loaded from the session's
   save file and that copy's first turn.
 
@@ -109,7 +109,7 @@ sizes = st.sampled_from(["long", "long", "short"])
 routes = st.sampled_from(["pull", "pull", "decode", "auto"])
 # Scheduling points an answer to a lease call is late by, in a concurrent step.
 lags = st.sampled_from([0, 1, 4])
-# Lease answers late, too: found with them, a turn started while ``session.persist()`` waited
+# Lease answers late, too: found with them, a turn started while ``session.offload()`` waited
 # for decode's answer attached the handle decode was moving to the tier (fixed: a persist holds
 # the session as a turn does; replayed in test_fuzz_corpus.py).
 persist_race_lags = lags
@@ -604,7 +604,7 @@ class SessionMachine(RuleBasedStateMachine):
 
         async def persist() -> Any:
             try:
-                return await s.persist()
+                return await s.offload()
             except SessionBusyError:
                 return BUSY
 
@@ -639,7 +639,7 @@ class SessionMachine(RuleBasedStateMachine):
         handle = t.session.handle
 
         async def wait() -> Any:
-            async with t.session.tool_wait(expected_s=600.0, persist="disk") as waited:
+            async with t.session.tool_wait(expected_s=600.0, offload="always") as waited:
                 await asyncio.sleep(0)
             return waited
 

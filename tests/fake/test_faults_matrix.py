@@ -297,7 +297,7 @@ def test_a_kv_pull_that_cannot_reach_decode_still_answers_and_the_stats_say_so(
         path = tmp_path / "s.json"
         started(cluster).save(path)
         data = json.loads(path.read_text())
-        data["handle"]["port"] += 1000  # a side channel nobody listens on
+        data["kv"]["handle"]["port"] += 1000  # a side channel nobody listens on
         path.write_text(json.dumps(data))
         s = Session.load(path, cluster)
         result = s.send(SECOND)

@@ -3,7 +3,9 @@
 Each sequence is the shrunk example hypothesis printed, written against the machine's rules
 (``SessionMachine`` of ``fuzz_sessions.py``, ``ReplicaMachine`` of ``fuzz_replicas.py``); the
 machine's invariants run after every step as in the fuzzer. The fix each needed is named in its
-docstring (docs/reliability.md has the list).
+docstring (docs/reliability.md has the list). The same six, as transition tables on the pure
+value (``agentkv._client.kv``), are in ``tests/unit/test_kv_corpus.py``; these replays stay as
+integration tests through the real turn, pool and HTTP stack.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def test_holders_of_one_save_file_sending_at_once_both_attached_its_handle(varia
 
 
 def test_a_turn_started_while_a_persist_is_answered_attached_the_persisted_handle() -> None:
-    """``session.persist()`` and ``session.send()`` on one session through ``asyncio.gather``,
+    """``session.offload()`` and ``session.send()`` on one session through ``asyncio.gather``,
     the persist first, decode's answer to it one scheduling point late (decode has written the
     KV to its tier and freed the pin; the SDK does not know yet). ``persist()`` checked that no
     turn ran, but marked nothing: the turn started, took the handle and its P leg pulled the freed

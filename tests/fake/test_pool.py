@@ -226,7 +226,7 @@ async def _resume_from_tier(cluster):
     session = cluster.session(**LONG)
     session.append(SYSTEM)
     await session.send(QUESTIONS[0])
-    assert await session.persist() is not None
+    assert await session.offload() is not None
     result = await session.send(QUESTIONS[1])
     assert result.stats.handle_state is HandleState.TIER
     return session

@@ -21,8 +21,9 @@ from agentkv import (
     SessionError,
     SessionLoadError,
 )
-from agentkv._client.persist import write_atomic
+from agentkv._client.save_file import write_atomic
 from agentkv.testing import FakeCluster
+from tests.fake.old_saves import as_version_3
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 LONG = {"max_tokens": 100, "extra_body": {"min_tokens": 70}}
@@ -83,7 +84,7 @@ def test_a_file_saved_before_version_3_loads_its_handle_from_decodes_params(
     """Version 2 files stored the params decode sent; their lease secret still confirms."""
     path = tmp_path / "session.json"
     two_turns_saved(fake, clock, path)
-    data = json.loads(path.read_text())
+    data = as_version_3(json.loads(path.read_text()))
     handle = data["handle"]
     handle["params"] = {
         "do_remote_prefill": False,
@@ -115,7 +116,7 @@ def test_a_handle_past_its_deadline_by_wall_clock_is_not_attached_and_the_turn_r
     path = tmp_path / "session.json"
     two_turns_saved(fake, clock, path)
     data = json.loads(path.read_text())
-    data["handle"]["deadline_wall"] = data["saved_at"] - 1.0  # the agent was down too long
+    data["kv"]["handle"]["deadline_wall"] = data["saved_at"] - 1.0  # the agent was down too long
     path.write_text(json.dumps(data))
     with open_cluster(fake, clock) as cluster, Session.load(path, cluster) as s:
         result = s.send(QUESTIONS[2])
@@ -144,7 +145,7 @@ def test_a_saved_pair_the_new_cluster_lacks_moves_the_session_and_drops_the_hand
     path = tmp_path / "session.json"
     two_turns_saved(FakeCluster(pairs=2, clock=clock), clock, path)
     data = json.loads(path.read_text())
-    data["pair"] = data["handle"]["pair"] = "gone"
+    data["pair"] = data["kv"]["handle"]["pair"] = "gone"
     path.write_text(json.dumps(data))
     other = FakeCluster(pairs=1, clock=clock)
     with open_cluster(other, clock) as cluster, Session.load(path, cluster) as s:
@@ -384,7 +385,7 @@ def test_a_consumed_or_released_handle_is_never_saved(fake, clock, tmp_path):
         s.close()
         s.save(tmp_path / "b.json")
     for name in ("a.json", "b.json"):
-        assert json.loads((tmp_path / name).read_text())["handle"] is None
+        assert json.loads((tmp_path / name).read_text())["kv"]["kind"] == "none"
 
 
 def test_a_file_saved_for_another_model_is_a_session_load_error(fake, clock, tmp_path):

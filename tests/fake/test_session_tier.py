@@ -8,6 +8,7 @@ at most prompt - 1 tokens, a checksum per block, a byte budget with LRU eviction
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx2
@@ -24,9 +25,11 @@ from agentkv import (
     RetryPolicy,
     TierRef,
 )
+from agentkv._client import kv
 from agentkv._wire.handoff import lease_ref
 from agentkv._wire.tier import LEGACY_OFFLOAD_PATH, TIER_DELETE_PATH
 from agentkv.testing import FakeCluster
+from tests.fake.old_saves import as_version_3
 
 SYSTEM = Message.system("You are a helpful assistant. Answer in one or two sentences. " * 4)
 QUESTIONS = [
@@ -77,7 +80,7 @@ def test_persist_frees_decode_and_the_next_turn_reuses_the_ideal_from_the_tier(c
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
         assert decode.leased_handles == 1
-        ref = s.persist()
+        ref = s.offload()
         assert isinstance(ref, TierRef)
         assert s.tier == ref
         assert s.handle is None
@@ -109,7 +112,7 @@ async def test_an_async_persist_and_the_tier_turn_answer_as_a_never_interrupted_
             s.append(SYSTEM)
             await s.send(QUESTIONS[0])
             if name == "tier":
-                assert await s.persist() is not None
+                assert await s.offload() is not None
                 cluster_fake.prefill(0).restart()
             answers[name] = [(await s.send(q)).token_ids for q in QUESTIONS[1:]]
     assert answers["tier"] == answers["pinned"]
@@ -121,11 +124,11 @@ def test_turn_persist_disk_persists_right_after_the_turn(cluster, fake):
     with cluster.session(**LONG) as s:
         s.append(SYSTEM)
         with capture_logs() as logs:
-            s.send(QUESTIONS[0], persist="disk")
+            s.send(QUESTIONS[0], offload="always")
         assert s.tier is not None
         assert s.handle is None
         assert decode.leased_handles == 0
-        [event] = events(logs, "agentkv.persist")
+        [event] = events(logs, "agentkv.offload")
         assert (event["reason"], event["outcome"]) == ("turn", "ok")
         assert s.send(QUESTIONS[1]).stats.handle_state is HandleState.TIER
 
@@ -133,15 +136,15 @@ def test_turn_persist_disk_persists_right_after_the_turn(cluster, fake):
 def test_a_stream_with_persist_disk_persists_after_its_result(cluster, fake):
     with cluster.session(**LONG) as s:
         s.append(SYSTEM, Message.user(QUESTIONS[0]))
-        list(s.stream(persist="disk"))
+        list(s.stream(offload="always"))
         assert s.tier is not None
         assert fake.decode(0).leased_handles == 0
 
 
-def test_a_persist_mode_that_does_not_exist_is_refused_before_anything_is_sent(cluster, fake):
+def test_an_offload_mode_that_does_not_exist_is_refused_before_anything_is_sent(cluster, fake):
     with cluster.session() as s:
-        with pytest.raises(ValueError, match="persist must be one of"):
-            s.send(QUESTIONS[0], persist="ssd")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="offload must be one of"):
+            s.send(QUESTIONS[0], offload="ssd")  # type: ignore[arg-type]
         assert fake.prefill(0).requests == []
 
 
@@ -152,11 +155,11 @@ def test_persist_without_a_tier_keeps_the_pin_and_returns_none(clock):
         s.send(QUESTIONS[0])
         handle = s.handle
         with capture_logs() as logs:
-            assert s.persist() is None
+            assert s.offload() is None
         assert s.handle is handle
         assert s.tier is None
         assert fake.decode(0).leased_handles == 1
-        [event] = events(logs, "agentkv.persist")
+        [event] = events(logs, "agentkv.offload")
         assert (event["status"], event["detail"]) == (501, "tier_unavailable")
         assert s.send(QUESTIONS[1]).stats.handle_state is HandleState.ATTACHED
 
@@ -167,10 +170,10 @@ def test_a_failed_write_keeps_the_pin(clock):
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
         with capture_logs() as logs:
-            assert s.persist() is None
+            assert s.offload() is None
         assert fake.decode(0).leased_handles == 1
         assert s.handle is not None
-        [event] = events(logs, "agentkv.persist")
+        [event] = events(logs, "agentkv.offload")
         assert (event["status"], event["detail"]) == (500, "tier_write_failed")
         assert s.send(QUESTIONS[1]).stats.handle_state is HandleState.ATTACHED
 
@@ -202,7 +205,7 @@ def test_only_the_persisting_session_holds_the_secret_and_prefill_never_sees_it(
     with cluster.session(**LONG) as s:
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
-        ref = s.persist()
+        ref = s.offload()
         assert ref is not None
         assert ref.secret is not None
         assert ref.secret not in repr(ref)
@@ -217,7 +220,7 @@ def test_a_delete_with_a_wrong_secret_is_refused_as_unknown_and_keeps_the_entry(
     with capture_logs() as logs, cluster.session(**LONG) as s:
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
-        ref = s.persist()
+        ref = s.offload()
         assert ref is not None
         answer = client.post(url, json={"id": ref.id, "secret": "an-attacker-s-guess"})
         assert (answer.status_code, answer.json()["error"]["code"]) == (404, "unknown_lease")
@@ -232,7 +235,7 @@ def test_an_expired_entry_is_recomputed_and_removed(cluster, fake, clock):
     with cluster.session(**LONG) as s:
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
-        ref = s.persist()
+        ref = s.offload()
         assert ref is not None
         clock.advance(24 * 3600)
         prefill_cache_cold(fake)
@@ -255,7 +258,7 @@ def test_a_bad_ttl_is_a_400_and_the_pin_is_kept(cluster, fake):
             assert (answer.status_code, answer.json()["error"]["code"]) == (400, "invalid_request")
         assert fake.decode(0).leased_handles == 1
         assert fake.tier.ids == []
-        assert s.persist() is not None
+        assert s.offload() is not None
 
 
 def test_the_policy_s_tier_ttl_is_asked_for_and_capped_by_decode(fake, clock):
@@ -268,10 +271,10 @@ def test_the_policy_s_tier_ttl_is_asked_for_and_capped_by_decode(fake, clock):
         ):
             s.append(SYSTEM)
             s.send(QUESTIONS[0])
-            ref = s.persist()
+            ref = s.offload()
             assert ref is not None
             assert fake.tier.entries[ref.id].expires == clock() + granted
-            [event] = events(logs, "agentkv.persist")
+            [event] = events(logs, "agentkv.offload")
             assert event["ttl_s"] == granted
     with pytest.raises(ConfigError, match="tier_ttl_s"):
         CachePolicy(tier_ttl_s=0)
@@ -342,11 +345,11 @@ def test_tool_wait_pin_extends_as_before_and_disk_persists_a_short_wait(cluster,
     with cluster.session(**LONG) as s:
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
-        with s.tool_wait(expected_s=3600, persist="pin") as wait:
+        with s.tool_wait(expected_s=3600, offload="never") as wait:
             pass
         assert wait.extended
         assert not wait.persisted
-        with s.tool_wait(expected_s=1, persist="disk") as wait:
+        with s.tool_wait(expected_s=1, offload="always") as wait:
             pass
         assert wait.persisted
         assert s.tier is not None
@@ -360,9 +363,10 @@ def test_a_diverged_history_never_sends_the_tier_ref(cluster, fake):
     with cluster.session(**LONG) as s:
         s.append(SYSTEM)
         first = s.send(QUESTIONS[0])
-        assert s.persist() is not None
+        assert s.offload() is not None
         # An edited history: another session's state with this one's tier entry.
-        s._state.tier_digest = "0" * 32
+        state = s._state
+        state.apply(kv.Step(dataclasses.replace(state.kv, digest="0" * 32)))
         result = s.send(QUESTIONS[1])
         assert result.stats.handle_state is HandleState.DIVERGED
         assert tier_refs(prefill)[-1] is None
@@ -376,7 +380,7 @@ def _turn_after_damage(s, fake, damage):
     cold: the next turn's stats."""
     s.append(SYSTEM)
     s.send(QUESTIONS[0])
-    ref = s.persist()
+    ref = s.offload()
     assert ref is not None
     if damage == "corrupt":
         fake.tier.corrupt(ref.id, block=1)
@@ -428,8 +432,8 @@ def test_an_entry_evicted_by_the_budget_is_survived_by_recomputing(clock):
         for s, question in ((a, QUESTIONS[0]), (b, QUESTIONS[2])):
             s.append(SYSTEM)
             s.send(question)
-        ref_a = a.persist()
-        ref_b = b.persist()
+        ref_a = a.offload()
+        ref_b = b.offload()
         assert ref_a is not None
         assert ref_b is not None
         assert fake.tier.ids == [ref_b.id]  # a's entry was least recently used
@@ -450,7 +454,7 @@ def test_closing_a_session_deletes_its_tier_entry(cluster, fake):
     with capture_logs() as logs, cluster.session(**LONG) as s:
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
-        assert s.persist() is not None
+        assert s.offload() is not None
         assert len(fake.tier.ids) == 1
     assert fake.tier.ids == []
     [event] = events(logs, "agentkv.tier_delete")
@@ -463,13 +467,14 @@ def test_save_and_load_resume_from_the_tier(fake, clock, tmp_path):
         s = cluster.session(**LONG)
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
-        ref = s.persist()
+        ref = s.offload()
         s.save(path)
         s.detach()  # the process "exits": the entry is the file's
     assert fake.tier.ids == [ref.id]
     saved = json.loads(path.read_text())
-    assert saved["tier"]["id"] == ref.id
-    assert saved["tier"]["secret"] == ref.secret
+    assert saved["kv"]["kind"] == "tier"
+    assert saved["kv"]["id"] == ref.id
+    assert saved["kv"]["secret"] == ref.secret
     prefill_cache_cold(fake)
     with open_cluster(fake, clock) as cluster, cluster.load_session(path) as s:
         assert s.tier == ref
@@ -486,6 +491,7 @@ def test_a_snapshot_without_a_tier_key_still_loads(fake, clock, tmp_path):
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
         data = s.snapshot()
+    data = as_version_3(data)
     del data["tier"]
     path.write_text(json.dumps(data))
     with open_cluster(fake, clock) as cluster, cluster.load_session(path) as s:
@@ -503,10 +509,10 @@ def test_a_session_saved_before_tier_secrets_resumes_but_cannot_delete_its_entry
         s = cluster.session(**LONG)
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
-        ref = s.persist()
+        ref = s.offload()
         data = s.snapshot()
         s.detach()
-    del data["tier"]["secret"]
+    del data["kv"]["secret"]
     path.write_text(json.dumps(data))
     with (
         capture_logs() as logs,
@@ -529,7 +535,7 @@ def test_a_session_moved_to_another_pair_drops_its_tier_ref(clock):
     with open_cluster(fake, clock, retry=retry) as cluster, cluster.session(**LONG) as s:
         s.append(SYSTEM)
         s.send(QUESTIONS[0])
-        assert s.persist() is not None
+        assert s.offload() is not None
         fake.server(s.pair.prefill).kill()
         stats = s.send(QUESTIONS[1]).stats
         assert stats.handle_state is HandleState.INVALIDATED
@@ -537,3 +543,21 @@ def test_a_session_moved_to_another_pair_drops_its_tier_ref(clock):
         moved_prefill = fake.server(s.pair.prefill)
         assert tier_refs(moved_prefill) == [None]
     assert fake.wrong_reuse_events == 0
+
+
+def test_the_old_persist_names_still_work_and_warn(cluster, fake):
+    """``session.persist()``, ``persist=`` and the values ``"pin"``/``"disk"`` are the names of
+    ``offload()``/``offload=`` before issue 41: they work for one release, with a warning."""
+    with cluster.session(**LONG) as s:
+        s.append(SYSTEM)
+        with pytest.warns(DeprecationWarning, match="persist= is deprecated"):
+            s.send(QUESTIONS[0], persist="disk")
+        assert s.tier is not None  # "disk" still offloads right after the turn
+        with pytest.warns(DeprecationWarning, match="offload='pin' is deprecated"):
+            s.send(QUESTIONS[1], offload="pin")  # type: ignore[arg-type]
+        assert s.tier is None
+        assert s.handle is not None
+        with pytest.warns(DeprecationWarning, match=r"session.persist\(\) is deprecated"):
+            assert s.persist() is not None
+        with pytest.raises(ValueError, match="offload must be one of"):
+            s.send(QUESTIONS[2], offload="later")  # type: ignore[arg-type]

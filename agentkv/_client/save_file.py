@@ -1,34 +1,23 @@
 """Saving a session to a JSON file and loading it back, so that an agent process can restart.
 
-The file (``"format": "agentkv.session"``, ``"version": 3``) holds everything the next turn needs
+The file (``"format": "agentkv.session"``, ``"version": 4``) holds everything the next turn needs
 to stay token-exact: the transcript's messages, token ids and spans, the pending messages, the
 session id, pair, policy, options and turn stats, the model and a fingerprint of the tokenizer
-and chat template the token ids come from, and the stored decode handle (its fields, lease
-secret and the engine's params agentkv does not read; older files hold the params decode sent),
-or the reference of the session's turn-end KV persisted to the file tier (``"tier"``: its id,
-token count, secret, the pair whose decode persisted it and a digest of its tokens; files
-written before the tier have none and load as without one, and files written before tier
-secrets load a reference without one, which resumes but cannot delete its entry: that entry
-lives until its TTL on decode). A loaded tier reference is not trusted on its word either:
-prefill checks the entry token by token and block by block, and an entry deleted, expired or
-evicted since is recomputed.
+and chat template the token ids come from, and the session's reusable KV as one tagged object
+(``"kv"``: a pin's handle, a tier entry's reference, or why there is none; ``kv_json``, which
+also reads the fields of versions 1-3).
 
-A handle from a file is never trusted on its word: the pin may have been released (the session
-was closed after the save), consumed (a later turn ran, or the file was loaded before) or have
-expired, and decode may have given its blocks to other requests. The first turn after a load asks
-decode to confirm the lease (an extend call) and attaches the handle only then; on stock vLLM,
-which cannot confirm anything, a loaded handle is never attached. Loading into a cluster that
-serves another model is a ``SessionLoadError``; so is the first turn on a cluster whose tokenizer
-or template differs from the saved fingerprint.
+Nothing in the file is trusted on its word. A handle's pin may have been released, consumed or
+have expired since, and decode may have given its blocks to other requests: the first turn after
+a load claims the lease from decode (``kv.confirm``) and attaches the handle only then; on stock
+vLLM, which cannot confirm anything, a loaded handle is never attached. Prefill checks a tier
+entry token by token, and one deleted, expired or evicted since is recomputed. Loading into a
+cluster that serves another model is a ``SessionLoadError``; so is the first turn on a cluster
+whose tokenizer or template differs from the saved fingerprint.
 
-Handle deadlines live on the session's monotonic clock, which means nothing to another process:
-the file stores them as wall-clock times and ``load`` converts them back, so a handle that ran out
-while the agent was down is not attached (the turn recomputes).
-
-The handle may hold a lease secret, and the tier reference its entry's secret: the
-file is created readable by its owner only.
-A save writes a temporary file in the same folder and renames it over the target, so a crash in
-the middle of a save leaves the previous file (or none), never a half-written one.
+The file may hold a lease secret and a tier entry's secret: it is created readable by its owner
+only. A save writes a temporary file in the same folder and renames it over the target, so a
+crash in the middle of a save leaves the previous file (or none), never a half-written one.
 
 >>> session.save("run.json")  # doctest: +SKIP
 >>> session = Session.load("run.json", cluster)  # doctest: +SKIP
@@ -51,6 +40,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from agentkv._client import kv
+from agentkv._client.kv_json import kv_from_json, kv_to_json
+from agentkv._client.kv_json import saved_field as _field
+from agentkv._client.kv_json import saved_optional as _optional
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
 from agentkv._client.turn_log import TurnLog
@@ -58,12 +51,10 @@ from agentkv._exceptions import AgentKVError, SessionLoadError
 from agentkv._policy import CachePolicy
 from agentkv._prompt.transcript import TOKEN_TYPECODE, Span, Transcript
 from agentkv._route import check_route
-from agentkv._types import HandleState, KVHandle, Message, SessionOptions
+from agentkv._types import Message, SessionOptions
 from agentkv._window import check_oversized
-from agentkv._wire.handoff import split_params
 from agentkv._wire.hints import HintError
 from agentkv._wire.json import dumps, loads
-from agentkv._wire.tier import TierRef
 
 __all__ = [
     "FORMAT",
@@ -78,37 +69,18 @@ __all__ = [
 ]
 
 FORMAT = "agentkv.session"
-# Version 3 saves a handle's lease secret and its engine fields (``extra``) instead of the
-# params decode sent (``params``); older files' params are read into both.
-VERSION = 3
+# Version 4 saves the reusable KV as one tagged object (``kv_json``). Version 3 saves a handle's
+# lease secret and its engine fields (``extra``) instead of the params decode sent
+# (``params``); older files' params are read into both.
+VERSION = 4
 # Version 1 lacks the model and tokenizer fingerprint; it is read as if they matched.
-_READABLE = (1, 2, 3)
+_READABLE = (1, 2, 3, 4)
 # snapshot_bytes: this, the JSON's length, the JSON, then the token ids.
 _BINARY_MAGIC = b"agentkv.session.bin\x00"
 _HEAD_LENGTH = struct.Struct(">I")
 
 
 # --- saving --------------------------------------------------------------------------------------
-
-
-def _handle_json(handle: KVHandle, *, now: float, wall: float) -> dict[str, Any]:
-    return {
-        "pair": handle.pair,
-        "engine_id": handle.engine_id,
-        "request_id": handle.request_id,
-        "block_ids": [list(group) for group in handle.block_ids],
-        "host": handle.host,
-        "port": handle.port,
-        "num_tokens": handle.num_tokens,
-        # Monotonic times mean nothing to another process: stored as wall-clock times.
-        "issued_at_wall": wall + (handle.issued_at - now),
-        "deadline_wall": wall + (handle.deadline - now),
-        "server_expiry": handle.server_expiry,
-        "lease_ttl_s": handle.lease_ttl_s,
-        "extends": handle.extends,
-        "lease": handle.lease,
-        "extra": dict(handle.extra),
-    }
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,21 +156,12 @@ def _snapshot(
             "generated": sorted(transcript.generated),
             "views": {str(i): view.to_openai() for i, view in transcript.views.items()},
         },
-        "handle": None if state.handle is None else _handle_json(state.handle, now=now, wall=wall),
-        "tier": None
-        if state.tier is None
-        else {
-            **state.tier.to_wire(with_secret=True),
-            "pair": state.tier_pair,
-            "digest": state.tier_digest,
-        },
-        "lost": None if state.lost is None else [state.lost[0].value, state.lost[1]],
+        "kv": kv_to_json(state.kv, now=now, wall=wall),
         "turns": state.turns.saved(),
         "ideal_base": state.ideal_base,
         "prefilled": state.prefilled,
         "last_prefill": state.last_prefill,
         "tools_key": state.tools_key,
-        "wait_note": state.wait_note,
     }
 
 
@@ -251,17 +214,6 @@ def save_state(
 # --- loading -------------------------------------------------------------------------------------
 
 
-def _field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    value = data.get(key)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise SessionLoadError(f"saved session: {key!r} is missing or of the wrong type")
-    return value
-
-
-def _optional(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    return None if data.get(key) is None else _field(data, key, kind)
-
-
 def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         raw = Path(path).read_bytes()
@@ -308,36 +260,6 @@ def _transcript(data: Mapping[str, Any], tokens: array[int] | None = None) -> Tr
         generated=[int(i) for i in data.get("generated", ())],
         views={int(i): Message.from_openai(v) for i, v in data.get("views", {}).items()},
     )
-
-
-def _handle(data: Mapping[str, Any], *, now: float, wall: float) -> KVHandle:
-    if "params" in data:  # version 2 and older: decode's params as sent, lease secret inside
-        extra, lease = split_params(_field(data, "params", dict))
-    else:
-        extra = MappingProxyType(dict(_field(data, "extra", dict)))
-        lease = _optional(data, "lease", str)
-    return KVHandle(
-        pair=_field(data, "pair", str),
-        engine_id=_field(data, "engine_id", str),
-        request_id=_field(data, "request_id", str),
-        block_ids=tuple(tuple(int(b) for b in group) for group in _field(data, "block_ids", list)),
-        host=_field(data, "host", str),
-        port=_field(data, "port", int),
-        num_tokens=_field(data, "num_tokens", int),
-        issued_at=now + (_field(data, "issued_at_wall", (int, float)) - wall),
-        deadline=now + (_field(data, "deadline_wall", (int, float)) - wall),
-        server_expiry=_optional(data, "server_expiry", (int, float)),
-        lease_ttl_s=_optional(data, "lease_ttl_s", (int, float)),
-        extends=_field(data, "extends", int),
-        lease=lease,
-        extra=extra,
-    )
-
-
-def _tier(data: Mapping[str, Any] | None) -> tuple[TierRef, str, str] | None:
-    if data is None:
-        return None
-    return TierRef.from_wire(data), _field(data, "pair", str), _field(data, "digest", str)
 
 
 def _options(data: Mapping[str, Any]) -> SessionOptions:
@@ -429,19 +351,14 @@ def restore(
         policy = CachePolicy(**_field(data, "policy", dict))
         options = _options(_field(data, "options", dict))
         transcript = _transcript(_field(data, "transcript", dict), tokens)
-        raw_handle = _optional(data, "handle", dict)
-        handle = None if raw_handle is None else _handle(raw_handle, now=now, wall=wall)
-        raw_lost = _optional(data, "lost", list)
-        lost = None if raw_lost is None else (HandleState(raw_lost[0]), str(raw_lost[1]))
+        saved_kv = kv_from_json(data, now=now, wall=wall)
         turns = TurnLog.restored(_field(data, "turns", list))
         ideal_base = _field(data, "ideal_base", int)
         prefilled = _field(data, "prefilled", int)
         last_prefill = _optional(data, "last_prefill", str)
         tools_key = _optional(data, "tools_key", str)
-        wait_note = _optional(data, "wait_note", str)
         model = _optional(data, "model", str)
         fingerprint = _optional(data, "tokenizer", str)
-        tier = _tier(_optional(data, "tier", dict))
     except SessionLoadError:
         raise
     except (AgentKVError, HintError, KeyError, IndexError, TypeError, ValueError) as exc:
@@ -462,30 +379,16 @@ def restore(
         transcript=transcript,
     )
     state.turns = turns
-    state.lost = lost
     state.ideal_base = ideal_base
     state.tools_key = tools_key
-    state.wait_note = wait_note
-    state.handle = handle
-    if tier is not None:
-        state.tier, state.tier_pair, state.tier_digest = tier
+    state.apply(kv.Step(saved_kv))
     state.last_prefill = last_prefill
     # Checked against the cluster's tokenizer before the first turn's prompt is built.
     state.fingerprint = fingerprint
     if pair.name == saved_pair:
         state.prefilled = prefilled
     else:
-        state.move_to(pair)  # a handle into another pair's decode is useless here
-    _trust_handle(state, confirmed=confirmed, drop_handle=drop_handle)
+        # A handle into another pair's decode is useless here; this copy releases nothing.
+        state.move_to(pair, now=now)
+    state.apply(kv.restored(state.kv, pair=pair.name, confirmed=confirmed, drop=drop_handle))
     return state
-
-
-def _trust_handle(state: SessionState, *, confirmed: bool, drop_handle: str | None) -> None:
-    """How far a restored session's handle is trusted: attached as it is (``confirmed``),
-    claimed from decode first (the default: decode may have freed the blocks since the save,
-    or another copy may hold them), or not at all (``drop_handle``, the reason)."""
-    if state.handle is not None and state.handle.pair != state.pair.name:
-        state.drop_handle(HandleState.INVALIDATED, "the saved handle belongs to another pair")
-    if drop_handle is not None:
-        state.drop_handle(HandleState.CONSUMED, drop_handle)
-    state.unconfirmed = None if confirmed else state.handle
