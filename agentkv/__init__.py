@@ -70,6 +70,7 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
+from agentkv._log import configure_logging
 from agentkv._placement import PrefillWeights, RetryPolicy
 from agentkv._policy import (
     AttachDecision,
@@ -189,6 +190,7 @@ __all__ = [
     "TurnStats",
     "UnknownToolError",
     "UpstreamStatusError",
+    "configure_logging",
     "tool",
 ]
 

@@ -30,6 +30,9 @@ The rest is not public, and is here for a reason each:
   client's are, so a session on the fake cluster runs its real-server path.
 - ``sample_values``: a few series out of a server's ``/metrics`` (the benchmark samples decode's
   KV usage as the SDK reads it before a tool wait).
+- ``get_logger``/``configure_logging``: the quiet loggers every module logs through (events go
+  to the stdlib logger ``agentkv`` and its children), and what the CLIs and the vLLM plugin call
+  to print them.
 - ``kv``: a session's reusable KV as one value (``agentkv._client.kv``): the proxy's shared store
   reads it (is it pinned, on which pair) where it hands sessions between replicas.
 - the hint and file-tier wire values and routes: the benchmark's legs, ``agentkv status`` and the
@@ -60,6 +63,7 @@ from agentkv._exceptions import (
     TransportError,
     UpstreamStatusError,
 )
+from agentkv._log import configure_logging, get_logger
 from agentkv._policy import PersistMode
 from agentkv._prompt.history import HistoryPlan
 from agentkv._prompt.template import ChatTemplate, ServerRenderer
@@ -180,7 +184,9 @@ __all__ = [
     "TurnStats",
     "UpstreamStatusError",
     "as_offload",
+    "configure_logging",
     "dumps",
+    "get_logger",
     "kv",
     "lease_error",
     "listening_socket",

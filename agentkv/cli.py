@@ -17,10 +17,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx2
-import structlog
 
 from agentkv import AgentKVError, ConfigError
-from agentkv._core import INFO_PATH, HintError, ServerInfo, TierUsage
+from agentkv._core import INFO_PATH, HintError, ServerInfo, TierUsage, configure_logging
 from agentkv.local._config import (
     LONG_CONTEXT_KV_CACHE_GIB,
     LONG_CONTEXT_LEN,
@@ -235,12 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _configure_logging(verbose: bool) -> None:
     # The library only emits events; the CLI decides where they go: stderr, so that stdout
     # carries just the command's output (tables, JSON).
-    structlog.configure(
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.INFO if verbose else logging.WARNING
-        ),
-    )
+    configure_logging(logging.INFO if verbose else logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import io
 import json
 import logging
 import os
@@ -409,10 +410,24 @@ async def _idle_memory(args: argparse.Namespace, *, with_turn: bool) -> float:
 
 
 def _silence_logs() -> None:
+    # agentkv is quiet by default (its events go to the stdlib logger "agentkv"); an SDK from
+    # before that logged through structlog's global configuration.
+    logging.getLogger("agentkv").setLevel(logging.WARNING)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
 def _json_logs_to(sink: Callable[[str], object]) -> None:
+    configure_logging = getattr(agentkv, "configure_logging", None)
+    if configure_logging is not None:
+
+        class Stream(io.TextIOBase):
+            def write(self, text: str) -> int:
+                sink(text)
+                return len(text)
+
+        configure_logging("INFO", json=True, stream=Stream())
+        return
+
     class Sink:
         def msg(self, message: str) -> None:
             sink(message)

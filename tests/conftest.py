@@ -1,4 +1,5 @@
-"""Fixtures every tier may use: a real Redis server for the proxy's shared session state.
+"""Fixtures every tier may use: a real Redis server for the proxy's shared session state, and
+the ``agentkv`` logger reset around a test that configures it.
 
 The server is started on a free loopback port when a test first asks for it, with no
 persistence, and stopped by its pid when the test session ends. The binary comes from the
@@ -7,6 +8,7 @@ persistence, and stopped by its pid when the test session ends. The binary comes
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import subprocess
@@ -14,6 +16,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
+from agentkv import _log
 
 
 def _redis_server_binary() -> str | None:
@@ -93,3 +97,23 @@ def redis_url(redis_server: str) -> Iterator[str]:
     finally:
         client.flushdb()
         client.close()
+
+
+@pytest.fixture
+def agentkv_logging() -> Iterator[logging.Logger]:
+    """The stdlib logger ``agentkv`` as an unconfigured application has it (no level, no
+    handler, propagating), put back as it was afterwards: ``configure_logging`` (which the vLLM
+    plugin's ``register`` calls) changes it for the whole process."""
+    logger = logging.getLogger("agentkv")
+    saved = (logger.level, logger.propagate, list(logger.handlers), _log._handler)
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
+    logger.handlers[:] = []
+    _log._handler = None
+    try:
+        yield logger
+    finally:
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+        logger.handlers[:] = saved[2]
+        _log._handler = saved[3]

@@ -23,8 +23,6 @@ from contextlib import AsyncExitStack
 from dataclasses import replace
 from typing import Any, TypedDict, Unpack
 
-import structlog
-
 from agentkv import _constants as defaults
 from agentkv._agent.events import (
     AgentEvent,
@@ -44,12 +42,13 @@ from agentkv._client.cluster import AsyncCluster, Cluster
 from agentkv._client.offload import OffloadMode
 from agentkv._client.portal import Portal
 from agentkv._client.session import AsyncSession, Session, TurnOverrides
+from agentkv._log import get_logger
 from agentkv._types import Message, MessageLike, TextDelta, TurnResult
 from agentkv._wire.fields import check_extra_body
 
 __all__ = ["Agent", "AgentOptions", "AsyncAgent"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 AsyncTarget = AsyncSession | AsyncCluster
 _Items = AsyncIterator[AgentEvent | RunResult]

@@ -28,8 +28,6 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from agentkv._agent.tools import (
     Tool,
     ToolDefinitionError,
@@ -38,11 +36,12 @@ from agentkv._agent.tools import (
     UnknownToolError,
     serialize_output,
 )
+from agentkv._log import get_logger
 from agentkv._types import ToolCall
 
 __all__ = ["ToolResult", "ToolSet"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

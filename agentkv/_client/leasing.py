@@ -30,11 +30,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
-
 from agentkv._client import kv
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
+from agentkv._log import get_logger
 from agentkv._wire.hints import request_tag
 from agentkv._wire.lease_calls import GONE, OK, CallResult
 from agentkv._wire.tier import TierRef
@@ -50,7 +49,7 @@ __all__ = [
     "unpin",
 ]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 
 def _ms(since: float) -> float:

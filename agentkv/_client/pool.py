@@ -18,10 +18,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TypedDict
 
 import httpx2
-import structlog
 
 from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError, NoHealthyPairError, SessionClosedError
+from agentkv._log import get_logger
 from agentkv._placement import PrefillWeights, RetryPolicy, choose_prefill, place
 from agentkv._policy import CachePolicy
 from agentkv._prompt.template import ChatTemplate, ServerRenderer
@@ -32,7 +32,7 @@ from agentkv._wire.transport import Poster
 
 __all__ = ["DEFAULT_LIMITS", "DEFAULT_TIMEOUT", "ClusterOptions", "PairPool"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 DEFAULT_TIMEOUT = defaults.TIMEOUT
 DEFAULT_LIMITS = defaults.LIMITS

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import structlog
 
 from agentkv._client import kv
 from agentkv._client.kv import tokens_digest
 from agentkv._client.turn_log import TurnLog
 from agentkv._exceptions import PrefixDivergedError, SessionBusyError, SessionLoadError
+from agentkv._log import turn_logger
 from agentkv._policy import CachePolicy
 from agentkv._prompt.template import tools_key
 from agentkv._prompt.transcript import Transcript, TurnPrompt
@@ -31,37 +29,6 @@ from agentkv._wire.json import dumps, json_fragment
 from agentkv._wire.tier import TierRef
 
 __all__ = ["SessionState", "TurnOutcome", "pulled_estimate", "tokens_digest"]
-
-
-logger = structlog.get_logger("agentkv")
-_turn_logger: tuple[tuple[object, ...], Any] | None = None
-_CONFIG_KEYS = ("processors", "wrapper_class", "context_class", "logger_factory")
-
-
-def turn_logger() -> Any:
-    """``logger`` bound once per structlog configuration, for the event of every turn; ``None``
-    when that configuration drops info events (a filtering wrapper above ``INFO``), so the turn
-    builds no event for nothing.
-
-    The module's lazy proxy binds a new logger on every call (~4 us) unless structlog caches on
-    first use; rebinding when the configuration changes (``configure``, ``capture_logs``) logs
-    the same events through the same processors.
-    """
-    global _turn_logger  # noqa: PLW0603 - one cache for the process, as structlog's own
-    config = structlog.get_config()
-    cached = _turn_logger
-    if cached is None or not (
-        (key := cached[0])[0] is config["processors"]
-        and key[1] is config["wrapper_class"]
-        and key[2] is config["context_class"]
-        and key[3] is config["logger_factory"]
-    ):
-        bound = logger.bind()
-        # structlog's filtering wrappers say their level; any other wrapper gets the event.
-        enabled = getattr(bound, "is_enabled_for", None)
-        use = bound if enabled is None or enabled(logging.INFO) else None
-        cached = _turn_logger = (tuple(config[k] for k in _CONFIG_KEYS), use)
-    return cached[1]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

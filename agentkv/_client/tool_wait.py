@@ -9,18 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import structlog
-
 from agentkv._client import kv
 from agentkv._client.leasing import extend, offload
 from agentkv._client.offload import OffloadMode
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
+from agentkv._log import get_logger
 from agentkv._policy import ExtendDecision, TierDecision
 
 __all__ = ["ToolWait", "begin_wait", "decide_tier", "end_wait"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 
 @dataclass(kw_only=True, slots=True)

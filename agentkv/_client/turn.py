@@ -33,7 +33,6 @@ import time
 from collections.abc import AsyncGenerator
 from typing import TypeVar
 
-import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_exponential, wait_random
 
@@ -49,6 +48,7 @@ from agentkv._exceptions import (
     ServerError,
     TransportError,
 )
+from agentkv._log import get_logger
 from agentkv._prompt.transcript import TurnPrompt
 from agentkv._types import HandleState, Pair, SessionOptions, TextDelta, TurnResult
 from agentkv._window import context_error, fit_max_tokens
@@ -64,7 +64,7 @@ __all__ = ["TurnRunner"]
 
 T = TypeVar("T")
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 _CHAT_PATH = "/v1/chat/completions"
 

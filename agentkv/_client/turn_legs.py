@@ -12,12 +12,11 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
-import structlog
-
 from agentkv._client import kv, leasing
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
 from agentkv._exceptions import ConnectError, MalformedResponseError, UpstreamStatusError
+from agentkv._log import get_logger
 from agentkv._types import HandleState, KVHandle, Pair, TextDelta
 from agentkv._wire.decode_answer import StreamAccumulator, parse_decode, unexplained
 from agentkv._wire.handoff import (
@@ -36,7 +35,7 @@ __all__ = ["TurnLegs"]
 
 T = TypeVar("T")
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 _CHAT_PATH = "/v1/chat/completions"
 

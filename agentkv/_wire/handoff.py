@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeGuard
 
-import structlog
-
 from agentkv._exceptions import MalformedResponseError
+from agentkv._log import get_logger
 from agentkv._types import KVHandle, Message
 from agentkv._wire.hints import (
     HINTS_KEY,
@@ -45,7 +44,7 @@ from agentkv._wire.hints import (
 from agentkv._wire.json import dumps
 from agentkv._wire.tier import TierLoadReport, TierRef, with_tier
 
-_logger = structlog.get_logger("agentkv")
+_logger = get_logger("agentkv")
 
 # Decode echoes the prompt's ids (``return_token_ids``, asked for the generated ones): never read.
 DECODE_ECHO = "prompt_token_ids"

@@ -14,10 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from agentkv import _constants as defaults
 from agentkv._exceptions import TransportError
+from agentkv._log import get_logger
 from agentkv._types import KVHandle
 from agentkv._wire.handoff import lease_ref
 from agentkv._wire.hints import (
@@ -55,7 +54,7 @@ __all__ = [
     "LeaseCalls",
 ]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 RECHECK_UNSUPPORTED_S = defaults.RECHECK_UNSUPPORTED_S
 METRICS_PATH = "/metrics"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import shlex
 import sys
 from collections.abc import Mapping
@@ -16,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
-import structlog
 
 from agentkv import ConfigError
+from agentkv._core import configure_logging
 from agentkv.bench._config import (
     DEFAULT_MODES,
     PAUSES,
@@ -124,7 +123,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--log-level", default="warning",
                    choices=("debug", "info", "warning", "error"),
-                   help="structlog events on stderr at or above this level (default %(default)s)")
+                   help="agentkv events on stderr at or above this level (default %(default)s)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -244,11 +243,7 @@ def command_line(config: BenchConfig, *, cluster_file: Path, json_out: str,
 
 
 def _configure_logging(level: str) -> None:
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[
-            level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+    configure_logging(level)
 
 
 def _fmt(value: float | None, unit: str = "") -> str:

@@ -7,10 +7,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx2
-import structlog
 
 from agentkv import AgentKVError, ConfigError, MalformedResponseError
-from agentkv._core import HttpxPoster, dumps, post_json
+from agentkv._core import HttpxPoster, dumps, get_logger, post_json
 from agentkv.bench._config import BenchConfig, Mode
 from agentkv.bench._decode_watch import DEFAULT_INTERVAL_S, DecodeWatch, watch_decode
 from agentkv.bench._env import environment, server_cache
@@ -23,7 +22,7 @@ from agentkv.bench._workload import TurnScript, Workload, build_workload, calibr
 
 __all__ = ["METHOD", "TRACE_METHOD", "run_bench", "session_id"]
 
-logger = structlog.get_logger("agentkv.bench")
+logger = get_logger("agentkv.bench")
 
 OnTurn = Callable[[TurnSample], None]
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import structlog
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
+from agentkv._core import get_logger
 from agentkv._wire.hints import HintError
 from agentkv._wire.tier import OffloadRequest, TierRef, with_tier_load
 from agentkv.connector import _engine_rpc, _quiet
@@ -36,7 +36,7 @@ from agentkv.connector._tier import RunOnWorkers, TierScheduler, TierWorker, tie
 from agentkv.connector._tier_io import cpu_attn_clear_slots_of
 from agentkv.connector._tier_stats import TIER_STATS_KEY, tier_reasons
 
-logger = structlog.get_logger("agentkv.connector")
+logger = get_logger("agentkv.connector")
 
 # Longest pin a hint or extend may ask for, unless kv_connector_extra_config sets
 # "agentkv_max_ttl_s": a runaway lease must not hold decode memory forever.

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-import structlog
-
+from agentkv._core import get_logger
 from agentkv._wire.hints import (
     HINTS_KEY,
     ExtendRequest,
@@ -44,7 +43,7 @@ from agentkv._wire.hints import (
     tag_of_request_id,
 )
 
-logger = structlog.get_logger("agentkv.connector")
+logger = get_logger("agentkv.connector")
 
 Clock = Callable[[], float]
 SetDeadline = Callable[[str, float], None]

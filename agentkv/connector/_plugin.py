@@ -15,6 +15,7 @@ itself. When on, it
 
 from __future__ import annotations
 
+import logging
 import os
 
 ENV_FLAG = "AGENTKV_VLLM_PLUGIN"
@@ -56,8 +57,12 @@ def register() -> None:
         return
     _check_allowlist()
     # Imported here: vLLM imports this module in every process, also where the plugin is off.
+    from agentkv._core import configure_logging
     from agentkv.connector import _compile_cache, _engine_rpc, _quiet
 
+    # The connector's events (leases, tier writes) go to the server's log, at every level, as
+    # they did before agentkv's events became quiet by default.
+    configure_logging(logging.DEBUG)
     _compile_cache.apply()
     if os.environ.get(QUIET_ENV, "1") != "0":
         _quiet.apply()

@@ -40,8 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
+from agentkv._core import get_logger
 from agentkv._wire.hints import HintError, LeaseRef
 from agentkv._wire.tier import OffloadResult, TierDelete, TierLoadReport, TierRef, valid_tier_id
 from agentkv.connector._tier_store import (
@@ -60,7 +59,7 @@ from agentkv.connector._tier_writer import RESULT_KEEP_S, BackgroundWrites
 if TYPE_CHECKING:  # torch stays out of the scheduler's process
     from agentkv.connector._tier_io import ClearSlots, TierIO
 
-logger = structlog.get_logger("agentkv.connector.tier")
+logger = get_logger("agentkv.connector.tier")
 
 DEFAULT_TIER_BUDGET_BYTES = 4 << 30
 # An entry's time to live when the offload call asks for none, and the most it may ask for: a

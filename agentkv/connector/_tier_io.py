@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 
+from agentkv._core import get_logger
 from agentkv.connector._tier_store import CHECKSUM_BYTES
 
-logger = structlog.get_logger("agentkv.connector.tier")
+logger = get_logger("agentkv.connector.tier")
 
 _names = itertools.count()
 

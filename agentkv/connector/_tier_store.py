@@ -40,12 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
-
+from agentkv._core import get_logger
 from agentkv._wire.tier import TIER_ID_PATTERN, TierUsage
 from agentkv.connector._tier_share import Eviction, Held, evictions
 
-logger = structlog.get_logger("agentkv.connector.tier")
+logger = get_logger("agentkv.connector.tier")
 
 MANIFEST_VERSION = 2  # 2: salt and secret digests, expiry, weights hash; 1 is swept as unreadable
 CHECKSUM_BYTES = 16  # blake2b digest size: a checksum against damage, not an authenticator

@@ -29,9 +29,9 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import structlog
+from agentkv._core import get_logger
 
-logger = structlog.get_logger("agentkv.connector.tier")
+logger = get_logger("agentkv.connector.tier")
 
 # A finished write's result waits this long for its poll (the route polls within milliseconds;
 # a route that died leaves it, and the scheduler aborts the entry after the same time).

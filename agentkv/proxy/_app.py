@@ -18,7 +18,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -26,7 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from agentkv._core import AsyncCluster, JSONDecodeError, loads
+from agentkv._core import AsyncCluster, JSONDecodeError, get_logger, loads
 from agentkv.proxy._chat import ChatService, json_response
 from agentkv.proxy._config import ProxyConfig, key_digest
 from agentkv.proxy._deadline import BodyDeadline, BodyPace
@@ -47,7 +46,7 @@ from agentkv.proxy._threads import thread_of
 
 __all__ = ["create_app"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 Handler = Callable[[Request], Awaitable[Response]]
 _ANONYMOUS = "anonymous"

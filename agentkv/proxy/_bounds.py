@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import asyncio
 
-import structlog
-
+from agentkv._core import get_logger
 from agentkv.proxy._entry import SessionEntry, split_key
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._metrics import ProxyMetrics
@@ -29,7 +28,7 @@ from agentkv.proxy._store import Claim, SessionStore, StoreUnavailableError
 
 __all__ = ["SWEEP_HOLD_S", "SWEEP_PAGE", "SWEEP_PAGES", "SWEEP_PARALLEL", "StoreBounds"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 # The idle sweep, per replica and tick: pages of keys taken from the store, at most this many
 # pages, each key removed under a claim, this many at a time (each removal is three round trips

@@ -17,7 +17,6 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any, Protocol
 
-import structlog
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -35,6 +34,7 @@ from agentkv._core import (
     TurnResult,
     as_offload,
     dumps,
+    get_logger,
 )
 from agentkv.proxy._affinity import HistoryIndex
 from agentkv.proxy._config import ProxyConfig
@@ -61,7 +61,7 @@ from agentkv.proxy._tools import HEADER_TOOL_CALLING, ToolModes, ToolPlan, plan_
 
 __all__ = ["AnswerShape", "ChatService", "json_response"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 _DONE = b"data: [DONE]\n\n"
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import structlog
+from agentkv._core import get_logger
 
 __all__ = ["QUIET_FIELDS", "IgnoredFields"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 QUIET_FIELDS = frozenset(
     {

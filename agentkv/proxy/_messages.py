@@ -19,11 +19,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import Any
 
-import structlog
 from starlette.datastructures import Headers
 from starlette.responses import Response, StreamingResponse
 
-from agentkv._core import AsyncCluster, Message, Route, RoutingError, ServerRenderer
+from agentkv._core import AsyncCluster, Message, Route, RoutingError, ServerRenderer, get_logger
 from agentkv.proxy._chat import ChatService, json_response
 from agentkv.proxy._messages_diagnosis import Diagnosis, MessageThreads, previous_message_id
 from agentkv.proxy._messages_errors import error_event
@@ -35,7 +34,7 @@ from agentkv.proxy._session_key import claude_code_session_id
 
 __all__ = ["MessagesService", "body_session_id"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 def body_session_id(body: object) -> str | None:
     """The session Claude Code names in ``metadata.user_id`` (``_session_key`` reads its two

@@ -25,14 +25,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
+from agentkv._core import get_logger
 from agentkv.proxy._errors import ProxyError
 from agentkv.proxy._messages_system import SystemDrops
 
 __all__ = ["Translated", "chat_body"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 # Read here, or accepted with no effect (Anthropic's own features, client bookkeeping).
 _KNOWN = frozenset(

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from agentkv._core import get_logger
+
 __all__ = ["ProxyMetrics"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)

@@ -29,13 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-import structlog
-
-from agentkv._core import PersistMode
+from agentkv._core import PersistMode, get_logger
 
 __all__ = ["IGNORED_HEADER", "LEGACY_IGNORED_HEADER", "Admission", "OffloadGate"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 IGNORED_HEADER = "X-AgentKV-Offload-Ignored"
 # Also sent to a client that asked with the deprecated X-AgentKV-Persist (for one release).

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import structlog
-
-from agentkv._core import HistoryPlan
+from agentkv._core import HistoryPlan, get_logger
 from agentkv.proxy._metrics import ProxyMetrics
 
 __all__ = ["cache_miss_reason", "record_break"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 
 def record_break(

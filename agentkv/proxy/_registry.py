@@ -26,9 +26,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-import structlog
-
-from agentkv._core import AsyncCluster, AsyncSession, Pair, SessionClosedError
+from agentkv._core import AsyncCluster, AsyncSession, Pair, SessionClosedError, get_logger
 from agentkv.proxy._bounds import SWEEP_PAGE
 from agentkv.proxy._entry import Key, SessionEntry
 from agentkv.proxy._errors import ProxyError
@@ -41,7 +39,7 @@ from agentkv.proxy._unreferenced import UnreferencedPins
 
 __all__ = ["OnClose", "OnFork", "SessionEntry", "SessionRegistry"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 # Told when a session closes (the entry, the reason), and when it is replaced by a fork (the
 # entry, how many of its messages the fork keeps): what refers to a session's history (stored

@@ -24,15 +24,13 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
-import structlog
-
-from agentkv._core import AsyncCluster
+from agentkv._core import AsyncCluster, get_logger
 from agentkv.proxy._entry import Key
 from agentkv.proxy._metrics import ProxyMetrics
 
 __all__ = ["PressureRelief", "UnpinTarget", "budget", "pressured"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 
 

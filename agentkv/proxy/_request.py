@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import structlog
-
 from agentkv._core import (
     PASSED_FIELDS,
     ROUTES,
@@ -33,6 +31,7 @@ from agentkv._core import (
     Message,
     PersistMode,
     Route,
+    get_logger,
     refusal,
 )
 from agentkv.proxy._errors import ProxyError
@@ -41,7 +40,7 @@ from agentkv.proxy._session_key import session_key
 
 __all__ = ["ChatRequest", "parse_chat_request", "session_id_from"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 # Read by the proxy itself.
 _HANDLED = frozenset(

@@ -25,10 +25,9 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import structlog
 from starlette.responses import Response
 
-from agentkv._core import Message, Route, TranscriptView
+from agentkv._core import Message, Route, TranscriptView, get_logger
 from agentkv.proxy._chat import ChatService
 from agentkv.proxy._entry import SessionEntry
 from agentkv.proxy._errors import ProxyError
@@ -50,7 +49,7 @@ from agentkv.proxy._tools import ToolPlan, shown_messages
 
 __all__ = ["ResponsesService"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 
 def _unavailable(exc: StoreUnavailableError) -> ProxyError:

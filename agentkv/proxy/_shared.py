@@ -32,9 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-import structlog
-
-from agentkv._core import AsyncCluster, AsyncSession, kv
+from agentkv._core import AsyncCluster, AsyncSession, get_logger, kv
 from agentkv.proxy._bounds import StoreBounds
 from agentkv.proxy._entry import Key, SessionEntry, split_key, store_key
 from agentkv.proxy._errors import ProxyError
@@ -50,7 +48,7 @@ from agentkv.proxy._unreferenced import UnreferencedPins
 
 __all__ = ["DIRTY_HANDOVER", "READ_PAUSES_S", "SharedSessions"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 # The pauses of a read that finds a session claimed elsewhere, about 50 ms in all: long enough
 # for a commit written behind an answer to land (a round trip), short enough not to stall

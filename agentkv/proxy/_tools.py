@@ -29,8 +29,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from agentkv._core import (
     AUTO,
     NONE,
@@ -43,13 +41,14 @@ from agentkv._core import (
     ToolDefinitionError,
     ToolSpec,
     TurnResult,
+    get_logger,
     post_json,
 )
 from agentkv.proxy._errors import ProxyError
 
 __all__ = ["ToolMode", "ToolModes", "ToolPlan", "plan_tools", "shown_messages"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 HEADER_TOOL_CALLING = "X-AgentKV-Tool-Calling"
 

@@ -23,15 +23,13 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-import structlog
-
-from agentkv._core import AsyncCluster
+from agentkv._core import AsyncCluster, get_logger
 from agentkv.proxy._metrics import ProxyMetrics
 from agentkv.proxy._store import Claim, CommitFate, SessionStore, StoreUnavailableError
 
 __all__ = ["FENCE_OFF_FOR_S", "FENCE_OFF_PAUSES_S", "UnreferencedPins"]
 
-logger = structlog.get_logger("agentkv")
+logger = get_logger("agentkv")
 
 # How a replica whose commit got no answer asks the store again whether it landed: pauses
 # doubling from the first to the last, for as long as decode could still hold the turn's pin

@@ -7,7 +7,6 @@ import json
 
 import httpx2
 import pytest
-import structlog
 
 from agentkv.bench import BenchConfig, ClusterTarget, Mode, parse_modes, run_bench
 from agentkv.bench._cli import add_parser
@@ -145,13 +144,7 @@ def test_no_stream_mode_works_without_streamed_handles_and_says_so():
     assert report["modes"]["agentkv"]["summary"]["reuse_vs_ideal"] >= 0.99
 
 
-@pytest.fixture
-def reset_logging():
-    yield
-    structlog.reset_defaults()
-
-
-def test_the_command_writes_json_and_plot_over_real_http(tmp_path, capsys, reset_logging):
+def test_the_command_writes_json_and_plot_over_real_http(tmp_path, capsys, agentkv_logging):
     import argparse
 
     fake = fake_pair()

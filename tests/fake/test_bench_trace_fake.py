@@ -7,7 +7,6 @@ import asyncio
 import json
 
 import pytest
-import structlog
 
 from agentkv.bench import BenchConfig, ClusterTarget, parse_modes, run_bench
 from agentkv.bench._cli import add_parser
@@ -60,13 +59,7 @@ def test_every_mode_replays_the_same_prompts_and_agentkv_reuses_the_history(repl
     assert agentkv > 0.9
 
 
-@pytest.fixture
-def reset_logging():
-    yield
-    structlog.reset_defaults()
-
-
-def test_the_command_replays_a_trace_over_real_http(tmp_path, capsys, reset_logging):
+def test_the_command_replays_a_trace_over_real_http(tmp_path, capsys, agentkv_logging):
     fake = fake_pair()
     with fake.serve() as served:
         cluster_file = tmp_path / "cluster.json"

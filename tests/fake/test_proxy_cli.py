@@ -20,13 +20,11 @@ from agentkv.proxy._cli import add_parser, config_from_args
 from agentkv.testing import FakeCluster
 
 # What `agentkv proxy ARGS` runs, until agentkv.cli wires the subcommand in.
+# ``agentkv -v proxy ...``: the CLI's -v prints agentkv's info events (quiet by default).
 RUN_CLI = """
-import argparse, sys
-from agentkv.proxy._cli import add_parser
-parser = argparse.ArgumentParser(prog="agentkv")
-add_parser(parser.add_subparsers(dest="command", required=True))
-args = parser.parse_args(sys.argv[1:])
-sys.exit(args.func(args))
+import sys
+from agentkv.cli import main
+sys.exit(main(["-v", *sys.argv[1:]]))
 """
 
 

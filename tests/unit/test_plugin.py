@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from agentkv.connector import _plugin
+
+# register() configures the agentkv logger for the server's process: reset around each test.
+pytestmark = pytest.mark.usefixtures("agentkv_logging")
 
 
 def test_the_plugin_environment_adds_agentkv_to_the_allowlist_and_keeps_others() -> None:
@@ -31,11 +36,14 @@ def test_without_the_flag_the_plugin_does_nothing(
     assert _plugin.enabled() is False
     _plugin.register()  # no error, and nothing installed in this vLLM process
     assert calls == []
+    assert not logging.getLogger("agentkv").isEnabledFor(logging.INFO)
     # The same environment with the flag installs all three (so the check above can fail).
     monkeypatch.setenv("AGENTKV_VLLM_PLUGIN", "1")
     monkeypatch.setenv("VLLM_PLUGINS", "agentkv")
     _plugin.register()
     assert sorted(calls) == ["compile_cache", "leases", "quiet"]
+    # The connector's events reach the server's log at every level.
+    assert logging.getLogger("agentkv.connector").isEnabledFor(logging.DEBUG)
 
 
 @pytest.mark.parametrize("allowlist", [None, "", "lora_filesystem_resolver"])
