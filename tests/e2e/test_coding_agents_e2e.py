@@ -40,7 +40,7 @@ CLI_TIMEOUT_S = 240.0
 # on CPU. At 64 two runs made no tool call at all (likely calls cut off and read as text).
 DEFAULT_MAX_TOKENS = 96
 MIN_REUSE = 0.95
-CODEX_MAX_TURNS = 4
+CODEX_MAX_TURNS = 2  # a run and its resume: each more turn costs CI its minute
 API_KEY = "k"
 INSTRUCTIONS = "You are a coding agent. Run shell commands with your shell tool when asked."
 TASK = "Run the shell command 'echo agentkv' with exec_command, then answer with its output."

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import pytest
 
 import agentkv
@@ -82,7 +81,6 @@ def _langchain_model(cluster_file: Path, policy: CachePolicy, wiring: str) -> It
 
     from agentkv._agent.tool_calling import JsonToolCalling
     from agentkv.integrations.langchain import ChatAgentKV
-    from agentkv.proxy import ProxyConfig, ProxyServer
 
     options: dict[str, Any] = {"max_tokens": 96, "temperature": 0}
     parallel = {"parallel_tool_calls": False}
@@ -100,31 +98,6 @@ def _langchain_model(cluster_file: Path, policy: CachePolicy, wiring: str) -> It
                 **options,
             )
             yield llm, lambda: client.get("/sessions/langchain", cast_to=object)
-    elif wiring == "proxy":
-
-        def make() -> AsyncCluster:
-            return AsyncCluster.from_file(cluster_file, policy=policy)
-
-        with ProxyServer(make, ProxyConfig(port=0)) as server:
-            llm = ChatOpenAI(
-                model=Cluster.from_file(cluster_file).model,
-                base_url=f"{server.url}/v1",
-                api_key="sk-test",
-                default_headers={"X-Session-ID": "langchain"},
-                max_retries=0,
-                model_kwargs=parallel,
-                **options,
-            )
-
-            def read() -> Any:
-                response = httpx2.get(
-                    f"{server.url}/v1/sessions/langchain",
-                    headers={"Authorization": "Bearer sk-test"},
-                )
-                response.raise_for_status()
-                return response.json()
-
-            yield llm, read
     else:
         with Cluster.from_file(cluster_file, policy=policy) as cluster:
             kv = ChatAgentKV(cluster=cluster, tool_calling=JsonToolCalling(max_calls=1), **options)
@@ -158,7 +131,9 @@ def _langchain_run(cluster_file: Path, policy: CachePolicy, wiring: str) -> tupl
     return result["messages"][len(history) :], session
 
 
-@pytest.mark.parametrize("wiring", ["drop-in", "proxy", "chat-agentkv"])
+# The proxy over HTTP is the drop-in's app behind a socket: LangChain through it is
+# tests/e2e/test_proxy_clients_e2e.py's bind_tools loop, so it is not run a third time here.
+@pytest.mark.parametrize("wiring", ["drop-in", "chat-agentkv"])
 def test_langchain_create_agent_reuses_every_call(cluster_file: Path, wiring: str) -> None:
     pytest.importorskip("langchain.agents")
     messages, session = _langchain_run(cluster_file, CachePolicy(), wiring)
