@@ -305,17 +305,7 @@ class TurnRunner(TurnLegs):
             # Prefill answered (above), so the handle it carried is done with: free it if the
             # pull did not (cancelled or a stream left early too, hence in the background). On
             # the decode route nobody reads it: it is freed the same way.
-            leasing.start(
-                pool,
-                state,
-                kv.release_sent(
-                    sent,
-                    reason="decode_failed",
-                    policy=state.policy,
-                    now=pool.clock(),
-                    background=True,
-                ),
-            )
+            self._release_sent_later(sent, "decode_failed")
             raise
         finally:
             pool.decode_end(pair, local)
@@ -325,17 +315,7 @@ class TurnRunner(TurnLegs):
         if prefill is None:
             # The decode route read the old handle's blocks from decode's cache; the new turn's
             # pin holds them now, so the old pin is only in the way.
-            leasing.start(
-                pool,
-                state,
-                kv.release_sent(
-                    sent,
-                    reason="decode_route",
-                    policy=state.policy,
-                    now=pool.clock(),
-                    background=True,
-                ),
-            )
+            self._release_sent_later(sent, "decode_route")
         # The first token's time, from the first leg's start: all of it on the servers
         # (non-streamed, the whole answer arrives at once).
         server_ttft = self._ttft if self._ttft is not None else t_end - t_prefill

@@ -61,6 +61,14 @@ class TurnLegs:
         effects = kv.release_sent(sent, reason=reason, policy=state.policy, now=pool.clock())
         await leasing.run(pool, state, effects)
 
+    def _release_sent_later(self, sent: KVHandle | None, reason: str) -> None:
+        """``_release_sent`` in the background: the turn does not wait for decode's answer."""
+        state, pool = self._state, self._pool
+        effects = kv.release_sent(
+            sent, reason=reason, policy=state.policy, now=pool.clock(), background=True
+        )
+        leasing.start(pool, state, effects)
+
     async def _p_leg(
         self,
         pair: Pair,
