@@ -29,8 +29,15 @@ from agentkv.bench._config import (
 from agentkv.bench._modes import ClusterTarget
 from agentkv.bench._progress import ProgressBar
 from agentkv.bench._report import speedups
+from agentkv.bench._roles import role_lines
 from agentkv.bench._run import run_bench
-from agentkv.bench._trace import SAMPLE_TRACE, ReplayPlan, load_trace, plan_replay
+from agentkv.bench._trace import (
+    CLAUDE_CODE_TRACE,
+    SAMPLE_TRACE,
+    ReplayPlan,
+    load_trace,
+    plan_replay,
+)
 
 __all__ = ["add_parser", "cmd_bench"]
 
@@ -103,8 +110,9 @@ def add_parser(subparsers: Any) -> None:
                    help="workload seed (default %(default)s)")
     p.add_argument("--trace", metavar="FILE",
                    help="replay this trace (Mooncake JSONL, or kv-cache-tester conversation "
-                   "JSON or a folder of them) instead of synthetic sessions; 'sample' is the "
-                   "shipped Mooncake excerpt (docs/benchmarks.md, Trace replay)")
+                   "JSON or a folder of them, subagents included) instead of synthetic sessions; "
+                   "'sample' is the shipped Mooncake excerpt, 'claude-code' the shipped Claude "
+                   "Code conversations with subagents (docs/benchmarks.md, Trace replay)")
     p.add_argument("--trace-limit", type=int, metavar="N",
                    help="replay only the trace's first N requests")
     p.add_argument("--length-scale", type=float, default=_DEFAULTS.length_scale,
@@ -129,7 +137,8 @@ def add_parser(subparsers: Any) -> None:
 
 def _trace_path(name: str) -> Path:
     path = Path(name)
-    return SAMPLE_TRACE if name == "sample" and not path.exists() else path
+    shipped = {"sample": SAMPLE_TRACE, "claude-code": CLAUDE_CODE_TRACE}
+    return shipped[name] if name in shipped and not path.exists() else path
 
 
 def _replay(args: argparse.Namespace) -> ReplayPlan | None:
@@ -308,6 +317,7 @@ def summary_table(report: Mapping[str, Any]) -> str:
                 "previous turn (prefix caching keeps whole blocks only)"
             )
     lines += _pressure_lines(report)
+    lines += role_lines(report)
     workload = report.get("config", {}).get("workload", {})
     if workload.get("kind") == "trace":
         lines.append(

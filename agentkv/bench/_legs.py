@@ -10,7 +10,8 @@ the leg that needs it:
   the P leg's salt is set here. ``disagg`` gets a fresh salt on every P leg: prefill's cache is
   cold for the session, as with ``--no-enable-prefix-caching`` on P in the published benchmark or
   under production cache pressure. ``affinity`` and ``agentkv`` get one salt per session: prefill
-  keeps the session's own blocks and nothing else's.
+  keeps the session's own blocks and nothing else's (per conversation in a replay with subagents:
+  its sessions are one user, ``open_runner``).
 * **No pin on decode for the baselines.** Standard disaggregated serving does not keep turn-end KV
   on decode; ``disagg`` and ``affinity`` never use it, so their D legs carry agentkv's pin hint
   ``{"persist": false}`` (decode frees the blocks at once, as without ``bidirectional_kv_xfer``)

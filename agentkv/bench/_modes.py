@@ -28,8 +28,11 @@ limit      no P leg: the turn goes to  one per session     no (a local request; 
 =========  ==========================  ==================  =============================
 
 ``aggregated`` sends ordinary streamed chat completions (the server renders the messages) to the
-prefill server alone, with one salt per session. ``limit`` (``_limit.py``) sends the SDK's exact
-prompt ids to the decode server alone: only the new tokens (and a block's tail) are computed.
+prefill server alone, with one salt per session. "One per session" is one per salt group where
+the workload names one: a replayed conversation's parent and subagents share a salt (one user),
+so siblings can hit each other's prefix (``open_runner``). ``limit`` (``_limit.py``) sends the
+SDK's exact prompt ids to the decode server alone: only the new tokens (and a block's tail) are
+computed.
 """
 
 from __future__ import annotations
@@ -102,9 +105,9 @@ class ClusterTarget:
         return [str(pair[role]) for pair in self.spec["pairs"]]
 
 
-def _salt(run_id: str, mode: Mode, session: int) -> str:
+def _salt(run_id: str, mode: Mode, group: str) -> str:
     # vLLM refuses salts over 128 characters or with '/', '@', '\\'.
-    return f"akvb-{run_id}-{mode.value}-s{session}"
+    return f"akvb-{run_id}-{mode.value}-{group}"
 
 
 class SdkRunner:
@@ -295,10 +298,16 @@ def open_runner(
     run_id: str,
     stream: bool,
     pause: Pause = "extend",
+    salt_group: str | None = None,
 ) -> SessionRunner:
-    """A runner for session ``index`` in ``mode``, with its own salts and HTTP client;
-    ``pause`` says what the SDK modes do at a pause (``BenchConfig.pause``)."""
-    salt = _salt(run_id, mode, index)
+    """A runner for session ``index`` in ``mode``, with its own HTTP client; ``pause`` says what
+    the SDK modes do at a pause (``BenchConfig.pause``).
+
+    The modes that keep one cache salt per session keep it per ``salt_group`` when given: the
+    sessions of one replayed conversation (parent and subagents) are one user, whose siblings
+    may hit each other's prefix. ``disagg`` keeps a fresh salt on every P leg regardless."""
+    own = f"s{index}"
+    salt = _salt(run_id, mode, own if mode is Mode.DISAGG else salt_group or own)
     if mode is Mode.AGGREGATED:
         client = httpx2.AsyncClient(transport=NotOwned(target.transport), timeout=600.0)
         return AggregatedRunner(

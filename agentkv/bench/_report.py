@@ -8,7 +8,8 @@ Shape (``null`` marks a turn that failed or never ran)::
                     "ideal_reused_tokens": [...]}, ...],
          "summary": {"ttft_p50_ms_after_first_turn": x, "ttft_p90_ms_after_first_turn": x,
                      "reuse_vs_ideal": x, "throughput_tokens_per_s": x}}},
-     "errors": [...]}   # only when some turn failed
+     "errors": [...],   # only when some turn failed
+     "sessions": [...], "roles": {...}, "role_ratios": {...}}  # a replay with subagents
 
 Summary definitions: TTFT percentiles over every session's turns 2 and later (linear
 interpolation); ``reuse_vs_ideal`` is the sum of prefill's reused tokens over the sum of the ideal
@@ -28,7 +29,8 @@ it on turns >= 2: ``handle_states_after_first_turn`` (turns by ``TurnStats.handl
 less than the tier held: the entry was gone or cut short). ``decode`` holds decode's KV usage
 and preemptions sampled through the run (``_decode_watch``), by phase and server; when modes
 run one at a time each mode's summary also gets its phase's ``decode_kv_usage_peak``,
-``decode_kv_usage_mean`` and ``decode_preemptions``.
+``decode_kv_usage_mean`` and ``decode_preemptions``. A replay of conversations with subagents
+adds the parent's and the subagents' turns apart (``_roles.role_report``).
 """
 
 from __future__ import annotations

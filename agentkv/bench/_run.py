@@ -15,10 +15,18 @@ from agentkv.bench._decode_watch import DEFAULT_INTERVAL_S, DecodeWatch, watch_d
 from agentkv.bench._env import environment, server_cache
 from agentkv.bench._modes import ClusterTarget, NotOwned, SessionRunner, open_runner
 from agentkv.bench._report import build_report
+from agentkv.bench._roles import role_report, session_roles
 from agentkv.bench._samples import TurnSample
 from agentkv.bench._schedule import Lane, interleave, run_lanes
 from agentkv.bench._trace import ReplayPlan, build_trace_workload
-from agentkv.bench._workload import TurnScript, Workload, build_workload, calibrate
+from agentkv.bench._workload import (
+    SessionScript,
+    TokenCounter,
+    TurnScript,
+    Workload,
+    build_workload,
+    calibrate,
+)
 
 __all__ = ["METHOD", "TRACE_METHOD", "run_bench", "session_id"]
 
@@ -82,6 +90,10 @@ TRACE_METHOD = {
     "pauses": "each session starts at its first request's timestamp; after a turn, the trace's "
     "think time, or the gap to the next request less the request's assumed original service "
     "time (never negative); both times time_scale in real time, the SDK told the full length",
+    "subagents": "each subagent of a kv-cache-tester conversation is its own session, started "
+    "at the conversation's start plus its t, concurrently with its siblings and parent; the "
+    "sessions of one conversation share one cache_salt (one user) in every mode that keeps one "
+    "per session (disagg: still fresh per P leg)",
 }
 
 
@@ -109,6 +121,15 @@ class _Tokenizer:
         return count
 
 
+async def _first_turn_ideal(count: TokenCounter, script: SessionScript, system_tokens: int) -> int:
+    """What a replayed session's first turn may find cached from an earlier session of its
+    conversation: the system prompt and the text its first message shares (``_roles``)."""
+    shared = 0 if script.origin is None else script.origin.shared_chars
+    if not shared or not script.turns:
+        return 0
+    return system_tokens + await count(script.turns[0].user[:shared])
+
+
 class _Lanes:
     """Builds the lanes of a run and records their samples."""
 
@@ -126,9 +147,10 @@ class _Lanes:
     def build(self) -> list[Lane]:
         lanes = []
         for session, mode in interleave(self.config.sessions, self.modes):
+            script = self._workload.sessions[session]
             runner = open_runner(mode, session, target=self._target, system=self._workload.system,
                                  run_id=self.config.run_id, stream=self.config.stream,
-                                 pause=self.config.pause)
+                                 pause=self.config.pause, salt_group=script.salt_group)
             self.runners.append(runner)
             lanes.append(Lane(session=session, mode=mode,
                               turns=list(self._workload.sessions[session].turns),
@@ -252,6 +274,11 @@ async def run_bench(
         workload = (build_workload(config, ratios) if replay is None
                     else build_trace_workload(replay, ratios))
         system_tokens = await tokenizer.count(workload.system)
+        roles = None
+        if any(s.origin is not None for s in workload.sessions):
+            ideals = [await _first_turn_ideal(tokenizer.count, s, system_tokens)
+                      for s in workload.sessions]
+            roles = session_roles(workload, ideals)
         caches = {
             f"{pair.get('name')}/{role}": await server_cache(client, str(pair[role]))
             for pair in target.spec["pairs"]
@@ -289,6 +316,8 @@ async def run_bench(
         "method": method,
     }
     report = build_report(config, samples, environment=env, decode=watch)
+    if roles is not None:
+        report.update(role_report(config.modes, samples, roles))
     logger.info("agentkv.bench.done", errors=len(report.get("errors", ())),
                 summary={m: b["summary"] for m, b in report["modes"].items()})
     return report

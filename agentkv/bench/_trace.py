@@ -5,25 +5,29 @@ fixed-size token blocks (``hash_ids``: equal ids, equal content). It holds no te
 turns it into the benchmark's sessions of text (``Workload``), so that the prefixes the requests
 shared in the original are shared in the replay, and nothing else is:
 
-* **Sessions.** kv-cache-tester files name their conversation (one ``requests`` list each).
-  Mooncake's JSONL has no session id, so sessions are inferred, in arrival order: a request
-  continues the session whose latest request it extends, that is whose hash ids it starts with
-  (all of them, or all but the last when that block was partial) and whose prompt is no longer
-  than its own; the longest such match wins, and it must be longer than what the request shares
-  with any other session (so a system prompt that two sessions have reached joins no others).
-  Otherwise the request starts a session. One ambiguity remains: the first session to reach a
-  shared prompt, if its request ends within a block past it, takes the next request that starts
-  with that prompt (no other session has shown it to be shared yet).
-* **Content.** Each hash id maps to a fixed text chunk of one block (``block_tokens`` of the
-  served model's tokens, sized with the calibrated characters per token of a style chosen by the
-  id). Turn 1's user message is its blocks' text; turn t+1's is the text of the last
+* **Sessions.** kv-cache-tester files name their conversation (one ``requests`` list each); the
+  parent's requests are one session, and each subagent's another (``_trace_read``), all of them
+  sessions of one conversation (``ReplaySession.conversation``, ``role``). Mooncake's JSONL has
+  no session id, so sessions are inferred, in arrival order: a request continues the session
+  whose latest request it extends, that is whose hash ids it starts with (all of them, or all
+  but the last when that block was partial) and whose prompt is no longer than its own; the
+  longest such match wins, and it must be longer than what the request shares with any other
+  session (so a system prompt that two sessions have reached joins no others). Otherwise the
+  request starts a session. One ambiguity remains: the first session to reach a shared prompt,
+  if its request ends within a block past it, takes the next request that starts with that
+  prompt (no other session has shown it to be shared yet).
+* **Content** (``_trace_text``). Each hash id maps to a fixed text chunk of one block
+  (``block_tokens`` of the served model's tokens, sized with the calibrated characters per token
+  of a style chosen by the id; ids scoped to a conversation get their text in its namespace).
+  Turn 1's user message is its blocks' text; turn t+1's is the text of the last
   ``input(t+1) - input(t) - output(t)`` tokens of its own blocks (what turn t's prompt and output
   did not hold), at least one token. The model's outputs are generated, at the trace's lengths.
-* **Time.** A session starts at its first request's timestamp. The pause after a turn is the
-  request's ``think_time`` when the trace has one, else the gap to the next request less that
-  request's expected service in the original deployment (``ORIGINAL_PREFILL_TOKENS_PER_S``,
-  ``ORIGINAL_DECODE_TOKENS_PER_S``: assumptions, not measurements), never negative. The bench
-  waits ``time_scale`` times both.
+* **Time.** A session starts at its first request's timestamp (a subagent's: the conversation's
+  start, plus its entry's ``t``, plus its first request's ``t``), concurrently with the others.
+  The pause after a turn is the request's ``think_time`` when the trace has one, else the gap to
+  the next request less that request's expected service in the original deployment
+  (``ORIGINAL_PREFILL_TOKENS_PER_S``, ``ORIGINAL_DECODE_TOKENS_PER_S``: assumptions, not
+  measurements), never negative. The bench waits ``time_scale`` times both.
 * **Scale.** ``length_scale`` multiplies every length (blocks included), so a trace of 10k-token
   prompts runs on a small CPU pair. A turn whose prompt and output would not fit
   ``max_model_len`` ends its session there; the clipped requests and skipped sessions are
@@ -45,18 +49,25 @@ shared in the original are shared in the replay, and nothing else is:
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from agentkv import ConfigError
-from agentkv.bench._text import Style, generate, seeded
-from agentkv.bench._workload import CharsPerToken, SessionScript, TurnScript, Workload
+from agentkv.bench._trace_read import (
+    CLAUDE_CODE_TRACE,
+    MOONCAKE_BLOCK_TOKENS,
+    SAMPLE_TRACE,
+    Role,
+    Trace,
+    TraceRequest,
+    load_trace,
+    parse_trace,
+)
+from agentkv.bench._trace_text import block_text, build_trace_workload, span_text
 
 __all__ = [
+    "CLAUDE_CODE_TRACE",
     "MOONCAKE_BLOCK_TOKENS",
     "ORIGINAL_DECODE_TOKENS_PER_S",
     "ORIGINAL_PREFILL_TOKENS_PER_S",
@@ -75,13 +86,10 @@ __all__ = [
     "span_text",
 ]
 
-MOONCAKE_BLOCK_TOKENS = 512
-"""Mooncake's block size (its README): the default for traces that do not name one."""
 ORIGINAL_PREFILL_TOKENS_PER_S = 10_000.0
 ORIGINAL_DECODE_TOKENS_PER_S = 30.0
 """Assumed speed of the traced deployment, used only to take a request's service time out of the
 gap to the session's next request (the client's think time is what remains)."""
-SAMPLE_TRACE = Path(__file__).parent / "traces" / "mooncake_conversation_sample.jsonl"
 
 # The user message of a continuation is never empty, even when the trace's prompt did not grow
 # by the previous output (a retried or trimmed request).
@@ -89,34 +97,6 @@ _MIN_NEW_TOKENS = 1
 # Room left in max_model_len for the chat template (per message) and the replay's system prompt.
 _TEMPLATE_TOKENS_PER_MESSAGE = 8
 _TEMPLATE_TOKENS_FIXED = 64
-_STYLES: tuple[Style, ...] = ("code", "log", "prose")
-_SYSTEM = "You are an assistant. Answer the user's last message."
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TraceRequest:
-    """One recorded request, as the file gives it (times in seconds)."""
-
-    index: int
-    timestamp_s: float
-    input_tokens: int
-    output_tokens: int
-    hash_ids: tuple[int, ...]
-    conversation: str | None = None
-    """The session id of traces that name one (kv-cache-tester); ``None`` for Mooncake."""
-    think_time_s: float | None = None
-    """The recorded client delay before this request, when the trace has one."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Trace:
-    """A parsed trace: its requests in file order and its block size."""
-
-    name: str
-    block_tokens: int
-    requests: tuple[TraceRequest, ...]
-    ignored_entries: int = 0
-    """Entries that are not requests (kv-cache-tester's sub-agent markers)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,10 +120,19 @@ class ReplayTurn:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReplaySession:
+    """One session of the replay: a Mooncake inferred session, or a kv-cache-tester
+    conversation's parent or one of its subagents."""
+
     index: int
     start_s: float
     """When the session starts, from the first kept request, unscaled."""
     turns: tuple[ReplayTurn, ...]
+    conversation: str | None = None
+    role: Role = "parent"
+    agent_id: str | None = None
+    subagent_type: str | None = None
+    scope: str = ""
+    """The namespace of its hash ids (``TraceRequest.scope``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,6 +151,10 @@ class ReplayPlan:
     padded_tokens: int = 0
     """Tokens of user text added where the trace's prompt grew by less than the previous output."""
     ignored_entries: int = 0
+
+    @property
+    def subagents(self) -> int:
+        return sum(s.role == "subagent" for s in self.sessions)
 
     @property
     def scaled_block_tokens(self) -> float:
@@ -189,126 +182,8 @@ class ReplayPlan:
             "skipped_sessions": self.skipped_sessions,
             "padded_tokens": self.padded_tokens,
             "ignored_entries": self.ignored_entries,
+            "subagent_sessions": self.subagents,
         }
-
-
-# -- reading -------------------------------------------------------------------------------------
-
-
-def _int(entry: Mapping[str, Any], *names: str) -> int:
-    for name in names:
-        value = entry.get(name)
-        if type(value) is int and value >= 0:
-            return value
-    wanted = " or ".join(names)
-    raise ConfigError(f"trace entry has no non-negative integer {wanted}: {entry!r:.120}")
-
-
-def _hash_ids(entry: Mapping[str, Any]) -> tuple[int, ...]:
-    ids = entry.get("hash_ids")
-    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
-        raise ConfigError(f"trace entry has no integer list hash_ids: {entry!r:.120}")
-    return tuple(ids)
-
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _mooncake(entry: Mapping[str, Any], index: int) -> TraceRequest:
-    stamp = _number(entry.get("timestamp"))
-    if stamp is None:
-        raise ConfigError(f"trace entry has no numeric timestamp (ms): {entry!r:.120}")
-    return TraceRequest(
-        index=index,
-        timestamp_s=stamp / 1000.0,
-        input_tokens=_int(entry, "input_length"),
-        output_tokens=_int(entry, "output_length"),
-        hash_ids=_hash_ids(entry),
-    )
-
-
-def _conversation(
-    data: Mapping[str, Any], start: int, fallback_id: str
-) -> tuple[list[TraceRequest], int]:
-    """A kv-cache-tester conversation: ``{"id", "block_size", "requests": [{"t", "in", "out",
-    "hash_ids", ...}]}``; ``t`` in seconds from the conversation's start."""
-    conversation = str(data.get("id", fallback_id))
-    requests: list[TraceRequest] = []
-    ignored = 0
-    entries = data.get("requests")
-    if not isinstance(entries, list):
-        raise ConfigError(f"conversation {conversation!r} has no requests list")
-    for entry in entries:
-        if not isinstance(entry, Mapping) or "hash_ids" not in entry or "in" not in entry:
-            ignored += 1  # sub-agent markers and other non-request entries
-            continue
-        stamp = _number(entry.get("t"))
-        if stamp is None:
-            raise ConfigError(f"conversation {conversation!r}: a request has no numeric t")
-        requests.append(TraceRequest(
-            index=start + len(requests),
-            timestamp_s=stamp,
-            input_tokens=_int(entry, "in"),
-            output_tokens=_int(entry, "out"),
-            hash_ids=_hash_ids(entry),
-            conversation=conversation,
-            think_time_s=_number(entry.get("think_time")),
-        ))
-    return requests, ignored
-
-
-def parse_trace(text: str, *, name: str, block_tokens: int | None = None) -> Trace:
-    """Parse a trace: Mooncake JSONL (one request a line), or kv-cache-tester conversations (a
-    JSON object with ``requests``, a list of them, or one a line)."""
-    stripped = text.strip()
-    documents: list[Any]
-    try:
-        try:
-            documents = [json.loads(stripped)]  # one conversation, or a list of them
-        except json.JSONDecodeError:
-            documents = [json.loads(line) for line in stripped.splitlines() if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{name} is not JSON or JSONL: {exc}") from None
-    if len(documents) == 1 and isinstance(documents[0], list):
-        documents = documents[0]
-    requests: list[TraceRequest] = []
-    ignored = 0
-    sizes: set[int] = set()
-    for number, document in enumerate(documents):
-        if not isinstance(document, Mapping):
-            raise ConfigError(f"{name}: entry {number} is not a JSON object")
-        if "requests" in document:
-            size = document.get("block_size")
-            if type(size) is int and size > 0:
-                sizes.add(size)
-            found, skipped = _conversation(document, len(requests), f"{name}#{number}")
-            requests.extend(found)
-            ignored += skipped
-        else:
-            requests.append(_mooncake(document, len(requests)))
-    if len(sizes) > 1:
-        raise ConfigError(f"{name}: conversations with different block sizes {sorted(sizes)}")
-    size = block_tokens or (sizes.pop() if sizes else MOONCAKE_BLOCK_TOKENS)
-    if not requests:
-        raise ConfigError(f"{name}: no requests")
-    return Trace(name=name, block_tokens=size, requests=tuple(requests), ignored_entries=ignored)
-
-
-def load_trace(path: str | Path, *, block_tokens: int | None = None) -> Trace:
-    """Read a trace file, or a directory of kv-cache-tester ``*.json`` conversations."""
-    path = Path(path)
-    try:
-        if path.is_dir():
-            files = sorted(path.glob("*.json"))
-            text = "\n".join(json.dumps(json.loads(f.read_text())) for f in files)
-        else:
-            text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"no trace at {path}") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"trace {path} is unreadable: {exc}") from exc
-    return parse_trace(text, name=path.name, block_tokens=block_tokens)
 
 
 # -- sessions ------------------------------------------------------------------------------------
@@ -380,11 +255,12 @@ class _Prefixes:
 def infer_sessions(requests: Sequence[TraceRequest], *, block_tokens: int) -> list[list[int]]:
     """Sessions as lists of positions in ``requests`` (see the module docstring for the rule).
 
-    Requests that name their conversation are grouped by it, in order of time."""
+    Requests that name their conversation are grouped by it and their agent (the parent, or
+    one of its subagents), in order of time."""
     if requests and all(r.conversation is not None for r in requests):
-        groups: dict[str, list[int]] = {}
+        groups: dict[tuple[str, str | None], list[int]] = {}
         for position, request in enumerate(requests):
-            groups.setdefault(str(request.conversation), []).append(position)
+            groups.setdefault((str(request.conversation), request.agent), []).append(position)
         return [sorted(g, key=lambda p: (requests[p].timestamp_s, p)) for g in groups.values()]
     prefixes = _Prefixes(block_tokens)
     sessions: list[list[int]] = []
@@ -481,8 +357,11 @@ def plan_replay(
             prompt += new + out
             previous = request
         if turns:
+            first = members[0]
             sessions.append(ReplaySession(
-                index=len(sessions), start_s=members[0].timestamp_s - origin, turns=tuple(turns)
+                index=len(sessions), start_s=first.timestamp_s - origin, turns=tuple(turns),
+                conversation=first.conversation, role=first.role, agent_id=first.agent,
+                subagent_type=first.subagent_type, scope=first.scope,
             ))
     return ReplayPlan(
         name=trace.name,
@@ -495,84 +374,3 @@ def plan_replay(
         padded_tokens=padded,
         ignored_entries=trace.ignored_entries,
     )
-
-
-# -- text ----------------------------------------------------------------------------------------
-
-
-def _style(block: int) -> Style:
-    return _STYLES[block % len(_STYLES)]
-
-
-def block_text(block: int, chars: int) -> str:
-    """The text of hash id ``block``: ``chars`` characters, the same for the same id and size."""
-    text = generate(_style(block), seeded(f"trace-block-{block}"), chars)
-    # generate() may stop short (it strips trailing blanks): pad so offsets within a block are
-    # the same in every request that holds it.
-    return text.ljust(chars)
-
-
-def span_text(
-    hash_ids: Sequence[int],
-    start: float,
-    end: float,
-    *,
-    block_tokens: float,
-    ratios: CharsPerToken,
-    cache: dict[tuple[int, int], str] | None = None,
-) -> str:
-    """The text of tokens ``[start, end)`` of a request whose blocks are ``hash_ids``, each block
-    ``block_tokens`` tokens long (sized in characters with ``ratios``)."""
-    if not hash_ids or end <= start:
-        return ""
-    parts: list[str] = []
-    last = len(hash_ids) - 1
-    first = min(last, int(start // block_tokens))
-    stop = min(last, max(first, math.ceil(end / block_tokens) - 1))
-    for index in range(first, stop + 1):
-        block = hash_ids[index]
-        ratio = ratios[_style(block)]
-        chars = max(1, round(block_tokens * ratio))
-        key = (block, chars)
-        if cache is not None and key in cache:
-            text = cache[key]
-        else:
-            text = block_text(block, chars)
-            if cache is not None:
-                cache[key] = text
-        base = index * block_tokens
-        low = max(start, base) - base
-        high = min(end, base + block_tokens) - base
-        parts.append(text[round(low * ratio):round(high * ratio)])
-    return "".join(parts)
-
-
-def _turn_scripts(
-    session: ReplaySession, plan: ReplayPlan, ratios: CharsPerToken,
-    cache: dict[tuple[int, int], str],
-) -> Iterable[TurnScript]:
-    for turn in session.turns:
-        user = span_text(
-            turn.hash_ids, turn.new_start, turn.new_start + turn.new_tokens,
-            block_tokens=plan.scaled_block_tokens, ratios=ratios, cache=cache,
-        )
-        yield TurnScript(
-            turn=turn.turn,
-            user=user or ".",
-            output_tokens=turn.output_tokens,
-            think_time_s=turn.think_time_s,
-        )
-
-
-def build_trace_workload(plan: ReplayPlan, ratios: CharsPerToken) -> Workload:
-    """The replay's sessions as text, with the tokenizer's ``ratios`` (see ``calibrate``)."""
-    cache: dict[tuple[int, int], str] = {}
-    sessions = tuple(
-        SessionScript(
-            index=session.index,
-            turns=tuple(_turn_scripts(session, plan, ratios, cache)),
-            start_s=session.start_s,
-        )
-        for session in plan.sessions
-    )
-    return Workload(system=_SYSTEM, sessions=sessions)

@@ -35,12 +35,15 @@ import math
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from agentkv.bench._config import BenchConfig
 from agentkv.bench._text import STYLES, Style, generate, ident, seeded, tool_schema
 
 __all__ = [
     "CharsPerToken",
+    "Role",
+    "SessionOrigin",
     "SessionScript",
     "TokenCounter",
     "TurnScript",
@@ -51,6 +54,7 @@ __all__ = [
 
 TokenCounter = Callable[[str], Awaitable[int]]
 CharsPerToken = Mapping[Style, float]
+Role = Literal["parent", "subagent"]
 
 _CALIBRATION_CHARS = 6000
 # Log-normal spread of output lengths (sigma of the log); clipped to [median/4, 4 * median].
@@ -90,6 +94,19 @@ class TurnScript:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SessionOrigin:
+    """Where a replayed session comes from: its conversation and its role in it."""
+
+    conversation: str
+    role: Role = "parent"
+    agent_id: str | None = None
+    subagent_type: str | None = None
+    shared_chars: int = 0
+    """Leading characters of turn 1's user text that a session of the same conversation started
+    earlier also opened with (what a subagent shares with its earlier siblings)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SessionScript:
     """One agent session: its index and turns (the system prompt is the workload's)."""
 
@@ -98,6 +115,12 @@ class SessionScript:
     start_s: float = 0.0
     """When the session's first turn may start, from the run's start (a replayed trace's
     arrival time; scaled by ``time_scale`` like the pauses)."""
+    salt_group: str | None = None
+    """Sessions with the same group are one user to the servers' prefix caches (one cache salt
+    per group, where a mode keeps one): a replayed conversation's parent and subagents. ``None``:
+    a group of its own."""
+    origin: SessionOrigin | None = None
+    """The replayed conversation and role (``None`` for synthetic sessions)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

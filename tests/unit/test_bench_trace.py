@@ -222,7 +222,7 @@ KV_CACHE_TESTER = {
     "block_size": 64,
     "requests": [
         {"t": 0.0, "type": "s", "in": 100, "out": 20, "hash_ids": [1, 2]},
-        {"type": "subagent", "agents": []},
+        {"type": "compaction"},
         {"t": 30.0, "type": "n", "in": 150, "out": 10, "hash_ids": [1, 3, 4], "think_time": 7.5},
     ],
 }
