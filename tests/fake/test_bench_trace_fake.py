@@ -9,8 +9,8 @@ import json
 import pytest
 
 from agentkv.bench import BenchConfig, ClusterTarget, parse_modes, run_bench
-from agentkv.bench._cli import add_parser
-from agentkv.bench._trace import SAMPLE_TRACE, load_trace, plan_replay
+from agentkv.bench._cli import add_parser, summary_table
+from agentkv.bench._trace import CLAUDE_CODE_TRACE, SAMPLE_TRACE, load_trace, plan_replay
 from agentkv.testing import FakeCluster
 
 
@@ -78,3 +78,24 @@ def test_the_command_replays_a_trace_over_real_http(tmp_path, capsys, agentkv_lo
     out, err = capsys.readouterr()
     assert "trace mooncake_conversation_sample.jsonl: 12 requests in" in out
     assert "12/12" in err
+
+
+def test_subagents_of_one_conversation_find_their_siblings_prefix_but_disagg_does_not():
+    """The Claude Code excerpt on the fake pair: a conversation's sessions share a cache salt
+    (one user), so a later Explore sibling's first turn finds the first one's prefix in
+    prefill's cache; disagg's fresh salt per P leg finds nothing."""
+    path = CLAUDE_CODE_TRACE / "trace_0277.json"
+    plan = plan_replay(load_trace(path), limit=20, length_scale=0.03)
+    fake = fake_pair()
+    config = BenchConfig(modes=parse_modes("disagg,affinity"), sessions=len(plan.sessions),
+                         turns=plan.max_turns, time_scale=0.0, concurrency=1,
+                         trace=str(path), trace_limit=20, length_scale=0.03)
+    target = ClusterTarget(spec=fake.cluster_spec, transport=fake.transport)
+    report = asyncio.run(run_bench(config, target=target, replay=plan))
+    assert "errors" not in report, report.get("errors")
+    assert [s["role"] for s in report["sessions"]] == ["parent"] + ["subagent"] * 3
+    assert report["sessions"][2]["first_turn_ideal_reused_tokens"] > 300
+    firsts = {m: g["subagent_first_turns"] for m, g in report["roles"].items()}
+    assert firsts["disagg"]["reuse_vs_ideal"] == 0.0
+    assert firsts["affinity"]["reuse_vs_ideal"] > 0.8
+    assert "subagent turn 1" in summary_table(report)
