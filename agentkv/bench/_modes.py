@@ -52,6 +52,7 @@ from agentkv.bench._config import SDK_ROUTES, Mode, Pause
 from agentkv.bench._legs import LegRewriter
 from agentkv.bench._limit import LimitRunner, fill_cache
 from agentkv.bench._samples import Held, TurnSample
+from agentkv.bench._share import SharedClusters
 from agentkv.bench._workload import TurnScript
 
 __all__ = [
@@ -128,8 +129,10 @@ class SdkRunner:
         stream: bool,
         warm: CacheFiller | None = None,
         pause: Pause = "extend",
+        owns_cluster: bool = True,
     ) -> None:
         self._mode = mode
+        self._owns_cluster = owns_cluster
         self._pause = pause
         # A tool wait opened at a pause, closed when the next turn starts (or the lane ends).
         self._waits = contextlib.AsyncExitStack()
@@ -205,7 +208,8 @@ class SdkRunner:
     async def aclose(self) -> None:
         await self._waits.aclose()
         await self._session.aclose()
-        await self._cluster.aclose()
+        if self._owns_cluster:
+            await self._cluster.aclose()
         if self._warm is not None:
             await self._warm.aclose()
 
@@ -299,13 +303,16 @@ def open_runner(
     stream: bool,
     pause: Pause = "extend",
     salt_group: str | None = None,
+    clusters: SharedClusters | None = None,
 ) -> SessionRunner:
     """A runner for session ``index`` in ``mode``, with its own HTTP client; ``pause`` says what
     the SDK modes do at a pause (``BenchConfig.pause``).
 
     The modes that keep one cache salt per session keep it per ``salt_group`` when given: the
     sessions of one replayed conversation (parent and subagents) are one user, whose siblings
-    may hit each other's prefix. ``disagg`` keeps a fresh salt on every P leg regardless."""
+    may hit each other's prefix. ``disagg`` keeps a fresh salt on every P leg regardless. In the
+    SDK modes but ``disagg``, a group's sessions share one cluster from ``clusters`` (``_share``).
+    """
     own = f"s{index}"
     salt = _salt(run_id, mode, own if mode is Mode.DISAGG else salt_group or own)
     if mode is Mode.AGGREGATED:
@@ -333,21 +340,27 @@ def open_runner(
         def prefill_salt() -> str:
             return salt
 
-    transport = LegRewriter(
-        target.transport,
-        prefill=target.urls("prefill"),
-        decode=target.urls("decode"),
-        prefill_salt=prefill_salt,
-        pin_on_decode=mode in SDK_ROUTES,
-    )
-    policy = CachePolicy() if mode in SDK_ROUTES else NEVER_ATTACH
-    cluster = AsyncCluster.from_dict(target.spec, transport=transport, policy=policy)
+    def make() -> AsyncCluster:
+        transport = LegRewriter(
+            target.transport,
+            prefill=target.urls("prefill"),
+            decode=target.urls("decode"),
+            prefill_salt=prefill_salt,
+            pin_on_decode=mode in SDK_ROUTES,
+        )
+        policy = CachePolicy() if mode in SDK_ROUTES else NEVER_ATTACH
+        return AsyncCluster.from_dict(target.spec, transport=transport, policy=policy)
+
+    # The group's salt is the same on every P leg of its sessions: one transport serves them.
+    shared = clusters is not None and salt_group is not None and mode is not Mode.DISAGG
+    cluster = (clusters.get(mode, salt_group, make)
+               if clusters is not None and salt_group is not None and shared else make())
     session = cluster.session(  # the id: see _run.session_id
         session_id=f"{mode.value}-s{index}", route=SDK_ROUTES.get(mode, "pull")
     )
     return SdkRunner(
         mode=mode, index=index, cluster=cluster, session=session, system=system,
-        decode_salt=salt, stream=stream, warm=warm, pause=pause,
+        decode_salt=salt, stream=stream, warm=warm, pause=pause, owns_cluster=not shared,
     )
 
 

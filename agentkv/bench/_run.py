@@ -18,6 +18,7 @@ from agentkv.bench._report import build_report
 from agentkv.bench._roles import role_report, session_roles
 from agentkv.bench._samples import TurnSample
 from agentkv.bench._schedule import Lane, interleave, run_lanes
+from agentkv.bench._share import SharedClusters
 from agentkv.bench._trace import ReplayPlan, build_trace_workload
 from agentkv.bench._workload import (
     SessionScript,
@@ -140,6 +141,7 @@ class _Lanes:
         self.samples: list[TurnSample] = []
         self.runners: list[SessionRunner] = []
         self._closed: set[int] = set()
+        self._clusters = SharedClusters()  # a salt group's sessions: one client (``_share``)
         self._target = target
         self._workload = workload
         self._on_turn = on_turn
@@ -150,7 +152,8 @@ class _Lanes:
             script = self._workload.sessions[session]
             runner = open_runner(mode, session, target=self._target, system=self._workload.system,
                                  run_id=self.config.run_id, stream=self.config.stream,
-                                 pause=self.config.pause, salt_group=script.salt_group)
+                                 pause=self.config.pause, salt_group=script.salt_group,
+                                 clusters=self._clusters)
             self.runners.append(runner)
             lanes.append(Lane(session=session, mode=mode,
                               turns=list(self._workload.sessions[session].turns),
@@ -215,6 +218,7 @@ class _Lanes:
     async def aclose(self) -> None:
         for runner in self.runners:
             await self._close(runner)
+        await self._clusters.aclose()
 
 
 async def _run_phases(
