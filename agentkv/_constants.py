@@ -77,6 +77,10 @@ LOAD_FACTOR = 1.25
 # this share of the load, behind the least loaded (see PrefillWeights).
 PREFILL_SLACK_TOKENS = 512
 PREFILL_SLACK_RATIO = 0.1
+# Prefix homes (``_placement.PrefixHomes``): the chunk a prompt prefix is recorded in, and how
+# many chunks a pool remembers (64 x 65,536 tokens: a few hundred long prompts).
+PREFIX_HOME_CHUNK_TOKENS = 64
+PREFIX_HOME_MAX_CHUNKS = 65_536
 
 # --- agents --------------------------------------------------------------------------------------
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError
 
-__all__ = ["PrefillWeights", "RetryPolicy", "choose_prefill", "place", "rank"]
+__all__ = ["PrefillWeights", "PrefixHomes", "RetryPolicy", "choose_prefill", "place", "rank"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,3 +151,67 @@ def choose_prefill(
         return warm
     ranked = rank(key, candidates)
     return min(ranked, key=lambda name: loads.get(name, 0))  # min keeps the first of equals
+
+
+class PrefixHomes:
+    """Which prefill last computed each prompt prefix: where a session's first turn finds it.
+
+    Sessions that share a long prefix with each other but not with anyone's pin (Claude Code's
+    subagents share their system prompt and tools, ~10k tokens, and nothing with their parent)
+    reuse it only on the prefill whose prefix cache holds it. Each successful P leg records its
+    prompt here, in chunks of ``chunk_tokens``, each chunk keyed by a hash chained over the
+    chunks before it (and the request's ``cache_salt``: vLLM shares a prefix only within one
+    salt); a session's first turn then treats the prefill of its deepest recorded chunk as warm
+    (``choose_prefill``'s slack still lets load win). At most ``max_chunks`` chunks are kept,
+    the least recently used dropped first. Hash collisions can only misplace a turn, never serve
+    wrong KV: the prefix cache itself checks the tokens.
+
+    >>> homes = PrefixHomes(chunk_tokens=4)
+    >>> homes.record("p1", None, list(range(10)))
+    >>> homes.home(None, [0, 1, 2, 3, 4, 5, 6, 7, 99])
+    ('p1', 8)
+    >>> homes.home("other-tenant", list(range(10))) is None
+    True
+    """
+
+    def __init__(
+        self,
+        *,
+        chunk_tokens: int = defaults.PREFIX_HOME_CHUNK_TOKENS,
+        max_chunks: int = defaults.PREFIX_HOME_MAX_CHUNKS,
+    ) -> None:
+        if chunk_tokens < 1 or max_chunks < 1:
+            raise ValueError("chunk_tokens and max_chunks must be positive")
+        self.chunk_tokens = chunk_tokens
+        self._max_chunks = max_chunks
+        self._homes: OrderedDict[int, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+    def _chain(self, salt: str | None, tokens: Sequence[int]) -> Iterator[int]:
+        key = hash(("agentkv-prefix", salt))
+        size = self.chunk_tokens
+        for start in range(0, len(tokens) - size + 1, size):
+            key = hash((key, tuple(tokens[start : start + size])))
+            yield key
+
+    def record(self, prefill: str, salt: str | None, tokens: Sequence[int]) -> None:
+        """``prefill`` computed (or loaded) ``tokens`` under ``salt``: it caches their prefix."""
+        homes = self._homes
+        for key in self._chain(salt, tokens):
+            homes[key] = prefill
+            homes.move_to_end(key)
+        while len(homes) > self._max_chunks:
+            homes.popitem(last=False)
+
+    def home(self, salt: str | None, tokens: Sequence[int]) -> tuple[str, int] | None:
+        """The prefill that last computed the longest recorded prefix of ``tokens``, and that
+        prefix's length in tokens; ``None`` when no whole chunk was recorded."""
+        found: tuple[str, int] | None = None
+        for depth, key in enumerate(self._chain(salt, tokens), start=1):
+            prefill = self._homes.get(key)
+            if prefill is None:
+                break
+            found = (prefill, depth * self.chunk_tokens)
+        return found

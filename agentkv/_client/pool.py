@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TypedDict
 
 import httpx2
@@ -22,7 +22,7 @@ import httpx2
 from agentkv import _constants as defaults
 from agentkv._exceptions import ConfigError, NoHealthyPairError, SessionClosedError
 from agentkv._log import get_logger
-from agentkv._placement import PrefillWeights, RetryPolicy, choose_prefill, place
+from agentkv._placement import PrefillWeights, PrefixHomes, RetryPolicy, choose_prefill, place
 from agentkv._policy import CachePolicy
 from agentkv._prompt.template import ChatTemplate, ServerRenderer
 from agentkv._types import Pair
@@ -153,6 +153,7 @@ class PairPool:
         self._templates: dict[str, ChatTemplate] = {}
         self._probes: dict[str, asyncio.Task[bool]] = {}
         self.leases = LeaseCalls(self.poster, clock=clock)
+        self.prefix_homes = PrefixHomes()  # pooled only: what each prefill computed last
         self.closed = False
 
     # --- reading -------------------------------------------------------------------------------
@@ -269,11 +270,17 @@ class PairPool:
     # --- placement of a turn's prefill ---------------------------------------------------------
 
     def choose_prefill(
-        self, key: str, pair: Pair, *, warm: str | None, exclude: Collection[str] = ()
+        self, key: str, pair: Pair, *, warm: str | None, exclude: Collection[str] = (),
+        prompt: Sequence[int] = (), salt: str | None = None,
     ) -> str:
-        """This turn's prefill (a name): the pair's own, or the pool's best by load."""
+        """This turn's prefill (a name): the pair's own, or the pool's best by load; without a
+        ``warm`` one (a session's first turn) the prefill that last computed the longest prefix
+        of ``prompt`` under ``salt`` counts as warm (``PrefixHomes``)."""
         if not self.pooled:
             return pair.name
+        if warm is None and prompt:
+            home = self.prefix_homes.home(salt, prompt)
+            warm = None if home is None else home[0]
         names = [name for name in self._prefills if name not in exclude]
         now = self.clock()
         # A prefill marked down is tried again once the recheck interval has passed.

@@ -276,7 +276,7 @@ class TurnRunner(TurnLegs):
         prefill_name = ""
         if route.route != "decode":
             prefill, prefill_name = await self._p_leg(
-                pair, request, ids, sent, len(prompt), tier=tier
+                pair, request, ids, sent, prompt.token_ids, tier=tier
             )
             served = prefill.tier_load if tier is not None else None
             if served is not None and served.short:  # the server's reason: never served

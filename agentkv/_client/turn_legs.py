@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from agentkv._client import kv, leasing
@@ -75,7 +75,7 @@ class TurnLegs:
         request: TurnRequest,
         ids: object,
         sent: KVHandle | None,
-        length: int,
+        tokens: Sequence[int],
         *,
         tier: TierRef | None = None,
     ) -> tuple[PrefillResult, str]:
@@ -83,10 +83,15 @@ class TurnLegs:
         carried and no prefill will read is released on decode."""
         # Outstanding tokens: what the prefill computes (the handle's tokens are pulled).
         covered = sent.num_tokens if sent is not None else tier.n_tokens if tier else 0
-        cost = max(1, length - covered)
+        cost = max(1, len(tokens) - covered)
+        salt = request.extra.get("cache_salt")
         try:
             prefill = await self._on_prefill(
-                pair, lambda url: self._prefill(url, request, ids, sent, tier=tier), cost=cost
+                pair,
+                lambda url: self._prefill(url, request, ids, sent, tier=tier),
+                cost=cost,
+                prompt=tokens,
+                salt=salt if isinstance(salt, str) else None,
             )
         except ConnectError:
             # No prefill got the P leg, so none read the handle: free it on decode.
@@ -102,23 +107,36 @@ class TurnLegs:
         return prefill, self._prefill_name
 
     async def _on_prefill(
-        self, pair: Pair, call: Callable[[str], Awaitable[T]], *, cost: int = 0
+        self,
+        pair: Pair,
+        call: Callable[[str], Awaitable[T]],
+        *,
+        cost: int = 0,
+        prompt: Sequence[int] = (),
+        salt: str | None = None,
     ) -> T:
         """Run ``call`` on a prefill chosen now; in a pool, another prefill if it refuses.
 
         ``cost`` (tokens) counts as the prefill's load while ``call`` runs. It is added in the
         same step as the choice, with no await between: turns that start together see each
-        other's load instead of all choosing the same idle prefill.
+        other's load instead of all choosing the same idle prefill. ``prompt``: the tokens the
+        call prefills under ``salt``; in a pool, a first turn looks for the prefill that holds
+        their prefix, and once computed they are recorded as that prefill's (``PrefixHomes``).
         """
         state, pool = self._state, self._pool
         tried: set[str] = set()
         key = f"{state.session_id}/{state.transcript.version + 1}"
         while True:
-            name = pool.choose_prefill(key, pair, warm=state.last_prefill, exclude=tried)
+            name = pool.choose_prefill(
+                key, pair, warm=state.last_prefill, exclude=tried, prompt=prompt, salt=salt
+            )
             self._prefill_name = name
             pool.prefill_begin(name, cost)
             try:
-                return await call(pool.prefill_url(name))
+                answer = await call(pool.prefill_url(name))
+                if pool.pooled and prompt:
+                    pool.prefix_homes.record(name, salt, prompt)
+                return answer
             except ConnectError as exc:
                 if not pool.pooled:
                     raise

@@ -282,3 +282,43 @@ async def test_a_lease_call_still_running_past_the_bound_is_cancelled_not_left_f
     assert loop_errors == []
     assert held.held == 1
     assert len(fake.tier.ids) == 1  # never deleted: its TTL removes it
+
+
+SUBAGENT = Message.system(
+    "You are a file search specialist. Use Glob, Grep and Read; report paths and lines. " * 6
+)
+
+
+def test_siblings_start_on_the_prefill_that_computed_their_shared_prefix(clock):
+    """Claude Code's subagents share their system prompt and tools with each other, not with
+    their parent: the second one's first turn goes where the first one's prompt was computed
+    and reuses it, although the session's own rank (and the idle pool) would pick the other."""
+    from agentkv._placement import rank
+
+    fake = FakeCluster(prefills=2, decodes=1, clock=clock)
+    with open_pool(fake, clock) as cluster:
+        with cluster.session(session_id="explore-1") as first:
+            first.append(SUBAGENT)
+            first.append(Message.user("Find where the retry policy is defined."))
+            one = first.turn(**LONG).stats
+        # A sibling whose own first turn would rank the other prefill first.
+        sibling = next(
+            f"explore-{n}"
+            for n in itertools.count(2)
+            if rank(f"explore-{n}/1", ["fake-p0", "fake-p1"])[0] != one.prefill
+            and rank(f"explore-{str(n)[:-1]}stranger/1", ["fake-p0", "fake-p1"])[0] != one.prefill
+        )
+        with cluster.session(session_id=sibling) as second:
+            second.append(SUBAGENT)
+            second.append(Message.user("Find every caller of choose_prefill."))
+            two = second.turn(**LONG).stats
+        # A stranger (no recorded prefix) is placed by its rank, as before.
+        with cluster.session(session_id=sibling[:-1] + "stranger") as stranger:
+            stranger.append(Message.system("Something else entirely. " * 8))
+            stranger.append(Message.user("Hello"))
+            other = stranger.turn(**LONG).stats
+    assert two.prefill == one.prefill
+    assert one.reused_tokens == 0
+    assert two.reused_tokens >= len(SUBAGENT.content) // 2, two  # the shared system prompt
+    assert other.prefill != one.prefill
+    assert len(cluster._async._pool.prefix_homes) > 0

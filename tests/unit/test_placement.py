@@ -139,3 +139,21 @@ def test_pure_load_weights_ignore_warmth():
 def test_negative_weights_are_refused():
     with pytest.raises(ValueError, match="non-negative"):
         PrefillWeights(slack_tokens=-1)
+
+
+def test_prefix_homes_keep_the_deepest_prefix_the_latest_prefill_and_a_bounded_record():
+    from agentkv._placement import PrefixHomes
+
+    homes = PrefixHomes(chunk_tokens=2, max_chunks=4)
+    homes.record("p0", "salt", [1, 2, 3, 4, 5])  # chunks (1,2), (3,4); the tail is not whole
+    assert homes.home("salt", [1, 2, 3, 4, 9, 9]) == ("p0", 4)
+    assert homes.home("salt", [1, 2, 7, 7]) == ("p0", 2)
+    assert homes.home("salt", [2, 1, 3, 4]) is None  # the chain: (3,4) counts after (1,2) only
+    assert homes.home(None, [1, 2, 3, 4]) is None  # another salt
+    homes.record("p1", "salt", [1, 2])  # p1 computed the shorter prefix since
+    assert homes.home("salt", [1, 2, 3, 4]) == ("p0", 4)
+    assert homes.home("salt", [1, 2, 8, 8]) == ("p1", 2)
+    homes.record("p1", "salt", [5, 6, 7, 8, 9, 10])  # 3 more chunks: the oldest ones go
+    assert len(homes) == 4
+    assert homes.home("salt", [5, 6, 7, 8]) == ("p1", 4)
+    assert homes.home("salt", [1, 2, 3, 4]) == ("p1", 2)  # (3,4) after (1,2) was dropped
