@@ -15,9 +15,9 @@ gives TTFT, reuse and throughput per mode and turn (``docs/benchmarks.md``).
 """
 
 from agentkv.bench._config import DEFAULT_MODES, BenchConfig, Mode, parse_modes
-from agentkv.bench._modes import ClusterTarget
 from agentkv.bench._plot import plot_ttft
 from agentkv.bench._run import run_bench
+from agentkv.bench._target import ClusterTarget
 
 __all__ = [
     "DEFAULT_MODES",

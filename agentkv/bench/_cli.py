@@ -26,11 +26,11 @@ from agentkv.bench._config import (
     Mode,
     parse_modes,
 )
-from agentkv.bench._modes import ClusterTarget
 from agentkv.bench._progress import ProgressBar
 from agentkv.bench._report import speedups
 from agentkv.bench._roles import role_lines
 from agentkv.bench._run import run_bench
+from agentkv.bench._target import ClusterTarget, check_spec
 from agentkv.bench._trace import (
     CLAUDE_CODE_TRACE,
     SAMPLE_TRACE,
@@ -210,9 +210,7 @@ def _read_spec(path: Path) -> dict[str, Any]:
         raise ConfigError(f"no cluster file at {path}; start one with `agentkv up`") from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cluster file {path} is unreadable: {exc}") from exc
-    if not isinstance(spec, dict) or not spec.get("pairs") or not spec.get("model"):
-        raise ConfigError(f"cluster file {path} has no 'model' and 'pairs'")
-    return spec
+    return check_spec(spec, where=str(path))
 
 
 def command_line(config: BenchConfig, *, cluster_file: Path, json_out: str,

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx2
 
-from agentkv.bench._modes import ClusterTarget
+from agentkv.bench._target import ClusterTarget
 from agentkv.local._cpu import read_cpu_info
 
 __all__ = ["environment", "server_cache"]
@@ -30,15 +30,21 @@ def _versions() -> dict[str, str]:
 
 def environment(target: ClusterTarget) -> dict[str, Any]:
     """Where the run happened: the cluster, the client machine and package versions."""
-    pairs = [
-        {"name": p.get("name"), "prefill": p.get("prefill"), "decode": p.get("decode")}
-        for p in target.spec["pairs"]
-    ]
+    if target.pooled:
+        servers: dict[str, Any] = {
+            role: [{"name": name, "url": url} for name, url in target.servers(role)]
+            for role in ("prefill", "decode")
+        }
+    else:
+        servers = {"pairs": [
+            {"name": p.get("name"), "prefill": p.get("prefill"), "decode": p.get("decode")}
+            for p in target.spec["pairs"]
+        ]}
     cpu = read_cpu_info()
     return {
         "cluster": {
             "model": target.model,
-            "pairs": pairs,
+            **servers,
             # What `agentkv up` recorded: the serving dtype, an emulated ISA if any, and each
             # role's KV cache size (a small decode is the decode-pressure workload's setting).
             **{key: target.spec[key] for key in ("dtype", "cpu_isa", "kv_cache_gib")

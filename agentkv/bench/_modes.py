@@ -41,7 +41,6 @@ import contextlib
 import itertools
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx2
@@ -53,6 +52,7 @@ from agentkv.bench._legs import LegRewriter
 from agentkv.bench._limit import LimitRunner, fill_cache
 from agentkv.bench._samples import Held, TurnSample
 from agentkv.bench._share import SharedClusters
+from agentkv.bench._target import ClusterTarget
 from agentkv.bench._workload import TurnScript
 
 __all__ = [
@@ -89,21 +89,6 @@ class SessionRunner(Protocol):
         ...
 
     async def aclose(self) -> None: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClusterTarget:
-    """The cluster under test: its spec (cluster-file shape) and the transport that reaches it."""
-
-    spec: Mapping[str, Any]
-    transport: httpx2.AsyncBaseTransport
-
-    @property
-    def model(self) -> str:
-        return str(self.spec["model"])
-
-    def urls(self, role: str) -> list[str]:
-        return [str(pair[role]) for pair in self.spec["pairs"]]
 
 
 def _salt(run_id: str, mode: Mode, group: str) -> str:

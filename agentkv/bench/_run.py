@@ -284,9 +284,9 @@ async def run_bench(
                       for s in workload.sessions]
             roles = session_roles(workload, ideals)
         caches = {
-            f"{pair.get('name')}/{role}": await server_cache(client, str(pair[role]))
-            for pair in target.spec["pairs"]
+            f"{name}/{role}": await server_cache(client, url)
             for role in ("prefill", "decode")
+            for name, url in target.servers(role)
         }
     logger.info(
         "agentkv.bench.start",

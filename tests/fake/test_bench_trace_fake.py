@@ -99,3 +99,19 @@ def test_subagents_of_one_conversation_find_their_siblings_prefix_but_disagg_doe
     assert firsts["disagg"]["reuse_vs_ideal"] == 0.0
     assert firsts["affinity"]["reuse_vs_ideal"] > 0.8
     assert "subagent turn 1" in summary_table(report)
+
+
+def test_on_a_pool_a_subagent_starts_on_the_prefill_that_computed_its_siblings_prefix():
+    """A conversation's sessions share one client in each mode (``_share``): the pool's
+    placement sees what the first sibling's prefill computed and sends the next ones there."""
+    path = CLAUDE_CODE_TRACE / "trace_0277.json"
+    plan = plan_replay(load_trace(path), limit=20, length_scale=0.03)
+    fake = FakeCluster(prefills=2, decodes=1, kv_recompute_threshold=16)
+    config = BenchConfig(modes=parse_modes("affinity,agentkv"), sessions=len(plan.sessions),
+                         turns=plan.max_turns, time_scale=0.0, concurrency=1,
+                         trace=str(path), trace_limit=20, length_scale=0.03)
+    target = ClusterTarget(spec=fake.cluster_spec, transport=fake.transport)
+    report = asyncio.run(run_bench(config, target=target, replay=plan))
+    assert "errors" not in report, report.get("errors")
+    for mode in ("affinity", "agentkv"):
+        assert report["roles"][mode]["subagent_first_turns"]["reuse_vs_ideal"] > 0.8, mode
