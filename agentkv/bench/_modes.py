@@ -166,6 +166,7 @@ class SdkRunner:
             generated_tokens=stats.generated_tokens,
             prefill_s=stats.prefill_s,
             handle_state=stats.handle_state.value,
+            prefill=stats.prefill,
             error=error,
         )
 

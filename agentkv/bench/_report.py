@@ -5,7 +5,7 @@ Shape (``null`` marks a turn that failed or never ran)::
     {"config": {...},
      "modes": {"<mode>": {
          "turns": [{"turn": 1, "ttft_ms": [...], "prompt_tokens": [...], "reused_tokens": [...],
-                    "ideal_reused_tokens": [...]}, ...],
+                    "ideal_reused_tokens": [...], "prefill": [...]}, ...],
          "summary": {"ttft_p50_ms_after_first_turn": x, "ttft_p90_ms_after_first_turn": x,
                      "reuse_vs_ideal": x, "throughput_tokens_per_s": x}}},
      "errors": [...],   # only when some turn failed
@@ -170,11 +170,18 @@ def _mode_block(
     decode: DecodeWatch | None = None,
 ) -> dict[str, Any]:
     by_key = {(s.session, s.turn): s for s in samples}
+    # Which prefill ran each turn, where the mode has P legs: a pool's placement, per session.
+    placed = any(s.prefill for s in samples)
     turns = []
     for turn in range(1, config.turns + 1):
         row: dict[str, Any] = {"turn": turn}
         for name in _TURN_FIELDS:
             row[name] = [_value(by_key.get((i, turn)), name) for i in range(config.sessions)]
+        if placed:
+            row["prefill"] = [
+                s.prefill if (s := by_key.get((i, turn))) is not None and s.ok else None
+                for i in range(config.sessions)
+            ]
         turns.append(row)
     summary = summarize(samples, computed=mode is Mode.LIMIT, handles=mode in SDK_ROUTES)
     phase = decode.peak(mode.value) if decode is not None and config.serial_modes else None

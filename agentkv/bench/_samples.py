@@ -40,6 +40,8 @@ class TurnSample:
     prefill_s: float | None = None
     """The P leg alone (SDK modes): prefill, and the pull from decode when there is one."""
     handle_state: str = ""
+    prefill: str = ""
+    """The prefill server that ran the P leg (SDK modes; a pool's placement), else empty."""
     paused_decode_tokens: int | None = None
     """Tokens of this session's KV left pinned on decode through the pause after this turn
     (``None``: no pause followed)."""

@@ -115,3 +115,5 @@ def test_on_a_pool_a_subagent_starts_on_the_prefill_that_computed_its_siblings_p
     assert "errors" not in report, report.get("errors")
     for mode in ("affinity", "agentkv"):
         assert report["roles"][mode]["subagent_first_turns"]["reuse_vs_ideal"] > 0.8, mode
+        first_turns = report["modes"][mode]["turns"][0]["prefill"]  # per session
+        assert len(set(first_turns[1:])) == 1, first_turns  # the three Explore siblings
