@@ -5,7 +5,7 @@ Shape (``null`` marks a turn that failed or never ran)::
     {"config": {...},
      "modes": {"<mode>": {
          "turns": [{"turn": 1, "ttft_ms": [...], "prompt_tokens": [...], "reused_tokens": [...],
-                    "ideal_reused_tokens": [...], "prefill": [...]}, ...],
+                    "ideal_reused_tokens": [...]}, ...],   # on a pool, also "prefill": [...]
          "summary": {"ttft_p50_ms_after_first_turn": x, "ttft_p90_ms_after_first_turn": x,
                      "reuse_vs_ideal": x, "throughput_tokens_per_s": x}}},
      "errors": [...],   # only when some turn failed
@@ -168,10 +168,11 @@ def _mode_block(
     *,
     mode: Mode,
     decode: DecodeWatch | None = None,
+    pooled: bool = False,
 ) -> dict[str, Any]:
     by_key = {(s.session, s.turn): s for s in samples}
-    # Which prefill ran each turn, where the mode has P legs: a pool's placement, per session.
-    placed = any(s.prefill for s in samples)
+    # Which prefill ran each turn (a pool's placement, per session), where the mode has P legs.
+    placed = pooled and any(s.prefill for s in samples)
     turns = []
     for turn in range(1, config.turns + 1):
         row: dict[str, Any] = {"turn": turn}
@@ -198,18 +199,20 @@ def build_report(
     *,
     environment: Mapping[str, Any],
     decode: DecodeWatch | None = None,
+    pooled: bool = False,
 ) -> dict[str, Any]:
     """The JSON report of a run: ``config`` (with ``environment`` merged in) and ``modes``,
     ``decode`` (the metrics ``decode`` sampled, when given), and ``ratios`` (see
     :func:`ratios`) when the oracle, the limit or another route ran, or agentkv beside
-    affinity."""
+    affinity. On a pool (``pooled``), the SDK modes' turn rows also name each turn's prefill."""
     by_mode: dict[Mode, list[TurnSample]] = {mode: [] for mode in config.modes}
     for sample in samples:
         by_mode[sample.mode].append(sample)
     report: dict[str, Any] = {
         "config": {**config.to_json(), **environment},
         "modes": {
-            mode.value: _mode_block(config, by_mode[mode], mode=mode, decode=decode)
+            mode.value: _mode_block(config, by_mode[mode], mode=mode, decode=decode,
+                                    pooled=pooled)
             for mode in config.modes
         },
     }

@@ -319,7 +319,7 @@ async def run_bench(
         },
         "method": method,
     }
-    report = build_report(config, samples, environment=env, decode=watch)
+    report = build_report(config, samples, environment=env, decode=watch, pooled=target.pooled)
     if roles is not None:
         report.update(role_report(config.modes, samples, roles))
     logger.info("agentkv.bench.done", errors=len(report.get("errors", ())),
