@@ -45,6 +45,7 @@ __all__ = [
     "offload",
     "release_request",
     "run",
+    "settle",
     "take",
     "unpin",
 ]
@@ -62,6 +63,8 @@ def _ms(since: float) -> float:
 async def run(pool: PairPool, state: SessionState, effects: kv.Effects) -> None:
     """Perform ``effects`` in order: background ones started (``aclose()`` of the session waits
     for them), the others awaited; the answers to extends and offloads go back into the KV."""
+    if effects:
+        await settle(pool, state)
     for effect in effects:
         if isinstance(effect, kv.Extend):
             await _extend(pool, state, effect)
@@ -165,6 +168,7 @@ async def _extend(pool: PairPool, state: SessionState, effect: kv.Extend) -> flo
 
 
 async def _offload(pool: PairPool, state: SessionState, effect: kv.Offload) -> TierRef | None:
+    await settle(pool, state)
     handle = effect.handle
     started = time.perf_counter()
     result = await pool.leases.offload(pool.decode_url(handle.pair), handle, ttl_s=effect.ttl_s)
@@ -225,6 +229,31 @@ def _log_call(
 # --- a session's calls ---------------------------------------------------------------------------
 
 
+async def settle(pool: PairPool, state: SessionState) -> None:
+    """Finish what forks do with this session's KV (``forking``): the copies of its pin for its
+    forks are written before anything here consumes the pin; its own copy of its parent's pin,
+    once written, becomes its value (``kv.inherit``)."""
+    while pending := [job for job in state.forks if not job.finished]:
+        await asyncio.wait([job.start() for job in pending])
+    state.forks = [job for job in state.forks if not job.finished]
+    job = state.inherit
+    if job is None:
+        return
+    if state.closed and job.drop():  # closed before it started: nothing is written
+        state.inherit = None
+        return
+    copy = job.start()
+    await asyncio.wait((copy,))  # never raises; a copy cancelled with the cluster gives nothing
+    if state.inherit is not job:
+        return
+    state.inherit = None
+    value: kv.KV = kv.NoKV(detail="a fork without its parent's KV: the copy was cancelled")
+    if not copy.cancelled() and copy.exception() is None:
+        value = copy.result()
+    for effect in state.apply(kv.inherit(state.kv, value)):
+        start(pool, state, (effect,))
+
+
 async def take(
     pool: PairPool,
     state: SessionState,
@@ -235,6 +264,7 @@ async def take(
 ) -> kv.Taken:
     """Take the session's KV for a turn of ``prompt`` (``kv.take``), a handle a copy also holds
     claimed first (``kv.confirm``); a handle not attached is released."""
+    await settle(pool, state)
     policy = state.policy
     if kv.unconfirmed(state.kv):
         step = kv.confirm(
@@ -251,6 +281,7 @@ async def take(
 async def extend(pool: PairPool, state: SessionState, ttl_s: float, *, reason: str) -> float | None:
     """Ask decode to keep the session's pin ``ttl_s`` more seconds; the new deadline or ``None``
     (no handle, no lease, or decode no longer holds it: then it is dropped)."""
+    await settle(pool, state)
     for effect in kv.extend_effects(state.kv, ttl_s=ttl_s, reason=reason):
         assert isinstance(effect, kv.Extend)
         return await _extend(pool, state, effect)
@@ -274,6 +305,7 @@ async def offload(pool: PairPool, state: SessionState, *, reason: str) -> TierRe
 async def unpin(pool: PairPool, state: SessionState) -> bool:
     """Release the session's pin now (``AsyncSession.unpin`` where decode has no tier); whether
     decode freed it (or no longer held it). The next turn recomputes."""
+    await settle(pool, state)
     for effect in kv.unpin_effects(state.kv):
         assert isinstance(effect, kv.Release)
         result = await _perform(pool, state, effect)
@@ -285,6 +317,7 @@ async def unpin(pool: PairPool, state: SessionState) -> bool:
 
 async def close(pool: PairPool, state: SessionState) -> None:
     """The session closed: release its pin, delete its tier entry (``kv.closed``)."""
+    await settle(pool, state)
     step = kv.closed(state.kv, policy=state.policy, now=pool.clock(), reachable=not pool.closed)
     await run(pool, state, state.apply(step))
 

@@ -13,6 +13,7 @@ Everything here runs on the event loop the pool was created for (the sync twin's
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TypedDict
@@ -284,19 +285,10 @@ class PairPool:
         names = [name for name in self._prefills if name not in exclude]
         now = self.clock()
         # A prefill marked down is tried again once the recheck interval has passed.
-        healthy = [
-            name
-            for name in names
-            if now - self._prefill_down.get(name, -float("inf")) >= self._health_recheck_s
-        ]
-        name = choose_prefill(
-            key,
-            names,
-            loads=self._prefill_loads,
-            healthy=healthy,
-            warm=warm,
-            weights=self.prefill_weights,
-        )
+        down = self._prefill_down
+        healthy = [n for n in names if now - down.get(n, -math.inf) >= self._health_recheck_s]
+        name = choose_prefill(key, names, loads=self._prefill_loads, healthy=healthy, warm=warm,
+                              weights=self.prefill_weights)
         if name is None:
             raise NoHealthyPairError(f"no healthy prefill among {', '.join(self._prefills)}")
         return name

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from typing import Any, Literal, Protocol, Unpack
 
-from agentkv._client import kv, leasing
+from agentkv._client import forking, kv, leasing
 from agentkv._client import tool_wait as waits
 from agentkv._client.offload import OffloadMode, check_offload
 from agentkv._client.pool import PairPool
@@ -298,16 +298,26 @@ class AsyncSession(SessionBase):
         keep: int | None = None,
         messages: Iterable[MessageLike] | None = None,
         session_id: str | None = None,
+        copy_kv: bool = True,
     ) -> AsyncSession:
-        """A new session from the first ``keep`` messages, or from ``messages``; no handle.
+        """A new session from the first ``keep`` messages, or from ``messages`` (neither: the
+        whole history).
 
-        The child lives on this session's pair when it is healthy (its prefill may still cache
-        the shared prefix). When the kept messages end with an assistant message, the child keeps
-        their exact tokens; otherwise its first turn renders them afresh.
+        The child lives on this session's pair when it is healthy. When the kept messages end
+        with an assistant message, the child keeps their exact tokens; otherwise its first turn
+        renders them afresh. With ``copy_kv`` (the default), a child that keeps this session's whole
+        history gets a copy of its pinned KV: decode writes the pin's blocks to its file tier
+        and keeps the pin, and the child's first turn loads them from there instead of
+        computing them (``handle_state`` ``tier``). This session keeps its pin; its next turn
+        waits for the copy to be written. Without a tier that copies (an older connector, none
+        configured), or when the history differs, the child's first turn reuses only what its
+        prefill's prefix cache holds, and its ``handle_reason`` says why.
         """
         self._check_open()
         state = self._state
         parsed = None if messages is None else [as_message(m) for m in messages]
+        if keep is None and parsed is None:
+            keep = len(state.transcript.messages)
         transcript = state.transcript.fork(keep=keep, messages=parsed)
         child = open_session(
             self._pool,
@@ -319,6 +329,10 @@ class AsyncSession(SessionBase):
         )
         if not transcript.is_fresh:
             child._state.tools_key = state.tools_key
+        if transcript.token_ids == state.transcript.token_ids:
+            child._state.ideal_base = state.ideal_base  # what a perfect handle would give it
+        if copy_kv:
+            forking.start_copy(self._pool, state, child._state)
         return child
 
     async def aclose(self) -> None:

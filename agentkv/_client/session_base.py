@@ -172,6 +172,16 @@ class SessionBase:
             self._state.transcript.append(*plan.new)
         return plan
 
+    def plan_history(
+        self,
+        messages: Iterable[MessageLike],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> HistoryPlan:
+        """What ``sync_history`` would do with ``messages``, without doing it: whether they
+        extend the session (``plan.forked`` false) and what is new."""
+        return self._plan(messages, tools=tools, check_tools=True)
+
     def append_history(self, messages: Iterable[MessageLike]) -> int:
         """Bring the session up to a full conversation history (``sync_history``); returns how
         many messages were appended.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentkv._client import kv
+from agentkv._client.copy_job import CopyJob
 from agentkv._client.kv import tokens_digest
 from agentkv._client.turn_log import TurnLog
 from agentkv._exceptions import PrefixDivergedError, SessionBusyError, SessionLoadError
@@ -87,7 +88,9 @@ class SessionState:
     __slots__ = (
         "fingerprint",
         "fingerprint_ok",
+        "forks",
         "ideal_base",
+        "inherit",
         "kv",
         "last_prefill",
         "options",
@@ -125,6 +128,11 @@ class SessionState:
         # What the next turn may reuse: nothing, a pin or a tier entry. Written only with what a
         # transition of ``kv`` returns (``apply``).
         self.kv: kv.KV = kv.NO_KV
+        # Copies of this session's pin being written for its forks: they finish before anything
+        # consumes the pin (``leasing.settle``). And a fork's own copy of its parent's pin, still
+        # being written: its value once it is (``kv.inherited``).
+        self.forks: list[CopyJob] = []
+        self.inherit: CopyJob | None = None
         self.turns = TurnLog()
         # Tokens a perfect handle would give the next turn (previous prompt + generated - 1).
         self.ideal_base = 0

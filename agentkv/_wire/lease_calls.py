@@ -116,6 +116,8 @@ class LeaseCalls:
         self._support: dict[str, bool] = {}
         # Whether a decode with leases has a file tier (``ServerInfo.tier``), from the same ask.
         self._tier: dict[str, bool] = {}
+        # Whether that tier writes copies that keep the pin (``tier.copy``: forks).
+        self._copies: dict[str, bool] = {}
         self._unsupported_at: dict[str, float] = {}
         self._warned: set[str] = set()
         self._asking: dict[str, asyncio.Task[bool | None]] = {}
@@ -154,6 +156,7 @@ class LeaseCalls:
                 if info.leases:
                     self._support[decode] = True
                     self._tier[decode] = info.tier is not None
+                    self._copies[decode] = info.tier is not None and info.tier.get("copy") is True
                     self._warned.discard(decode)
                     logger.debug(
                         "agentkv.leases_available",
@@ -186,10 +189,16 @@ class LeaseCalls:
         """``decode`` went down: ask again once it is back (a restart may change the answer)."""
         self._support.pop(decode, None)
         self._tier.pop(decode, None)
+        self._copies.pop(decode, None)
 
     def tier(self, decode: str) -> bool:
         """Whether ``decode`` has a file tier, as its info answer said (False until asked)."""
         return self._support.get(decode) is True and self._tier.get(decode, False)
+
+    def copies(self, decode: str) -> bool:
+        """Whether ``decode``'s tier writes a copy of a pin and keeps it (``offload(keep=True)``),
+        as its info answer said (False until asked, and for an older connector)."""
+        return self.tier(decode) and self._copies.get(decode, False)
 
     async def kv_usage(self, decode: str) -> float | None:
         """Decode's KV memory in use (0-1, vLLM's ``kv_cache_usage_perc``, the fullest engine),
@@ -294,13 +303,17 @@ class LeaseCalls:
         return CallResult(outcome=OK, status=status, extended=result)
 
     async def offload(
-        self, decode: str, handle: KVHandle, *, ttl_s: float | None = None
+        self, decode: str, handle: KVHandle, *, ttl_s: float | None = None, keep: bool = False
     ) -> CallResult:
         """Offload a leased handle to decode's file tier (decode frees the pin on success), for
         ``ttl_s`` seconds (decode caps it; ``None``: decode's default). The answer's reference
         carries the entry's secret, which the delete needs. Sent to the route's first name,
-        which every connector serves (``tier.LEGACY_OFFLOAD_PATH``)."""
-        request = OffloadRequest(ref=lease_ref(handle), ttl_s=ttl_s)
+        which every connector serves (``tier.LEGACY_OFFLOAD_PATH``). ``keep``: write a copy and
+        keep the pin; refused here (``unavailable``) unless ``copies(decode)``, since an older
+        connector would free the pin."""
+        if keep and not self.copies(decode):
+            return CallResult(outcome=UNAVAILABLE, status=None, detail="decode writes no copies")
+        request = OffloadRequest(ref=lease_ref(handle), ttl_s=ttl_s, keep=keep)
         answer = await self._call(decode + LEGACY_OFFLOAD_PATH, request.to_wire(),
                                   timeout_s=defaults.OFFLOAD_CALL_TIMEOUT_S)
         if isinstance(answer, CallResult):

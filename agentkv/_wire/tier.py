@@ -270,15 +270,20 @@ class OffloadRequest:
     tier and free its pin.
 
     ``ttl_s`` asks for the entry's time to live (``None``: the server's default); the server
-    caps it at its maximum.
+    caps it at its maximum. ``keep``: write a copy and keep the pin (a fork's own tier entry,
+    its parent keeping the pin); only sent to a decode whose info says ``tier.copy`` (an older
+    one would ignore the key and free the pin).
 
     >>> ref = LeaseRef(request_id="r", block_ids=((1,),), lease="s3cret")
     >>> OffloadRequest(ref=ref, ttl_s=600).to_wire()["ttl_s"]
     600.0
+    >>> OffloadRequest.from_wire({**ref.to_wire(), "keep": True}).keep
+    True
     """
 
     ref: LeaseRef
     ttl_s: float | None = None
+    keep: bool = False
 
     def __post_init__(self) -> None:
         if self.ttl_s is not None:
@@ -288,14 +293,19 @@ class OffloadRequest:
         wire = self.ref.to_wire()
         if self.ttl_s is not None:
             wire["ttl_s"] = self.ttl_s
+        if self.keep:
+            wire["keep"] = True
         return wire
 
     @classmethod
     def from_wire(cls, value: object) -> OffloadRequest:
         data = _object(value, "an offload request")
         ttl = data.get("ttl_s")
+        keep = data.get("keep", False)
+        if not isinstance(keep, bool):
+            raise HintError("keep must be a boolean")
         return cls(ref=LeaseRef.from_wire(data),
-                   ttl_s=None if ttl is None else positive_seconds(ttl, "ttl_s"))
+                   ttl_s=None if ttl is None else positive_seconds(ttl, "ttl_s"), keep=keep)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -294,7 +294,10 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
             return {"status": "unavailable"}
         answer = self._service.handle(op, payload)
         if op == "info" and answer.get("status") == "ok":
-            answer["tier"] = None if self._tier is None else self._tier.store.usage().to_wire()
+            answer["tier"] = None if self._tier is None else {
+                **self._tier.store.usage().to_wire(),
+                "copy": True,  # an offload with "keep" writes a copy and keeps the pin
+            }
         return answer
 
     def agentkv_tier_op(self, op: str, payload: object,  # noqa: PLR0911 - one answer per case
@@ -332,7 +335,8 @@ class AgentKVConnector(NixlPullConnector):  # type: ignore[misc]  # vLLM is unty
         outcome, lease = self._book.check(ref)
         if outcome is not Outcome.OK or lease is None:
             return {"status": outcome.value}
-        return self._tier.offload(ref, lease.block_ids, run_on_workers, ttl_s=request.ttl_s)
+        return self._tier.offload(ref, lease.block_ids, run_on_workers, ttl_s=request.ttl_s,
+                                  keep=request.keep)
 
 
 def _tier_ref(params: dict[str, Any]) -> TierRef | None:

@@ -184,6 +184,8 @@ class _Offload:
     record: TokenRecord
     ttl_s: float | None
     started: float
+    keep: bool = False
+    """A copy (a fork's entry): the pin stays when it commits."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -266,11 +268,13 @@ class TierScheduler:
             logger.warning("tier_sweep_failed", error=repr(exc))
 
     def offload(self, ref: LeaseRef, block_ids: tuple[tuple[int, ...], ...],
-                run_on_workers: RunOnWorkers, *, ttl_s: float | None = None) -> dict[str, object]:
+                run_on_workers: RunOnWorkers, *, ttl_s: float | None = None,
+                keep: bool = False) -> dict[str, object]:
         """Start writing a pinned handle's blocks, to live ``ttl_s`` (capped; ``None``: the
         default): ``{"status": "pending", "entry": id}``, which :meth:`offload_poll` finishes,
         or the engine status of a refusal. The workers write on threads of their own
-        (``_tier_writer``): this returns as soon as they have started."""
+        (``_tier_writer``): this returns as soon as they have started. ``keep``: a copy, whose
+        commit leaves the pin (see :meth:`offload_ref`)."""
         self.maybe_sweep()
         self._abort_stale()
         record = self._records.get(ref.request_id)
@@ -294,7 +298,7 @@ class TierScheduler:
             logger.warning("tier_offload_failed", request_id=ref.request_id, error=repr(exc))
             return {"status": "tier_failed", "message": f"tier write failed: {exc}"}
         self._offloads[entry] = _Offload(ref=ref, record=record, ttl_s=ttl_s,
-                                         started=self._clock())
+                                         started=self._clock(), keep=keep)
         return {"status": "pending", "entry": entry}
 
     def offload_poll(self, entry: str, run_on_workers: RunOnWorkers) -> dict[str, object]:
@@ -349,9 +353,9 @@ class TierScheduler:
         return {"status": "ok", **result.to_wire()}
 
     def offload_ref(self, entry: str) -> LeaseRef | None:
-        """The handle a write in progress offloads (the pin its commit frees)."""
+        """The pin a write in progress frees when it commits (``None`` for a copy)."""
         pending = self._offloads.get(entry)
-        return None if pending is None else pending.ref
+        return None if pending is None or pending.keep else pending.ref
 
     @staticmethod
     def _ranks(answers: list[Any]) -> list[dict[str, Any]]:

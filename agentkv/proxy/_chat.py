@@ -55,6 +55,7 @@ from agentkv.proxy._shape import (
     HEADER_THREAD,
     Completion,
 )
+from agentkv.proxy._spawn import spawned_fork
 from agentkv.proxy._store import SessionStore, StoreUnavailableError
 from agentkv.proxy._threads import MAIN, Thread, ThreadIndex, thread_of
 from agentkv.proxy._tools import HEADER_TOOL_CALLING, ToolModes, ToolPlan, plan_tools
@@ -496,6 +497,16 @@ class ChatService:
         registry = self._registry
         entry = await registry.checkout(principal, session_id, placement_key=placement)
         try:
+            spawned = spawned_fork(
+                registry,
+                principal,
+                thread,
+                entry.session,
+                messages=tools.messages,
+                tools=tools.tools,
+            )
+            if spawned is not None:
+                await registry.adopt(entry, spawned)
             session = entry.session
             if session.transcript.pending:
                 _discard_pending(session)

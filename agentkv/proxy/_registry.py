@@ -264,6 +264,13 @@ class SessionRegistry(SharedSessions):
         for hook in self.on_fork:
             await hook(entry, kept)
 
+    async def adopt(self, entry: SessionEntry, session: AsyncSession) -> None:
+        """Swap in ``session`` for the entry's new, unused one: a spawned thread's fork of its
+        parent (``_spawn``), which is not a fork of the entry's own history."""
+        old = entry.session
+        entry.session = session
+        await old.aclose()
+
     async def delete(self, principal: str, session_id: str) -> bool:
         """Close a session (now, or when its in-flight request ends); False if there is none."""
         if self._store is not None:

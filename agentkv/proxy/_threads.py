@@ -65,12 +65,16 @@ class Thread:
             placed by its own id, as a session without threads is).
         by_history: the session was found by its history under a ``prompt_cache_key``, not
             named (``_affinity``): a history that does not extend it is another conversation.
+        parent: the registry id of the thread this one was spawned from, as its client named
+            it (Codex's ``x-codex-parent-thread-id``, Claude Code's parent agent): a first
+            request that carries that thread's history starts as its fork (``_spawn``).
     """
 
     registry_id: str
     name: str
     placement: str | None = None
     by_history: bool = False
+    parent: str | None = None
 
 
 def start_digest(messages: Sequence[Message]) -> str:
@@ -118,8 +122,18 @@ class ThreadIndex:
         own_placement = placement if key.parent_session is not None else None
         if key.agent_id is not None:
             name = f"agent:{key.agent_id}"
+            parent = None
+            if key.parent_id is not None and key.parent_id != key.parent_session:
+                parent = (
+                    session
+                    if key.parent_id == session
+                    else f"{session}{_SEPARATOR}agent:{key.parent_id}"
+                )
             return Thread(
-                registry_id=f"{session}{_SEPARATOR}{name}", name=name, placement=placement
+                registry_id=f"{session}{_SEPARATOR}{name}",
+                name=name,
+                placement=placement,
+                parent=parent,
             )
         start = start_digest(messages)
         slot = (principal, session)

@@ -230,7 +230,10 @@ class FakeEngine:
             return self._tier_op(op, payload)
         answer = self._leases.handle(op, payload)
         if op == "info" and answer.get("status") == "ok":
-            answer["tier"] = None if self._tier is None else self._tier.usage().to_wire()
+            answer["tier"] = None if self._tier is None else {
+                **self._tier.usage().to_wire(),
+                "copy": True,
+            }
         self.expire()
         return answer
 
@@ -265,8 +268,9 @@ class FakeEngine:
             )
         except TierFullError as exc:
             return {"status": "tier_failed", "message": f"tier write failed: {exc}"}
-        # Written and committed: now, and only now, free decode's blocks.
-        self._leases.handle("release", ref.to_wire())
+        if not request.keep:  # a copy keeps the pin
+            # Written and committed: now, and only now, free decode's blocks.
+            self._leases.handle("release", ref.to_wire())
         self.expire()
         return {"status": "ok", **result.to_wire()}
 

@@ -313,3 +313,36 @@ def test_a_streamed_turn_ends_with_a_handle_the_next_turn_pulls(cluster_file: Pa
     ideal = streamed.stats.prompt_tokens + streamed.stats.generated_tokens - 1
     assert stats.ideal_reused_tokens == ideal
     assert stats.reused_tokens == ideal
+
+
+def test_a_fork_loads_a_copy_of_its_parents_pin_and_answers_as_a_fork_without_it(
+    local_cluster: ClusterRecord, cluster_file: Path
+) -> None:
+    """``fork()`` copies the parent's pin to decode's file tier (decode keeps the pin): the
+    fork's first turn loads the whole parent history from the tier, answers as a fork without
+    the copy does (greedy, within the dtype's drift of a cold recompute), and the parent's next
+    turn still pulls its own pin."""
+    extra_body = {**LOGPROBS, **_fresh_salt()}
+    with agentkv.Cluster.from_file(cluster_file) as cluster, cluster.session(
+        max_tokens=24, extra_body=extra_body
+    ) as parent:
+        parent.append(Message.system(SYSTEM))
+        parent.send(QUESTIONS[0])
+        parent.send(QUESTIONS[1])
+        runs: list[list[Turn]] = []
+        for copy_kv in (True, False):
+            # The fork without the copy under a salt of its own: prefill's cache of the first
+            # fork's prompt would otherwise serve it.
+            salt = {} if copy_kv else {"extra_body": {**LOGPROBS, **_fresh_salt()}}
+            with parent.fork(copy_kv=copy_kv) as child:
+                result = child.send(QUESTIONS[2], **salt)
+                runs.append([(result, _prompt_of(child, result))])
+        after = parent.send(QUESTIONS[3]).stats
+    with_copy, without = runs[0][0][0].stats, runs[1][0][0].stats
+    assert with_copy.handle_state is HandleState.TIER, with_copy.handle_reason
+    assert with_copy.reused_tokens == with_copy.ideal_reused_tokens > 0, with_copy
+    assert without.handle_state is HandleState.NONE
+    assert without.reused_tokens == 0
+    assert after.handle_state is HandleState.ATTACHED, after.handle_reason
+    assert after.reused_tokens == after.ideal_reused_tokens
+    _assert_same_answers(local_cluster, runs[0], runs[1])

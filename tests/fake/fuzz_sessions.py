@@ -656,6 +656,40 @@ class SessionMachine(RuleBasedStateMachine):
             )
         return copy
 
+    @precondition(lambda self: self.fake.tier is not None)
+    @rule(
+        target=sessions,
+        t=sessions,
+        texts=st.lists(questions, min_size=2, max_size=2),
+        parent_first=st.booleans(),
+        lag=lags,
+    )
+    def a_fork_races_its_parent(
+        self, t: Tracked, texts: list[str], parent_first: bool, lag: int
+    ) -> Tracked:
+        """Fork the whole history (decode writes a copy of the parent's pin to the tier and
+        keeps the pin), then the parent's next turn and the fork's first at once, either
+        started first. The fork never carries the parent's handle: it loads its own copy or
+        recomputes; the parent, whose pin the copy kept, may still attach it."""
+        if t.session.closed:
+            return self.open_session()  # the bundle grows alike on every replay
+        parent_handle = t.session.handle
+        child = t.session.fork()
+        fork = self._track(child, list(child.transcript.messages))
+        fork.pending = list(child.transcript.pending)
+        turns = (self._turn(t, texts[0], "short"), self._turn(fork, texts[1], "short"))
+        ordered = turns if parent_first else turns[::-1]
+        results = self.run(self._together("a_fork_races_its_parent", *ordered, lag=lag))
+        parent, child = results if parent_first else results[::-1]
+        if child is not None:
+            assert child.stats.handle_state != HandleState.ATTACHED, (
+                "a fork's first turn attached a handle: it holds none of its own"
+            )
+        if parent is not None and child is not None and parent_handle is not None:
+            both = (parent.stats.handle_state, child.stats.handle_state)
+            Counters.fired(f"fork_race:{both[0].value}/{both[1].value}", overlapped=False)
+        return fork
+
     # --- what must hold -----------------------------------------------------------------------
 
     @invariant()

@@ -247,3 +247,44 @@ async def test_threads_in_a_shared_store_continue_on_another_replica(fake, redis
             await store.aclose()
             await acluster.aclose()
     assert fake.wrong_reuse_events == 0
+
+
+CODEX = {"session-id": "cx-1", "thread-id": "cx-1"}
+SPAWNED = {
+    "session-id": "cx-1",
+    "thread-id": "t-2",
+    "x-codex-parent-thread-id": "cx-1",
+    "x-openai-subagent": "collab_spawn",
+}
+
+
+@pytest.mark.fake(pairs=1, tier=True)
+async def test_a_codex_spawned_thread_with_its_parents_history_loads_a_copy_of_its_kv(
+    acluster, fake
+):
+    """Codex's spawn_agent gives the new thread its parent's history: its first request starts
+    as the parent thread's fork, loading a copy of the parent's pin from decode's tier; the
+    parent keeps its pin. A subagent that starts a conversation of its own stays fresh."""
+    app = create_app(acluster, ProxyConfig())
+    main = _conversation("Refactor the parser.")
+    async with _client(app) as client:
+        await _turn(client, CODEX, main, tools=TOOLS)
+        fake.prefill(0).restart()  # prefill's cache cold: reuse only from decode or the tier
+        spawned = [*main, {"role": "user", "content": "You are a worker: write the tests."}]
+        child = await _turn(client, SPAWNED, spawned, tools=TOOLS)
+        assert child.headers["x-agentkv-thread"] == "agent:t-2"
+        assert child.headers["x-agentkv-handle"] == "tier"
+        main.append({"role": "user", "content": "Go on."})
+        assert (await _turn(client, CODEX, main, tools=TOOLS)).headers["x-agentkv-handle"] == (
+            "attached"
+        )
+        spawned.append({"role": "user", "content": "Next."})
+        again = await _turn(client, SPAWNED, spawned, tools=TOOLS)
+        assert again.headers["x-agentkv-handle"] == "attached"
+        fresh = await _turn(
+            client, {**SPAWNED, "thread-id": "t-3"}, _conversation("Explore the repo.")
+        )
+        assert fresh.headers["x-agentkv-handle"] == "none"
+        sub = (await client.get("/v1/sessions/cx-1~agent:t-2")).json()
+    assert (sub["thread"], sub["messages"], sub["forks"]) == ("agent:t-2", 7, 0)
+    assert fake.wrong_reuse_events == 0

@@ -313,6 +313,48 @@ class KVMachine(RuleBasedStateMachine):
         else:
             self.apply(a, kv.handed_out(a.value))
 
+    @rule(name=holder_names, cut=st.sampled_from([0, 0, 1, 5]), copies=st.booleans())
+    def fork(self, name: str, cut: int, copies: bool) -> None:
+        """A fork of a holder (the whole history, or ``cut`` tokens fewer): a copy of the pin
+        written to the tier for it, the pin kept by the parent; the fork takes the place of the
+        other name (closed first if open)."""
+        pinned = [h for h in self.holders.values() if isinstance(h.value, kv.Pinned)]
+        parent = pinned[0] if pinned else self.holders.get(name)
+        parent = parent or self._holder(name)
+        if parent is None:
+            return
+        other = "b" if parent.name == "a" else "a"
+        if other in self.holders:
+            self._close(self.holders[other], detach=False)
+        tokens = parent.tokens[: max(0, len(parent.tokens) - cut)]
+        child = Holder(name=other, value=kv.NO_KV, tokens=tokens, pair=parent.pair)
+        self.holders[other] = child
+        pinned_before = kv.handle_of(parent.value)
+        decision = kv.fork_copy(
+            parent.value,
+            parent_tokens=parent.tokens,
+            fork_tokens=tokens,
+            fork_pair=child.pair,
+            copies=copies,
+            policy=POLICY,
+            now=self.now,
+        )
+        if isinstance(decision, kv.NoKV):
+            self.apply(child, kv.Step(decision))
+            return
+        assert copies
+        assert pinned_before is decision.handle
+        pin = self._held(decision.handle)
+        ref = None
+        if pin is not None and not self.failing:  # written; the pin stays the parent's
+            ref = TierRef(id=f"{self._id():032x}", n_tokens=decision.handle.num_tokens,
+                          secret="y" * 16)
+            self.entries[ref.id] = tuple(parent.tokens[: ref.n_tokens])
+        value = kv.inherited(decision, ref=ref, detail="", fork_tokens=tokens)
+        self.apply(child, kv.inherit(child.value, value))
+        assert kv.handle_of(parent.value) is pinned_before, "a fork took its parent's pin"
+        assert kv.handle_of(child.value) is None, "a fork holds its parent's handle"
+
     @rule(name=holder_names)
     def move(self, name: str) -> None:
         holder = self._holder(name)

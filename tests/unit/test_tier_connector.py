@@ -188,8 +188,9 @@ class Pair:
         self.p_worker = TierWorker(root=str(root), kv_caches=self.p_kv, num_blocks=NUM_BLOCKS,
                                    rank=0, clear_slots=clear)
 
-    def offload(self, tokens: list[int] = TOKENS, *, salt: str | None = None) -> str:
-        """Decode's pinned turn to the tier; the entry's id."""
+    def offload(self, tokens: list[int] = TOKENS, *, salt: str | None = None,
+                keep: bool = False) -> str:
+        """Decode's pinned turn to the tier (``keep``: a fork's copy); the entry's id."""
         self.d.record(request("d-1", tokens, salt=salt))
         blocks = D_BLOCKS[: -(-len(tokens) // BS)]
 
@@ -199,9 +200,11 @@ class Pair:
                      worker_write_poll: self.d_worker.poll_write}
             return [calls[method](*args)]
 
-        started = self.d.offload(LeaseRef(request_id="d-1", block_ids=(tuple(blocks),),
-                                          lease="secret"), (tuple(blocks),), run_on_workers)
+        ref = LeaseRef(request_id="d-1", block_ids=(tuple(blocks),), lease="secret")
+        started = self.d.offload(ref, (tuple(blocks),), run_on_workers, keep=keep)
         assert started["status"] == "pending", started
+        # The pin the commit frees: the handle's, unless this is a copy that keeps it.
+        assert self.d.offload_ref(str(started["entry"])) == (None if keep else ref)
         answer = self.d.offload_poll(str(started["entry"]), run_on_workers)
         while answer["status"] == "pending":
             time.sleep(0.001)
@@ -254,6 +257,21 @@ def test_a_offloaded_entry_loads_back_byte_for_byte_into_another_servers_blocks(
     assert pair.p_worker.done == {"p-1"}
     assert pair.p_worker.invalid == set()
     assert pair.p.finished("p-1") == TierLoadReport(tokens=len(TOKENS), reason="ok")
+
+
+def test_copies_of_one_pin_are_entries_of_their_own_that_each_load_and_delete_alone(
+    pair: Pair,
+) -> None:
+    """A fork's copy (an offload with ``keep``) leaves the pin to its parent: the connector
+    frees no pin at its commit. Two copies of one pin are two entries with their own secrets."""
+    random_kv(pair.d_kv, seed=3)
+    first, second = pair.offload(keep=True), pair.offload(keep=True)
+    assert first != second
+    assert pair.resume("p-1", [*TOKENS, 7], first)[0] == len(TOKENS)
+    manifest = pair.d.store.manifest(first)
+    assert manifest is not None
+    pair.d.store.delete(first)
+    assert pair.resume("p-2", [*TOKENS, 8], second)[0] == len(TOKENS)
 
 
 @pytest.mark.slow  # imports vLLM for its CPU kernel (~8 s)

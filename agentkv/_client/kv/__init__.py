@@ -19,7 +19,9 @@ The rules every transition keeps (``tests/unit/test_kv.py`` checks them on rando
   confirms it with a claim, which exactly one holder wins;
 * a tier entry is carried only by a prompt that starts with exactly its tokens;
 * every pin is released at most once, every tier entry deleted at most once, and a closed
-  session releases (or deletes) whatever it held.
+  session releases (or deletes) whatever it held;
+* a fork gets a copy of its parent's pin as a tier entry of its own (``_fork``), never the
+  parent's handle.
 """
 
 from agentkv._client.kv._between import (
@@ -40,6 +42,7 @@ from agentkv._client.kv._between import (
     wait_tier,
     wants_kv_usage,
 )
+from agentkv._client.kv._fork import Copy, fork_copy, inherit, inherited
 from agentkv._client.kv._turn import (
     RouteFacts,
     Taken,
@@ -79,6 +82,7 @@ __all__ = [
     "CONFIRM_TTL_S",
     "KV",
     "NO_KV",
+    "Copy",
     "DeleteTierEntry",
     "Effect",
     "Effects",
@@ -98,9 +102,12 @@ __all__ = [
     "detached",
     "extend_effects",
     "extended",
+    "fork_copy",
     "handed_out",
     "handle_deadline",
     "handle_of",
+    "inherit",
+    "inherited",
     "lease_deadline",
     "leased_pin",
     "moved",
