@@ -121,7 +121,8 @@ class TurnLegs:
         same step as the choice, with no await between: turns that start together see each
         other's load instead of all choosing the same idle prefill. ``prompt``: the tokens the
         call prefills under ``salt``; in a pool, a first turn looks for the prefill that holds
-        their prefix, and once computed they are recorded as that prefill's (``PrefixHomes``).
+        (or is computing) their prefix, and they are recorded as that prefill's once sent
+        (``PrefixHomes``).
         """
         state, pool = self._state, self._pool
         tried: set[str] = set()
@@ -132,11 +133,12 @@ class TurnLegs:
             )
             self._prefill_name = name
             pool.prefill_begin(name, cost)
+            if pool.pooled and prompt:
+                # Recorded as sent, not as answered: a sibling starting meanwhile (Claude Code
+                # starts its Explore agents together) finds the prefill computing their prefix.
+                pool.prefix_homes.record(name, salt, prompt)
             try:
-                answer = await call(pool.prefill_url(name))
-                if pool.pooled and prompt:
-                    pool.prefix_homes.record(name, salt, prompt)
-                return answer
+                return await call(pool.prefill_url(name))
             except ConnectError as exc:
                 if not pool.pooled:
                     raise

@@ -322,3 +322,26 @@ def test_siblings_start_on_the_prefill_that_computed_their_shared_prefix(clock):
     assert two.reused_tokens >= len(SUBAGENT.content) // 2, two  # the shared system prompt
     assert other.prefill != one.prefill
     assert len(cluster._async._pool.prefix_homes) > 0
+
+
+async def test_siblings_started_together_share_the_prefill_computing_their_prefix(clock):
+    """Claude Code starts its Explore agents at once: the second one's first turn finds the
+    prefill the first one's P leg was just sent to (recorded when sent, not when answered)."""
+    fake = FakeCluster(prefills=2, decodes=1, clock=clock)
+    async with AsyncCluster.from_dict(
+        fake.pool_spec, transport=fake.transport, clock=clock, block_size=16, retry=FAST_RETRY
+    ) as cluster:
+
+        async def explore(name: str, task: str):
+            async with cluster.session(session_id=name) as s:
+                s.append(SUBAGENT)
+                s.append(Message.user(task))
+                return (await s.turn(**LONG)).stats
+
+        for round_ in range(4):  # rendezvous ranks differ per id: several pairs of siblings
+            first, second = await asyncio.gather(
+                explore(f"e{round_}-a", "Find the retry policy."),
+                explore(f"e{round_}-b", "Find the callers."),
+            )
+            assert first.prefill == second.prefill, (round_, first.prefill, second.prefill)
+    assert fake.wrong_reuse_events == 0
