@@ -77,11 +77,17 @@ def _row(stats: agentkv.TurnStats, ideal: int | None = None) -> dict[str, Any]:
     }
 
 
-async def _fork_arm(cluster: agentkv.AsyncCluster, copy_kv: bool) -> dict[str, Any]:
-    async with cluster.session(max_tokens=MAX_TOKENS, extra_body=_salted()) as parent:
+async def _fork_arm(
+    cluster: agentkv.AsyncCluster, copy_kv: bool, answer_tokens: int
+) -> dict[str, Any]:
+    salt = _salted()
+    async with cluster.session(max_tokens=MAX_TOKENS, extra_body=salt) as parent:
         parent.append(Message.system(SYSTEM))
-        for question in QUESTIONS[:2]:
-            await parent.send(question)
+        await parent.send(QUESTIONS[0])
+        # The parent's last answer before the fork: its tokens are on decode only (prefill
+        # computed the prompts), what a fork without the copy computes again.
+        body = {**salt, "min_tokens": answer_tokens}
+        await parent.send(QUESTIONS[1], max_tokens=answer_tokens, extra_body=body)
         async with parent.fork(copy_kv=copy_kv) as child:
             fork = (await child.send(QUESTIONS[2])).stats
         after = (await parent.send(QUESTIONS[2])).stats
@@ -95,18 +101,23 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
 
 async def _siblings(cluster: agentkv.AsyncCluster, placement: bool) -> dict[str, Any]:
     pool = cluster._pool
-    pool.prefix_homes = PrefixHomes() if placement else _NoHomes()
+    homes = pool.prefix_homes
+    if not placement:
+        pool.prefix_homes = _NoHomes()
     salt = _salted()  # one user: siblings share prefill's cache
     rows, prompts = [], []
-    for task in TASKS:
-        async with cluster.session(
-            max_tokens=MAX_TOKENS, extra_body=salt, session_id=uuid.uuid4().hex
-        ) as sibling:
-            sibling.append(Message.system(TOOLS))
-            result = await sibling.send(task)
-            tokens = sibling.transcript.token_ids
-            prompts.append(tokens[: result.stats.prompt_tokens])
-            rows.append(result.stats)
+    try:
+        for task in TASKS:
+            async with cluster.session(
+                max_tokens=MAX_TOKENS, extra_body=salt, session_id=uuid.uuid4().hex
+            ) as sibling:
+                sibling.append(Message.system(TOOLS))
+                result = await sibling.send(task)
+                tokens = sibling.transcript.token_ids
+                prompts.append(tokens[: result.stats.prompt_tokens])
+                rows.append(result.stats)
+    finally:
+        pool.prefix_homes = homes  # the forks that follow are placed as the SDK places them
     shared = _shared(prompts[0], prompts[1])
     return {"placement": placement, "first": _row(rows[0], 0), "second": _row(rows[1], shared)}
 
@@ -126,7 +137,7 @@ def _summary(rows: list[dict[str, Any]]) -> str:
     return f"{share}  TTFT p50 {p50:7.1f} ms  p90 {p90:7.1f} ms"
 
 
-async def _run(cluster_file: Path, rounds: int) -> dict[str, Any]:
+async def _run(cluster_file: Path, rounds: int, answer_tokens: int) -> dict[str, Any]:
     report: dict[str, Any] = {"forks": [], "siblings": []}
     async with agentkv.AsyncCluster.from_file(cluster_file) as cluster:
         pooled = cluster._pool.pooled
@@ -135,7 +146,7 @@ async def _run(cluster_file: Path, rounds: int) -> dict[str, Any]:
         for number in range(rounds):
             arms = (True, False) if number % 2 == 0 else (False, True)
             for copy_kv in arms:
-                report["forks"].append(await _fork_arm(cluster, copy_kv))
+                report["forks"].append(await _fork_arm(cluster, copy_kv, answer_tokens))
             if pooled:
                 for placement in arms:
                     report["siblings"].append(await _siblings(cluster, placement))
@@ -147,6 +158,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cluster-file", type=Path, default=Path(".agentkv/cluster.json"))
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--answer-tokens", type=int, default=MAX_TOKENS,
+                        help="length of the parent's answer before the fork (default 24)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     record = existing_cluster(LocalClusterConfig(cluster_file=args.cluster_file))
@@ -154,7 +167,8 @@ def main() -> None:
         raise SystemExit(f"no running local cluster at {args.cluster_file}: run `agentkv up`")
     cpu = read_cpu_info()
     print(f"CPU: {cpu.model} ({cpu.isa}); dtype {record.dtype or 'bfloat16'}", flush=True)
-    report = asyncio.run(_run(args.cluster_file, args.rounds))
+    report = asyncio.run(_run(args.cluster_file, args.rounds, args.answer_tokens))
+    report["answer_tokens"] = args.answer_tokens
     for copy_kv in (True, False):
         arm = [r for r in report["forks"] if r["copy_kv"] is copy_kv]
         label = "with the copy" if copy_kv else "without it"
