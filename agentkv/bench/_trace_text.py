@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from agentkv.bench._text import Style, generate, seeded
+from agentkv.bench._trace_plan import ReplayPlan, ReplaySession
 from agentkv.bench._workload import (
     CharsPerToken,
     SessionOrigin,
@@ -20,9 +20,6 @@ from agentkv.bench._workload import (
     TurnScript,
     Workload,
 )
-
-if TYPE_CHECKING:
-    from agentkv.bench._trace import ReplayPlan, ReplaySession
 
 __all__ = ["block_text", "build_trace_workload", "span_text"]
 
