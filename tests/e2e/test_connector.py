@@ -334,8 +334,9 @@ def test_a_final_turn_pins_nothing(pair: Pair) -> None:
 
 
 def test_a_short_ttl_expires_and_an_extended_one_survives(pair: Pair) -> None:
-    """Two sessions pinned for 12 s; one is extended during a 'tool call' that outlasts that."""
-    ttl = 12.0
+    """Two sessions pinned for 6 s; one is extended during a 'tool call' that outlasts that (the
+    extend follows its turn within milliseconds)."""
+    ttl = 6.0
     short, kept = Conversation(pair, "forge"), Conversation(pair, "kiln")
     short_handle = short.turn(None, PinHint(ttl_s=ttl))
     kept_handle = kept.turn(None, PinHint(ttl_s=ttl))

@@ -35,6 +35,9 @@ QUESTIONS = (
     "Summarize your answers.",
     "Is there a shelf 61?",
 )
+# Turns of the conversations the reuse and equality tests run: three later turns each, enough to
+# see every later turn reuse; a fifth cost ~30 s of CI over five conversations and their checks.
+CONVERSATION_TURNS = 4
 # Never attach a handle: what standard disaggregated serving does.
 NO_HANDLE = CachePolicy(min_reuse_tokens=10**9)
 
@@ -81,7 +84,7 @@ def _conversation(
     ) as session:
         session.append(Message.system(SYSTEM))
         turns = []
-        for question in QUESTIONS:
+        for question in QUESTIONS[:CONVERSATION_TURNS]:
             result = session.send(question)
             turns.append((result, _prompt_of(session, result)))
         return turns
