@@ -19,11 +19,8 @@ from agentkv._client import kv, leasing
 from agentkv._client.copy_job import CopyJob
 from agentkv._client.pool import PairPool
 from agentkv._client.state import SessionState
-from agentkv._log import get_logger
 
 __all__ = ["start_copy"]
-
-logger = get_logger("agentkv")
 
 
 def start_copy(pool: PairPool, parent: SessionState, fork: SessionState) -> None:
@@ -68,16 +65,15 @@ async def _copy(
     if ref is not None and not isinstance(value, kv.OnTier):  # written, but of no use
         delete = kv.DeleteTierEntry(ref=ref, pair=handle.pair, reason="unusable", background=True)
         leasing.start(pool, fork, (delete,))
-    logger.info(
+    leasing.log_call(
         "agentkv.fork_copy",
-        session_id=parent.session_id,
+        parent,
+        handle.pair,
+        result,
+        reason=effect.reason,
+        started=started,
         fork_id=fork.session_id,
-        pair=handle.pair,
-        outcome=result.outcome,
-        status=result.status,
-        detail=result.detail or None,
         tier_id=None if ref is None else ref.id,
         n_tokens=None if ref is None else ref.n_tokens,
-        ms=round((time.perf_counter() - started) * 1000.0, 3),
     )
     return value

@@ -42,6 +42,7 @@ __all__ = [
     "close",
     "decode_kv_usage",
     "extend",
+    "log_call",
     "offload",
     "release_request",
     "run",
@@ -97,7 +98,7 @@ async def _perform(
     if isinstance(effect, kv.Release):
         handle = effect.handle
         result = await pool.leases.release(pool.decode_url(handle.pair), handle)
-        _log_call(
+        log_call(
             "agentkv.release",
             state,
             handle.pair,
@@ -108,7 +109,7 @@ async def _perform(
         )
     elif isinstance(effect, kv.ReleaseRequest):
         result = await pool.leases.release_request(effect.decode, effect.secret)
-        _log_call(
+        log_call(
             "agentkv.release_lost",
             state,
             None,
@@ -122,7 +123,7 @@ async def _perform(
         ref = effect.ref
         result = await pool.leases.delete_tier(pool.decode_url(effect.pair), ref)
         # A reference saved before tier secrets cannot delete: its entry lives out its TTL.
-        _log_call(
+        log_call(
             "agentkv.tier_delete",
             state,
             effect.pair,
@@ -152,7 +153,7 @@ async def _extend(pool: PairPool, state: SessionState, effect: kv.Extend) -> flo
         policy=state.policy,
     )
     state.apply(step)
-    _log_call(
+    log_call(
         "agentkv.claim" if effect.claim else "agentkv.extend",
         state,
         handle.pair,
@@ -183,7 +184,7 @@ async def _offload(pool: PairPool, state: SessionState, effect: kv.Offload) -> T
         tokens=state.transcript.token_ids,
     )
     await run(pool, state, state.apply(step))
-    _log_call(
+    log_call(
         "agentkv.offload",
         state,
         handle.pair,
@@ -199,7 +200,7 @@ async def _offload(pool: PairPool, state: SessionState, effect: kv.Offload) -> T
     return ref
 
 
-def _log_call(
+def log_call(
     event: str,
     state: SessionState,
     pair: str | None,
@@ -235,7 +236,7 @@ async def settle(pool: PairPool, state: SessionState) -> None:
     once written, becomes its value (``kv.inherit``)."""
     while pending := [job for job in state.forks if not job.finished]:
         await asyncio.wait([job.start() for job in pending])
-    state.forks = [job for job in state.forks if not job.finished]
+    state.forks.clear()  # all finished
     job = state.inherit
     if job is None:
         return

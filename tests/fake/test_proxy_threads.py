@@ -288,3 +288,23 @@ async def test_a_codex_spawned_thread_with_its_parents_history_loads_a_copy_of_i
         sub = (await client.get("/v1/sessions/cx-1~agent:t-2")).json()
     assert (sub["thread"], sub["messages"], sub["forks"]) == ("agent:t-2", 7, 0)
     assert fake.wrong_reuse_events == 0
+
+
+@pytest.mark.fake(pairs=1, tier=True)
+async def test_another_key_naming_a_parent_thread_gets_no_fork_of_it(acluster, fake):
+    """Spawn headers that name another key's session find nothing: the parent is looked up under
+    the requester's own key, so its history and KV stay its owner's; the thread opens fresh."""
+    app = create_app(acluster, ProxyConfig())
+    owner = {**CODEX, "Authorization": "Bearer owner-key"}
+    hostile = {**SPAWNED, "Authorization": "Bearer hostile-key"}
+    main = _conversation("Refactor the parser.")
+    async with _client(app) as client:
+        await _turn(client, owner, main, tools=TOOLS)
+        spawned = [*main, {"role": "user", "content": "You are a worker: write the tests."}]
+        stolen = await _turn(client, hostile, spawned, tools=TOOLS)
+        assert stolen.headers["x-agentkv-handle"] == "none"
+        main.append({"role": "user", "content": "Go on."})
+        again = await _turn(client, owner, main, tools=TOOLS)
+        assert again.headers["x-agentkv-handle"] == "attached"
+    assert fake.tier.ids == []  # no copy of the owner's pin was written for anyone
+    assert fake.wrong_reuse_events == 0
